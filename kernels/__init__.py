@@ -1,0 +1,16 @@
+"""Batch-invariant Triton kernels with thin launchers on torch tensors.
+
+Shipped as ``invariant_infer.kernels``. CUDA tensors run compiled kernels; CPU tensors run
+the same kernels through Triton's interpreter with the fixes in ``interpreter_harness``.
+Nothing here knows about transformers.
+"""
+from .attention import AttentionConfig, attention, attention_config
+from .linear import LINEAR_CONFIGS, LinearConfig, linear, linear_config
+from .rms_norm import rms_norm
+from .silu_mul import silu_mul
+
+__all__ = [
+    "AttentionConfig", "attention", "attention_config",
+    "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config",
+    "rms_norm", "silu_mul",
+]

@@ -1,0 +1,126 @@
+"""Batch-invariant causal GQA attention (prefill and decode share one code path).
+
+Each row b has real keys in [kv_start[b], kv_end[b]); query i sits at absolute position
+q_start[b] + i and sees keys j <= that position. KV blocks have a fixed size BLOCK_N and
+start at kv_start[b], so the amount or side of padding never moves a block boundary, and a
+decode step (Lq = 1) walks exactly the blocks prefill walked for the same row. The online
+softmax is updated per query row only from that row's own scores, so the other rows in a
+tile, and how many query rows there are, never change a row's arithmetic.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int
+    block_n: int  # the KV block: fixed per (device, dtype, head_dim), never per batch
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@functools.lru_cache(maxsize=None)
+def attention_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionConfig:
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"invariant attention supports bf16/fp16/fp32, got {dtype}")
+    if device_type == "cpu":
+        return AttentionConfig(block_m=32, block_n=64)
+    if dtype == torch.float32 or head_dim > 128:
+        return AttentionConfig(block_m=32, block_n=32)
+    return AttentionConfig(block_m=64, block_n=64)
+
+
+@triton.jit(do_not_specialize=["Lq", "Lk"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    Lq, Lk, Hq, D, scale,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    kvh = h // GROUP  # GQA: read the shared KV head, never a repeated copy
+    kv_start = tl.load(kv_start_ptr + b)
+    kv_end = tl.load(kv_end_ptr + b)
+    q_start = tl.load(q_start_ptr + b)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D), other=0.0)
+    q_pos = q_start + offs_m
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    # Walk blocks up to the tile's last query; blocks past a row's own limit are fully masked
+    # for that row and leave its m, l, acc bit-for-bit unchanged (alpha = 1, p = 0).
+    hi = tl.minimum(kv_end, q_start + tl.minimum((pid_m + 1) * BLOCK_M, Lq))
+    k_base = k_ptr + b * stride_kb + kvh * stride_kh
+    v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    for n0 in range(kv_start, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_seq = offs_n < kv_end
+        k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                    mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+        visible = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m_new > m_i, tl.exp(m_i - m_safe), 1.0)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
+        acc = tl.dot(p.to(v_ptr.dtype.element_ty), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    # Rows with no visible key (left-pad queries) give 0, never NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + b * stride_ob + offs_m[:, None] * stride_om + h * stride_oh + offs_d[None, :] * stride_od,
+             out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              kv_start: torch.Tensor, kv_end: torch.Tensor, q_start: torch.Tensor,
+              scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
+    """Causal GQA attention.
+
+    q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D] (not repeated); kv_start, kv_end, q_start: int32 [B].
+    Returns [B, Lq, Hq, D], contiguous. ``config`` overrides the fixed per-shape config
+    (tests use it for a negative control)."""
+    B, Hq, Lq, D = q.shape
+    _, Hkv, Lk, _ = k.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % Hkv:
+        raise ValueError(f"attention: incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    cfg = config or attention_config(q.device.type, q.dtype, D)
+    out = torch.empty((B, Lq, Hq, D), device=q.device, dtype=q.dtype)
+    if B == 0 or Lq == 0:
+        return out
+    grid = (triton.cdiv(Lq, cfg.block_m), B * Hq)
+    launch(
+        _attention_kernel, grid, q.device,
+        q, k, v, out, kv_start, kv_end, q_start,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        Lq, Lk, Hq, D, scale,
+        GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

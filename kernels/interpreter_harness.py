@@ -1,0 +1,125 @@
+"""Fixes for Triton's CPU interpreter, so interpreted kernels model the GPU's arithmetic.
+
+The stock interpreter (see shared NOTES §1) has two defects that matter here:
+  * ``tl.dot`` calls ``np.matmul`` on the raw uint16 bits of bf16 blocks, and numpy's
+    BLAS does not sum an output element in the same order for every row position;
+  * fp32 -> bf16 casts truncate instead of rounding to nearest even.
+
+``patched_interpreter()`` swaps in a dot that widens to fp32 and reduces every output
+element over k in one sequential order (as one tensor-core instruction does on a GPU,
+whatever the other rows hold), and a round-to-nearest-even bf16 cast. It only touches
+the interpreter's builder, so compiled GPU kernels are unaffected.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import triton.language as tl
+from triton.runtime import interpreter as _interp
+from triton.runtime.jit import JITFunction
+
+_lock = threading.RLock()
+_depth = 0
+_saved: dict = {}
+_saved_jit_call: list = [None]
+
+
+def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
+    """Widen bf16 (stored as uint16) to fp32 exactly."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def fp32_to_bf16_bits_rne(x: np.ndarray) -> np.ndarray:
+    """Round fp32 to bf16 bits with round-to-nearest-even, NaN kept quiet (as torch/GPUs do)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding_bias = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+    rounded = ((bits + rounding_bias) >> np.uint32(16)).astype(np.uint16)
+    is_nan = np.isnan(x)
+    return np.where(is_nan, np.uint16(0x7FC0), rounded).reshape(np.shape(x))
+
+
+def _as_fp32(handle) -> np.ndarray:
+    dtype = handle.dtype.scalar
+    if dtype == tl.bfloat16:
+        return bf16_bits_to_fp32(handle.data)
+    return handle.data.astype(np.float32, copy=False)
+
+
+def fixed_order_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[M, K] @ [K, N] in fp32, each element summed over k = 0, 1, ..., K-1 in that order.
+
+    The products are laid out [K, M, N] and reduced over the leading axis: numpy then adds
+    whole [M, N] slabs one k at a time, so every element sees the same sequential order
+    (tests/test_interpreter_harness.py checks this against an explicit loop)."""
+    products = a.T[:, :, None] * b[:, None, :]  # [K, M, N]
+    return np.add.reduce(products, axis=0)
+
+
+def _dot(self, a, b, d, *args, **kwargs):
+    if d.dtype.scalar != tl.float32 or not (a.dtype.scalar.is_floating() and b.dtype.scalar.is_floating()):
+        return _saved["create_dot"](self, a, b, d, *args, **kwargs)
+    a32, b32 = _as_fp32(a), _as_fp32(b)
+    if a32.ndim != 2:  # batched dots are not used by our kernels; keep stock behaviour
+        return _saved["create_dot"](self, a, b, d, *args, **kwargs)
+    out = d.data.astype(np.float32) + fixed_order_dot(a32, b32)
+    return _interp.TensorHandle(out.astype(np.float32), tl.float32)
+
+
+def _cast(self, src, dst_type):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        return _interp.TensorHandle(fp32_to_bf16_bits_rne(src.data), tl.bfloat16)
+    return _saved["cast_impl"](self, src, dst_type)
+
+
+def _fp_to_fp(self, src, dst_type, rounding_mode):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        return _interp.TensorHandle(fp32_to_bf16_bits_rne(src.data), tl.bfloat16)
+    return _saved["create_fp_to_fp"](self, src, dst_type, rounding_mode)
+
+
+_PATCHES = {"create_dot": _dot, "cast_impl": _cast, "create_fp_to_fp": _fp_to_fp}
+_twins: dict = {}
+
+
+def interpreted(fn) -> _interp.InterpretedFunction:
+    """The interpreted twin of a @triton.jit function (cached)."""
+    fn = getattr(fn, "fn", fn)
+    twin = _twins.get(fn)
+    if twin is None:
+        twin = _twins[fn] = _interp.InterpretedFunction(fn)
+    return twin
+
+
+def _call_jit_as_interpreted(self, *args, **kwargs):
+    # Without TRITON_INTERPRET=1, helpers such as tl.sum or tl.cdiv stay JITFunctions;
+    # inside an interpreted kernel they must run interpreted too.
+    return interpreted(self)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def patched_interpreter():
+    """Apply the fixes for the duration of an interpreted launch (re-entrant)."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            builder = _interp.InterpreterBuilder
+            for name, fn in _PATCHES.items():
+                _saved[name] = getattr(builder, name)
+                setattr(builder, name, fn)
+            # create_fp_trunc is bound to cast_impl at class creation; rebind it too.
+            _saved["create_fp_trunc"] = builder.create_fp_trunc
+            builder.create_fp_trunc = lambda self, src, dst_type: _cast(self, src, dst_type)
+            _saved_jit_call[0] = JITFunction.__call__
+            JITFunction.__call__ = _call_jit_as_interpreted
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+            if _depth == 0:
+                for name, fn in _saved.items():
+                    setattr(_interp.InterpreterBuilder, name, fn)
+                _saved.clear()
+                JITFunction.__call__ = _saved_jit_call[0]

@@ -1,0 +1,167 @@
+"""Batch-invariant linear layer: y = x @ W^T (+ bias).
+
+Every output element is reduced over K in one order fixed by (dtype, N, K) alone: one tile
+config per weight shape, no autotuning, no atomics, and split-K only as a fixed property of
+the weight shape with an in-order combine. Nothing here looks at M.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (device type, dtype) -> default config. Valid on sm_80/sm_89 shared memory too:
+# (64*64 + 64*128) * 2 B * 3 stages = 72 KiB for 16-bit types.
+_DEFAULT_CONFIGS = {
+    ("cuda", torch.bfloat16): LinearConfig(64, 128, 64),
+    ("cuda", torch.float16): LinearConfig(64, 128, 64),
+    ("cuda", torch.float32): LinearConfig(64, 64, 32),
+    # Interpreter: large tiles mean fewer Python-level programs (trimmed to the weight below).
+    ("cpu", torch.bfloat16): LinearConfig(16, 256, 256),
+    ("cpu", torch.float16): LinearConfig(16, 256, 256),
+    ("cpu", torch.float32): LinearConfig(16, 256, 256),
+}
+
+# Per-weight-shape overrides, keyed by (device type, dtype, N, K). Filled by GPU tuning.
+LINEAR_CONFIGS: dict[tuple, LinearConfig] = {}
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def linear_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> LinearConfig:
+    """The one tile config used for this weight shape, whatever M is."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"invariant linear supports {SUPPORTED_DTYPES}, got {dtype}")
+    cfg = LINEAR_CONFIGS.get((device_type, dtype, n, k))
+    if cfg is not None:
+        return cfg
+    cfg = _DEFAULT_CONFIGS[(device_type, dtype)]
+    if device_type == "cpu":  # small test models: do not pay for tiles far wider than the weight
+        cfg = replace(cfg, block_n=min(cfg.block_n, max(16, triton.next_power_of_2(n))),
+                      block_k=min(cfg.block_k, max(16, triton.next_power_of_2(k))))
+    return cfg
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped launch order for L2 reuse; it changes which program runs where, never the arithmetic.
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Each split owns a fixed K range (fixed by K and SPLIT_K only).
+    k_blocks_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_begin = pid_k * k_blocks_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_begin + k_blocks_per_split * BLOCK_K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
+                    mask=(offs_m[:, None] < M) & (ks[None, :] < k_end), other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
+                    mask=(offs_n[None, :] < N) & (ks[:, None] < k_end), other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(y_ptrs, acc, mask=out_mask)  # fp32 partials, combined in order below
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_combine_kernel(
+    part_ptr, b_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    acc = tl.load(part_ptr + row * stride_pm + offs_n, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):  # always split 0, 1, 2, ... in that order
+        acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + offs_n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: LinearConfig | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear`` with a batch-invariant reduction order.
+
+    ``config`` overrides the per-shape table; pass one only to study configs (tests use it to
+    build a deliberately M-dependent negative control)."""
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"linear: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
+                        f"{'' if bias is None else ', ' + str(bias.dtype)}")
+    if x.device != weight.device:
+        raise ValueError(f"linear: x on {x.device} but weight on {weight.device}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    cfg = config or linear_config(x.device.type, x.dtype, n, k)
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y.reshape(*lead, n)
+    has_bias = bias is not None
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    out = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), device=x.device, dtype=torch.float32)
+    stride_ys = 0 if cfg.split_k == 1 else out.stride(0)
+    launch(
+        _linear_kernel, grid, x.device,
+        x2, weight, bias if has_bias else x2, out,
+        m, n, k,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+        stride_ys, out.stride(-2), out.stride(-1),
+        HAS_BIAS=has_bias, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        block_n = 1024
+        launch(_split_k_combine_kernel, (m, triton.cdiv(n, block_n)), x.device,
+               out, bias if has_bias else out, y, m, n, out.stride(0), out.stride(1), y.stride(0),
+               HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=block_n)
+    return y.reshape(*lead, n)
