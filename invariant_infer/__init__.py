@@ -1,1 +1,13 @@
-"""Bitwise batch-invariant inference for Hugging Face Qwen2 / Qwen2.5 models."""
+"""Bitwise batch-invariant inference for Hugging Face Qwen2 / Qwen2.5 models.
+
+    from invariant_infer import make_invariant, restore
+    model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
+"""
+from .errors import NonInvariantInputError, UnsupportedModelError
+from .patch import invariant, is_invariant, make_invariant, positions_from_mask, restore
+
+__all__ = [
+    "make_invariant", "restore", "invariant", "is_invariant", "positions_from_mask",
+    "NonInvariantInputError", "UnsupportedModelError",
+]
+__version__ = "0.1.0"

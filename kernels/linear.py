@@ -71,8 +71,8 @@ def _linear_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     # Grouped launch order for L2 reuse; it changes which program runs where, never the arithmetic.
     group_size = GROUP_M * num_pid_n
     first_m = (pid // group_size) * GROUP_M
@@ -80,11 +80,11 @@ def _linear_kernel(
     pid_m = first_m + (pid % group_size) % rows_in_group
     pid_n = (pid % group_size) // rows_in_group
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * N can pass 2**31 (logits)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Each split owns a fixed K range (fixed by K and SPLIT_K only).
-    k_blocks_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_blocks_per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
     k_begin = pid_k * k_blocks_per_split * BLOCK_K
     k_end = tl.minimum(K, k_begin + k_blocks_per_split * BLOCK_K)
 
@@ -112,7 +112,7 @@ def _split_k_combine_kernel(
     part_ptr, b_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < N
     acc = tl.load(part_ptr + row * stride_pm + offs_n, mask=mask, other=0.0)

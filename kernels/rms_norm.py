@@ -1,7 +1,9 @@
-"""Batch-invariant RMSNorm: one program per row, one block size per hidden size.
+"""Batch-invariant RMSNorm: each row reduced on its own, one block shape per hidden size.
 
 Arithmetic follows Hugging Face's Qwen2RMSNorm: upcast to fp32, x * rsqrt(mean(x^2) + eps),
 cast back to the input dtype, then multiply by the weight (rounded to the output dtype).
+A program may hold several rows (BLOCK_ROWS, fixed per device and hidden size), but the sum
+runs along each row separately, so a row's bits never depend on its neighbours.
 """
 from __future__ import annotations
 
@@ -12,30 +14,34 @@ import triton.language as tl
 from .launch import launch
 
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_N)
-    mask = offs < N
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=0) / N
-    normed = (x * (1.0 / tl.sqrt(mean_sq + eps))).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    y = w.to(tl.float32) * normed.to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+@triton.jit(do_not_specialize=["M"])
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, M, N, eps,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / N
+    normed = (x * (1.0 / tl.sqrt(mean_sq + eps))[:, None]).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    y = w.to(tl.float32)[None, :] * normed.to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim; output dtype follows torch promotion of (weight, x)."""
+    """RMSNorm over the last dim; output dtype follows torch promotion of (weight, x), as in HF."""
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n}")
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    y = torch.empty(x2.shape, device=x.device, dtype=out_dtype)
-    if x2.shape[0]:
-        launch(_rms_norm_kernel, (x2.shape[0],), x.device, x2, weight, y, x2.stride(0), y.stride(0), n, eps,
-               BLOCK_N=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    m = x2.shape[0]
+    y = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+    block_n = triton.next_power_of_2(n)
+    # The interpreter pays per program, so it takes 16 rows at a time; on GPU one row per program.
+    block_rows = 16 if x.device.type == "cpu" else 1
+    if m:
+        launch(_rms_norm_kernel, (triton.cdiv(m, block_rows),), x.device, x2, weight, y, x2.stride(0), y.stride(0),
+               m, n, eps, BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=4 if block_n <= 4096 else 8)
     return y.reshape(x.shape[:-1] + (n,))

@@ -1,7 +1,8 @@
-"""silu(gate) * up, row by row, for the Qwen2 MLP.
+"""silu(gate) * up for the Qwen2 MLP, as a kernel.
 
-Written as a kernel (not torch ops) so that every element is computed by the same code
-whatever its position in the batch: no vectorized-body vs scalar-tail split on CPU.
+Elementwise, so invariant in principle; written as a kernel anyway so every element runs
+the same code wherever it sits in the batch (torch's CPU kernels split vectorized bodies
+from scalar tails, and the tail moves with the batch shape).
 """
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ import triton.language as tl
 from .launch import launch
 
 
-@triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, N, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < N
-    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+@triton.jit(do_not_specialize=["M"])
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, M, N,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # Round silu(g) to the model dtype before the product, as torch's two separate ops do.
     act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, (act * u).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], (act * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -33,9 +35,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         g2 = g2.contiguous()
     if u2.stride(-1) != 1:
         u2 = u2.contiguous()
+    m = g2.shape[0]
     y = torch.empty(g2.shape, device=gate.device, dtype=gate.dtype)
-    block_n = min(triton.next_power_of_2(n), 4096 if gate.device.type == "cpu" else 1024)
-    if g2.shape[0]:
-        launch(_silu_mul_kernel, (g2.shape[0], triton.cdiv(n, block_n)), gate.device,
-               g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n, BLOCK_N=block_n)
+    if gate.device.type == "cpu":  # few, large programs for the interpreter
+        block_rows, block_n = 16, min(triton.next_power_of_2(n), 4096)
+    else:
+        block_rows, block_n = 1, min(triton.next_power_of_2(n), 1024)
+    if m:
+        launch(_silu_mul_kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), gate.device,
+               g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n)
     return y.reshape(gate.shape)

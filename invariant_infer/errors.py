@@ -1,0 +1,9 @@
+"""Errors raised instead of ever falling back to a batch-variant path."""
+
+
+class UnsupportedModelError(TypeError):
+    """The model (family, layer type, dtype, device or config) cannot be made batch-invariant."""
+
+
+class NonInvariantInputError(ValueError):
+    """The inputs would make the result depend on the batch (e.g. an attention mask with holes)."""

@@ -1,0 +1,236 @@
+"""``make_invariant(model)``: patch one loaded Qwen2/Qwen2.5 model in place, per instance.
+
+What changes (and nothing process-wide):
+  * every ``nn.Linear`` (q/k/v with bias, o, gate/up/down, lm_head) -> fixed-order Triton linear;
+  * every ``Qwen2RMSNorm`` -> one-row-per-program Triton RMSNorm;
+  * every ``Qwen2MLP`` -> same projections, with silu(gate) * up as a row kernel;
+  * the rotary embedding -> lookup in a cos/sin table computed once per model;
+  * attention -> the ``invariant`` attention and mask functions (see ``hf_attention``);
+  * a pre-forward hook on the base model derives ``position_ids`` from the mask
+    (cumsum - 1, pads at 0) and rejects masks that cannot be invariant.
+``restore(model)`` undoes all of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+from torch import nn
+
+from . import hf_attention
+from .errors import NonInvariantInputError, UnsupportedModelError
+from .kernels import linear, rms_norm, silu_mul
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_DEVICES = ("cpu", "cuda")
+# RoPE types whose frequencies do not depend on the sequence length (dynamic/longrope do).
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+_STATE_ATTR = "_invariant_infer_state"
+
+
+# ---- per-module forwards -------------------------------------------------------------------------
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+    cos_table, sin_table = self._invariant_tables
+    if cos_table.device != x.device:
+        cos_table, sin_table = cos_table.to(x.device), sin_table.to(x.device)
+        self._invariant_tables = (cos_table, sin_table)
+    idx = position_ids.clamp(0, cos_table.shape[0] - 1)  # range is checked eagerly in the pre-hook
+    return cos_table[idx].to(x.dtype), sin_table[idx].to(x.dtype)
+
+
+def _rope_tables(rotary: nn.Module, max_positions: int):
+    """cos/sin for every position, computed once with HF's own formula, so that a position's
+    values never depend on where it sits in a batch (elementwise kernels on CPU differ between
+    vectorized bodies and scalar tails)."""
+    inv_freq = rotary.inv_freq.float()
+    positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scaling = getattr(rotary, "attention_scaling", 1.0)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+# ---- input handling ------------------------------------------------------------------------------
+
+def positions_from_mask(attention_mask: torch.Tensor, query_length: int) -> torch.Tensor:
+    """position_ids for the last ``query_length`` columns: cumsum(mask) - 1, pads at 0."""
+    mask = attention_mask.to(torch.long)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return positions[:, -query_length:]
+
+
+def check_contiguous_mask(attention_mask: torch.Tensor) -> None:
+    """Each row's ones must form one run: holes make positions and blocks depend on the batch."""
+    mask = attention_mask.to(torch.int32)
+    n = mask.shape[-1]
+    count = mask.sum(-1)
+    first = mask.argmax(-1)
+    last = n - 1 - mask.flip(-1).argmax(-1)
+    holes = (count > 0) & (last - first + 1 != count)
+    if bool(holes.any()):
+        rows = holes.nonzero().flatten().tolist()
+        raise NonInvariantInputError(
+            f"attention_mask rows {rows[:8]} have holes (their ones are not contiguous). Invariant inference "
+            "supports left or right padding around one contiguous run of real tokens per row. In generation, "
+            "pad prompts on the left (tokenizer.padding_side = 'left').")
+
+
+_BASE_FORWARD_ARGS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _base_pre_hook(module, args, kwargs):
+    kwargs = dict(kwargs)
+    for name, value in zip(_BASE_FORWARD_ARGS, args):
+        kwargs.setdefault(name, value)
+    args = args[len(_BASE_FORWARD_ARGS):]
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        raise NonInvariantInputError("4-D attention masks are not supported; pass the 2-D padding mask")
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    compiling = torch.compiler.is_compiling()
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        if not compiling:
+            check_contiguous_mask(mask)
+        if kwargs.get("position_ids") is None and tokens is not None:
+            kwargs["position_ids"] = positions_from_mask(mask, tokens.shape[1])
+    positions = kwargs.get("position_ids")
+    if not compiling and isinstance(positions, torch.Tensor) and positions.numel():
+        limit = module.rotary_emb._invariant_tables[0].shape[0]
+        if int(positions.max()) >= limit or int(positions.min()) < 0:
+            raise NonInvariantInputError(
+                f"position ids must lie in [0, {limit}) (max_position_embeddings); got "
+                f"[{int(positions.min())}, {int(positions.max())}]")
+    return args, kwargs
+
+
+# ---- checks ----------------------------------------------------------------------------------------
+
+def _base_model(model: nn.Module) -> nn.Module:
+    base = getattr(model, "model", model)
+    if not (hasattr(base, "layers") and hasattr(base, "rotary_emb") and hasattr(base, "norm")):
+        raise UnsupportedModelError(f"{type(model).__name__} does not have the Qwen2 layout (model.layers, "
+                                    "model.norm, model.rotary_emb)")
+    return base
+
+
+def _check_model(model: nn.Module) -> nn.Module:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type != "qwen2":
+        raise UnsupportedModelError(
+            f"make_invariant supports Hugging Face Qwen2/Qwen2.5 models (config.model_type == 'qwen2'); got "
+            f"{type(model).__name__} with model_type {model_type!r}")
+    base = _base_model(model)
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+        raise UnsupportedModelError("sliding-window attention layers are not supported; set use_sliding_window=False")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"only the silu MLP is supported, config.hidden_act={config.hidden_act!r}")
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} rescales with sequence length, which depends on "
+                                    f"the batch; supported: {STATIC_ROPE_TYPES}")
+    if getattr(config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
+        raise UnsupportedModelError("quantized models are not supported: projections must be plain nn.Linear "
+                                    f"in {SUPPORTED_DTYPES}")
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj,
+                       "gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj, "down_proj": mlp.down_proj}
+        for name, proj in projections.items():
+            if type(proj) is not nn.Linear:
+                raise UnsupportedModelError(
+                    f"{name} is {type(proj).__module__}.{type(proj).__name__}; only plain torch.nn.Linear "
+                    "projections are supported (no quantized or adapter layers; merge LoRA first)")
+    for name, param in model.named_parameters():
+        if param.dtype not in SUPPORTED_DTYPES:
+            raise UnsupportedModelError(f"parameter {name} has dtype {param.dtype}; supported: {SUPPORTED_DTYPES}")
+        if param.device.type not in SUPPORTED_DEVICES:
+            raise UnsupportedModelError(f"parameter {name} is on {param.device}; supported devices: "
+                                        f"{SUPPORTED_DEVICES}")
+        if type(param.data) is not torch.Tensor:
+            raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
+                                        "are supported")
+    return base
+
+
+# ---- public API -------------------------------------------------------------------------------------
+
+def _set_forward(module: nn.Module, fn, patched: list) -> None:
+    module.forward = types.MethodType(fn, module)
+    patched.append(module)
+
+
+def make_invariant(model: nn.Module) -> nn.Module:
+    """Patch a loaded Qwen2/Qwen2.5 model in place so its logits are bitwise batch-invariant.
+
+    Returns the same model. Idempotent. Undo with ``restore(model)``."""
+    if getattr(model, _STATE_ATTR, None) is not None:
+        return model
+    base = _check_model(model)
+    hf_attention.register()
+
+    patched: list = []
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            _set_forward(module, _linear_forward, patched)
+        elif type(module).__name__ == "Qwen2RMSNorm":
+            _set_forward(module, _rms_norm_forward, patched)
+        elif type(module).__name__ == "Qwen2MLP":
+            _set_forward(module, _mlp_forward, patched)
+
+    rotary = base.rotary_emb
+    rotary._invariant_tables = _rope_tables(rotary, model.config.max_position_embeddings)
+    _set_forward(rotary, _rotary_forward, patched)
+
+    hook = base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
+    previous_attn = model.config._attn_implementation
+    model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
+    setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "rotary": rotary})
+    return model
+
+
+def is_invariant(model: nn.Module) -> bool:
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Return a model patched by ``make_invariant`` to stock transformers behaviour."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return model
+    for module in state["patched"]:
+        del module.forward
+    state["hook"].remove()
+    del state["rotary"]._invariant_tables
+    model.set_attn_implementation(state["attn"])
+    delattr(model, _STATE_ATTR)
+    return model
+
+
+@contextlib.contextmanager
+def invariant(model: nn.Module):
+    """``with invariant(model): ...`` patches for the block and restores afterwards."""
+    was_invariant = is_invariant(model)
+    make_invariant(model)
+    try:
+        yield model
+    finally:
+        if not was_invariant:
+            restore(model)
