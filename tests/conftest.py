@@ -1,0 +1,38 @@
+"""Shared fixtures: random-init Qwen2 checkpoints written with save_pretrained and loaded back
+with from_pretrained, the way users load real ones. GPU-marked tests skip without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from invariant_infer.models import qwen2_config, save_random_checkpoint
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; run benchmarks/gpu_check.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """2 layers, hidden 64, 4 query heads / 2 KV heads of 16, q/k/v bias, untied lm_head."""
+    return save_random_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), qwen2_config("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tied_checkpoint(tmp_path_factory):
+    """Like tiny, with lm_head tied to the embeddings (as Qwen2.5-1.5B)."""
+    config = qwen2_config("tiny", tie_word_embeddings=True, num_hidden_layers=1)
+    return save_random_checkpoint(tmp_path_factory.mktemp("tied-qwen2"), config, seed=1)
+
+
+def load_model(path, dtype: torch.dtype, device: str = "cpu"):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
