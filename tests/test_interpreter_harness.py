@@ -1,0 +1,109 @@
+"""The CPU harness on its own: fixed-order dot and round-to-nearest-even bf16 casts."""
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from triton.runtime import interpreter
+
+from invariant_infer.kernels import interpreter_harness
+from invariant_infer.kernels.interpreter_harness import (
+    bf16_bits_to_fp32, fixed_order_dot, fp32_to_bf16_bits_rne, interpreted, patched_interpreter)
+
+# Relative error of a 200x1536 @ 1536x512 product against float64 (NOTES §1 measured these).
+DOT_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
+
+
+def _sequential_dot(a, b):
+    out = np.zeros((a.shape[0], b.shape[1]), np.float32)
+    for k in range(a.shape[1]):
+        out += a[:, k:k + 1] * b[k:k + 1, :]
+    return out
+
+
+def test_fixed_order_dot_sums_k_sequentially_for_every_element():
+    rng = np.random.default_rng(0)
+    for m, k, n in [(1, 64, 64), (64, 64, 64), (16, 256, 128), (7, 33, 5)]:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        # Starting from 0 + p0 + p1 ... is the same order as reducing from p0.
+        assert np.array_equal(fixed_order_dot(a, b), _sequential_dot(a, b))
+
+
+def test_fixed_order_dot_is_row_position_invariant():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((64, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 64)).astype(np.float32)
+    full = fixed_order_dot(a, b)
+    perm = rng.permutation(64)
+    assert np.array_equal(fixed_order_dot(a[perm], b), full[perm])
+    assert np.array_equal(fixed_order_dot(a[5:6], b)[0], full[5])
+
+
+def test_rne_cast_matches_torch_bitwise():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(100_000).astype(np.float32) * np.float32(3.0)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-40, 1.00390625, 1.01171875],
+                        np.float32)
+    x = np.concatenate([x, specials])
+    ours = fp32_to_bf16_bits_rne(x)
+    expected = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    finite = ~np.isnan(x)
+    assert np.array_equal(ours[finite], expected[finite])
+    assert np.isnan(bf16_bits_to_fp32(ours[~finite])).all()
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K))
+        b = tl.load(b_ptr + (k0 + rk)[:, None] * N + rn[None, :], mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N))
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _run_matmul(a, b, stock_dot: bool = False):
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty(m, n, dtype=a.dtype)
+    grid = (triton.cdiv(m, 64), triton.cdiv(n, 64))
+    with patched_interpreter():
+        builder = interpreter.InterpreterBuilder
+        fixed_dot = builder.create_dot
+        if stock_dot:  # keep the rest of the harness, put the interpreter's own dot back
+            builder.create_dot = interpreter_harness._saved["create_dot"]
+        try:
+            interpreted(_matmul_kernel)[grid](a, b, c, m, n, k, BM=64, BN=64, BK=64)
+        finally:
+            builder.create_dot = fixed_dot
+    return c
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_harnessed_dot_accuracy_and_row_invariance(dtype):
+    torch.manual_seed(0)
+    a = torch.randn(200, 1536).to(dtype)
+    b = (torch.randn(1536, 512) / 40).to(dtype)
+    c = _run_matmul(a, b)
+    ref = a.double() @ b.double()
+    rel = ((c.double() - ref).norm() / ref.norm()).item()
+    assert rel < DOT_TOLERANCE[dtype]
+    assert torch.equal(_run_matmul(a[77:78], b)[0], c[77])
+    perm = torch.randperm(200)
+    assert torch.equal(_run_matmul(a[perm], b), c[perm])
+
+
+def test_stock_interpreter_bf16_dot_is_wrong():
+    """Negative control: without the harness, the interpreter multiplies bf16 bit patterns."""
+    torch.manual_seed(0)
+    a = torch.randn(64, 128).bfloat16()
+    b = torch.randn(128, 64).bfloat16()
+    ref = a.double() @ b.double()
+    stock = _run_matmul(a, b, stock_dot=True)
+    assert ((stock.double() - ref).norm() / ref.norm()).item() > 1.0

@@ -1,0 +1,94 @@
+"""Invariant linear: accuracy against float64, and bitwise row invariance over M."""
+import pytest
+import torch
+
+from conftest import DEVICES, DTYPES
+from invariant_infer.kernels import LinearConfig, linear, linear_config
+
+# Max relative error (|y - ref|.max / |ref|.max) against float64: bf16 / fp16 outputs are rounded
+# to 8 / 11 bits; fp32 accumulates in fp32 (IEEE, no TF32).
+TOLERANCE = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 2e-6}
+BATCH_SIZES = [1, 2, 3, 7, 16, 17, 33, 64, 100]
+
+
+def _weights(n, k, dtype, device, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return w, b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_accuracy(dtype, device, bias):
+    w, b = _weights(300, 200, dtype, device, bias)
+    x = torch.randn(37, 200).to(dtype).to(device)
+    y = linear(x, w, b)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert y.dtype == dtype and y.shape == (37, 300)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_row_alone_equals_row_in_any_batch(dtype, device):
+    w, b = _weights(96, 160, dtype, device)
+    pool = torch.randn(max(BATCH_SIZES), 160).to(dtype).to(device)
+    alone = torch.stack([linear(pool[i:i + 1], w, b)[0] for i in range(8)])
+    for m in BATCH_SIZES:
+        for pos in sorted({0, m // 2, m - 1}):
+            # Put sample i at row `pos` of a batch of m rows drawn from elsewhere in the pool.
+            i = (m + pos) % 8
+            batch = pool[torch.randperm(pool.shape[0])[:m]].clone()
+            batch[pos] = pool[i]
+            assert torch.equal(linear(batch, w, b)[pos], alone[i]), f"M={m} pos={pos}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fixed_split_k_is_invariant_and_accurate(device):
+    """A split-K fixed per weight shape, combined in order, stays batch-invariant."""
+    cfg = LinearConfig(16, 64, 32, split_k=3)
+    w, b = _weights(80, 200, torch.bfloat16, device)
+    x = torch.randn(50, 200).bfloat16().to(device)
+    y = linear(x, w, b, config=cfg)
+    ref = x.double() @ w.double().T + b.double()
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[torch.bfloat16]
+    for i in (0, 17, 49):
+        assert torch.equal(linear(x[i:i + 1], w, b, config=cfg)[0], y[i])
+
+
+def m_dependent_linear(x, weight, bias=None):
+    """Negative control: picks BLOCK_K by M, as batch-size-keyed heuristics and autotuners do."""
+    m = x.reshape(-1, x.shape[-1]).shape[0]
+    base = linear_config(x.device.type, x.dtype, *weight.shape)
+    cfg = LinearConfig(base.block_m, base.block_n, 16 if m <= 4 else 64)
+    return linear(x, weight, bias, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_negative_control_m_dependent_config_breaks_invariance(dtype):
+    # fp32 outputs show every reordering; bf16 outputs hide most behind their 8-bit rounding,
+    # so the bf16 case needs more elements to catch one.
+    n, k = (96, 512) if dtype == torch.float32 else (1024, 1536)
+    w, b = _weights(n, k, dtype, "cpu")
+    x = torch.randn(8, k).to(dtype)
+    batched = m_dependent_linear(x, w, b)
+    mismatched = [i for i in range(8) if not torch.equal(m_dependent_linear(x[i:i + 1], w, b)[0], batched[i])]
+    assert mismatched, "an M-dependent BLOCK_K should change some row's bits"
+    # ...while the fixed config, on the same data, is bitwise invariant.
+    fixed = linear(x, w, b)
+    assert all(torch.equal(linear(x[i:i + 1], w, b)[0], fixed[i]) for i in range(8))
+
+
+def test_linear_config_never_depends_on_m():
+    import inspect
+    assert "m" not in inspect.signature(linear_config).parameters
+
+
+def test_linear_rejects_mixed_dtypes():
+    w, b = _weights(8, 16, torch.bfloat16, "cpu")
+    with pytest.raises(TypeError, match="share a dtype"):
+        linear(torch.randn(2, 16), w, b)
+    with pytest.raises(TypeError, match="supports"):
+        linear(torch.randn(2, 16, dtype=torch.float64), w.double())
