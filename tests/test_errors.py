@@ -1,0 +1,114 @@
+"""Bad input gets a clear error naming the problem, never a silent batch-variant fallback;
+restore() gives back stock behaviour."""
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
+
+from conftest import load_model
+from invariant_infer import (NonInvariantInputError, UnsupportedModelError, invariant, is_invariant,
+                             make_invariant, restore)
+from invariant_infer.models import qwen2_config, random_qwen2
+
+
+@pytest.fixture
+def model(tiny_checkpoint):
+    return load_model(tiny_checkpoint, torch.bfloat16)
+
+
+def test_rejects_other_model_families():
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=1, vocab_size=128))
+    with pytest.raises(UnsupportedModelError, match="Qwen2.*model_type 'llama'"):
+        make_invariant(llama)
+    assert not is_invariant(llama)
+
+
+def test_rejects_mask_with_holes(model):
+    make_invariant(model)
+    ids = torch.randint(0, 512, (2, 6))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 0]])
+    with pytest.raises(NonInvariantInputError, match=r"rows \[1\] have holes"):
+        model(input_ids=ids, attention_mask=mask)
+
+
+def test_rejects_4d_masks(model):
+    make_invariant(model)
+    ids = torch.randint(0, 512, (1, 4))
+    with pytest.raises(NonInvariantInputError, match="4-D"):
+        model(input_ids=ids, attention_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
+
+
+class LoraLikeLinear(nn.Linear):
+    """Stands in for quantized / adapter layers that subclass nn.Linear."""
+
+
+def test_rejects_non_plain_linear_projections(model):
+    old = model.model.layers[0].self_attn.q_proj
+    model.model.layers[0].self_attn.q_proj = LoraLikeLinear(old.in_features, old.out_features, dtype=old.weight.dtype)
+    with pytest.raises(UnsupportedModelError, match="q_proj is .*LoraLikeLinear.*plain torch.nn.Linear"):
+        make_invariant(model)
+
+
+def test_rejects_quantization_config(model):
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(UnsupportedModelError, match="quantized"):
+        make_invariant(model)
+
+
+def test_rejects_unsupported_dtype():
+    with pytest.raises(UnsupportedModelError, match="float64"):
+        make_invariant(random_qwen2(qwen2_config("tiny", num_hidden_layers=1), dtype=torch.float64))
+
+
+def test_rejects_unsupported_device():
+    with torch.device("meta"):
+        meta_model = Qwen2ForCausalLM(qwen2_config("tiny"))
+    with pytest.raises(UnsupportedModelError, match="meta"):
+        make_invariant(meta_model)
+
+
+def test_rejects_sliding_window_and_dynamic_rope():
+    sliding = random_qwen2(qwen2_config("tiny", use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        make_invariant(sliding)
+    dynamic = random_qwen2(qwen2_config("tiny", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                 "rope_theta": 10000.0}))
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        make_invariant(dynamic)
+
+
+def test_rejects_positions_beyond_the_rope_table(model):
+    make_invariant(model)
+    with pytest.raises(NonInvariantInputError, match="max_position_embeddings"):
+        model(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[510, 512]]))
+
+
+def test_restore_returns_stock_behaviour(tiny_checkpoint, model):
+    ids = torch.randint(0, 512, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    stock = load_model(tiny_checkpoint, torch.bfloat16)
+    with torch.no_grad():
+        expected = stock(input_ids=ids, attention_mask=mask).logits
+        make_invariant(model)
+        patched = model(input_ids=ids, attention_mask=mask).logits
+        restore(model)
+        restored = model(input_ids=ids, attention_mask=mask).logits
+    assert not is_invariant(model)
+    assert model.config._attn_implementation == stock.config._attn_implementation
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert torch.equal(restored, expected)
+    assert not torch.equal(patched, expected)  # the patch did change the arithmetic
+
+
+def test_context_manager(model):
+    with invariant(model) as patched:
+        assert patched is model and is_invariant(model)
+    assert not is_invariant(model)
+
+
+def test_make_invariant_is_idempotent(model):
+    assert make_invariant(make_invariant(model)) is model
+    restore(model)
+    assert not is_invariant(model)

@@ -1,0 +1,29 @@
+"""Accuracy, checked apart from invariance: invariant logits against a float64 reference.
+
+Per dtype, the invariant model's relative error (Frobenius norm over all real-token logits)
+must be no more than twice stock HF's own error in the same dtype."""
+import pytest
+import torch
+
+from conftest import DTYPES, load_model
+from invariance import Batching, logits_batched, make_samples
+from invariant_infer import make_invariant
+
+BATCHING = Batching((0, 1, 2, 3), extra_pad=2)
+
+
+def _relative_error(got, ref):
+    got = torch.cat([g.double() for g in got])
+    ref = torch.cat([r.double() for r in ref])
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_error_at_most_twice_stock_error(tiny_checkpoint, dtype):
+    samples = make_samples(512)
+    reference = logits_batched(load_model(tiny_checkpoint, torch.float64), samples, BATCHING)
+    stock = logits_batched(load_model(tiny_checkpoint, dtype), samples, BATCHING)
+    invariant = logits_batched(make_invariant(load_model(tiny_checkpoint, dtype)), samples, BATCHING)
+    stock_error = _relative_error(stock, reference)
+    invariant_error = _relative_error(invariant, reference)
+    assert 0 < invariant_error <= 2 * stock_error, (invariant_error, stock_error)

@@ -1,0 +1,84 @@
+"""Model level: every sample's logits alone equal, bitwise, its rows in any batch."""
+import pytest
+import torch
+
+import invariant_infer.patch
+from conftest import DEVICES, DTYPES, load_model
+from invariance import BATCHINGS, Batching, batch_mismatches, make_samples
+from invariant_infer import make_invariant
+from invariant_infer.models import qwen2_config, save_random_checkpoint
+from test_linear import m_dependent_linear
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_alone_equal_logits_in_any_batch(tiny_checkpoint, dtype, device):
+    model = make_invariant(load_model(tiny_checkpoint, dtype, device))
+    samples = make_samples(model.config.vocab_size)
+    assert batch_mismatches(model, samples) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tied_lm_head_model(tied_checkpoint, device):
+    model = make_invariant(load_model(tied_checkpoint, torch.bfloat16, device))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    samples = make_samples(model.config.vocab_size, lengths=(6, 11, 2))
+    assert batch_mismatches(model, samples, [Batching((0, 1, 2)), Batching((2, 1), left_pad=False)]) == []
+
+
+def seed_script(model):
+    """The seed's script shape: three one-token texts, inputs_embeds, arange position_ids, logits[0]."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([[11], [42], [7]], device=device)
+    embeds = model.get_input_embeddings()(ids)
+    position_ids = torch.arange(ids.shape[1], device=device).unsqueeze(0)
+    with torch.no_grad():
+        batch = model(inputs_embeds=embeds, position_ids=position_ids).logits
+        single = model(inputs_embeds=embeds[:1], position_ids=position_ids).logits
+    return batch[0], single[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seed_script(tiny_checkpoint, dtype, device):
+    batch0, single0 = seed_script(make_invariant(load_model(tiny_checkpoint, dtype, device)))
+    assert torch.equal(batch0, single0)
+
+
+@pytest.fixture(scope="module")
+def real_width_checkpoint(tmp_path_factory):
+    """Qwen2.5-1.5B's layer widths (hidden 1536, MLP 8960, 12 heads of 128, 2 KV heads, q/k/v bias),
+    one layer and a small vocab so CPU can afford it."""
+    config = qwen2_config("qwen2.5-1.5b", num_hidden_layers=1, vocab_size=2048, max_position_embeddings=1024)
+    return save_random_checkpoint(tmp_path_factory.mktemp("qwen25-widths"), config, seed=3)
+
+
+REAL_WIDTH_SAMPLE_LENGTHS = (1, 33, 7, 20)
+REAL_WIDTH_BATCHINGS = [Batching((0, 1, 2, 3)), Batching((3, 1, 0), left_pad=False, extra_pad=2)]
+
+
+@pytest.mark.slow
+def test_negative_control_stock_hf_at_real_widths_is_not_invariant(real_width_checkpoint):
+    stock = load_model(real_width_checkpoint, torch.bfloat16)
+    samples = make_samples(stock.config.vocab_size, REAL_WIDTH_SAMPLE_LENGTHS)
+    mismatches = batch_mismatches(stock, samples, REAL_WIDTH_BATCHINGS)
+    assert mismatches, "stock HF was expected to differ between batch and alone at real widths"
+    assert max(diff for _, _, diff in mismatches) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_invariant_at_real_widths(real_width_checkpoint, device):
+    model = make_invariant(load_model(real_width_checkpoint, torch.bfloat16, device))
+    samples = make_samples(model.config.vocab_size, REAL_WIDTH_SAMPLE_LENGTHS)
+    assert batch_mismatches(model, samples, REAL_WIDTH_BATCHINGS) == []
+    batch0, single0 = seed_script(model)
+    assert torch.equal(batch0, single0)
+
+
+def test_negative_control_m_dependent_matmul_is_caught(tiny_checkpoint, monkeypatch):
+    """The same test fails when the linear picks its tiles by M."""
+    model = make_invariant(load_model(tiny_checkpoint, torch.float32))
+    monkeypatch.setattr(invariant_infer.patch, "linear", m_dependent_linear)
+    samples = make_samples(model.config.vocab_size)
+    assert batch_mismatches(model, samples, BATCHINGS[:2]) != []
