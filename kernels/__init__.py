@@ -8,9 +8,10 @@ from .attention import AttentionConfig, attention, attention_config
 from .linear import LINEAR_CONFIGS, LinearConfig, linear, linear_config
 from .rms_norm import rms_norm
 from .silu_mul import silu_mul
+from .token_logprobs import token_logprobs
 
 __all__ = [
     "AttentionConfig", "attention", "attention_config",
     "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config",
-    "rms_norm", "silu_mul",
+    "rms_norm", "silu_mul", "token_logprobs",
 ]

@@ -34,9 +34,9 @@ _DEFAULT_CONFIGS = {
     ("cuda", torch.float16): LinearConfig(64, 128, 64),
     ("cuda", torch.float32): LinearConfig(64, 64, 32),
     # Interpreter: large tiles mean fewer Python-level programs (trimmed to the weight below).
-    ("cpu", torch.bfloat16): LinearConfig(16, 256, 256),
-    ("cpu", torch.float16): LinearConfig(16, 256, 256),
-    ("cpu", torch.float32): LinearConfig(16, 256, 256),
+    ("cpu", torch.bfloat16): LinearConfig(32, 256, 256),
+    ("cpu", torch.float16): LinearConfig(32, 256, 256),
+    ("cpu", torch.float32): LinearConfig(32, 256, 256),
 }
 
 # Per-weight-shape overrides, keyed by (device type, dtype, N, K). Filled by GPU tuning.

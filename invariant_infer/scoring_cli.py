@@ -1,0 +1,276 @@
+"""``invariant-infer score``: a resumable, reproducible scoring job over a JSONL file.
+
+Rows are keyed by ``id``. The output holds at most one row per id: on a re-run, a torn last
+line is cut off, error rows are dropped (their lines are tried again) and ids that already
+have a result are skipped. Rows are written whole, one write and a flush each, in sorted
+(longest first) order; the file is fsync'ed after every batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .scoring import DEFAULT_MAX_BATCH_TOKENS, check_sequence, plan_batches, score_batch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+REQUEST_FIELDS = (("input_ids",), ("text",), ("prompt", "completion"), ("prompt_ids", "completion_ids"))
+KNOWN_FIELDS = {"id"} | {name for fields in REQUEST_FIELDS for name in fields}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+EXIT_LINE_ERRORS, EXIT_FATAL, EXIT_VERIFY_MISMATCH = 1, 2, 3
+
+
+@dataclass
+class Request:
+    line: int
+    id: object
+    ids: list[int]
+    prompt_length: int  # tokens before the first scored one
+
+
+class LineError(ValueError):
+    pass
+
+
+def id_key(row_id) -> str:
+    return json.dumps(row_id)  # keeps 1, 1.0, "1" and true apart
+
+
+class Tokenizer:
+    """Loads the tokenizer on first use, so jobs given only ids need none."""
+
+    def __init__(self, path: str):
+        self.path, self._tokenizer, self._error = path, None, None
+
+    def encode(self, text, name: str) -> list[int]:
+        if not isinstance(text, str):
+            raise LineError(f"{name} must be a string")
+        if self._tokenizer is None and self._error is None:
+            try:
+                from transformers import AutoTokenizer
+                # transformers 5 builds an empty tokenizer from config.json alone: refuse that.
+                if Path(self.path).is_dir() and not any((Path(self.path) / f).exists() for f in TOKENIZER_FILES):
+                    raise OSError(f"none of {', '.join(TOKENIZER_FILES)} found")
+                self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+            except Exception as exc:  # reported per text line; id lines still run
+                self._error = f"cannot tokenize: no tokenizer loaded from {self.path} ({exc}); pass --tokenizer"
+        if self._error:
+            raise LineError(self._error)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+def token_list(value, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise LineError(f"{name} must be a list of integers")
+    return value
+
+
+def parse_request(record: dict, tokenizer: Tokenizer) -> tuple[list[int], int]:
+    """(token ids, prompt length) of one input record; raises LineError."""
+    fields = set(record) - {"id"}
+    unknown = sorted(fields - KNOWN_FIELDS)
+    if unknown:
+        raise LineError(f"unknown field(s) {unknown}")
+    if ("input_ids",) == tuple(fields):
+        return token_list(record["input_ids"], "input_ids"), 1
+    if ("text",) == tuple(fields):
+        return tokenizer.encode(record["text"], "text"), 1
+    if fields == {"prompt", "completion"}:
+        prompt = tokenizer.encode(record["prompt"], "prompt")
+        completion = tokenizer.encode(record["completion"], "completion")
+        return prompt + completion, len(prompt)
+    if fields == {"prompt_ids", "completion_ids"}:
+        prompt = token_list(record["prompt_ids"], "prompt_ids")
+        return prompt + token_list(record["completion_ids"], "completion_ids"), len(prompt)
+    for needed in REQUEST_FIELDS:
+        if fields and fields <= set(needed):
+            raise LineError(f"missing field(s) {sorted(set(needed) - fields)}")
+    expected = " | ".join("+".join(f) for f in REQUEST_FIELDS)
+    raise LineError(f"need exactly one of {expected}; got {sorted(fields) or 'none'}")
+
+
+def recover_output(path: Path) -> dict[str, str]:
+    """Repair ``path`` after a crash and return {id key: digest} of the rows it keeps.
+
+    Cuts a torn last line, drops error rows (their lines are re-tried) and any repeated id."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    complete = data[:data.rfind(b"\n") + 1]  # a line without its newline was torn by a crash
+    kept, digests = [], {}
+    for raw in complete.splitlines(keepends=True):
+        try:
+            row = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "digest" in row and id_key(row.get("id")) not in digests:
+            digests[id_key(row["id"])] = row["digest"]
+            kept.append(raw)
+    if len(kept) != len(complete.splitlines()) or len(complete) != len(data):
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
+    return digests
+
+
+def read_requests(path: str, tokenizer: Tokenizer, config, done: dict[str, str], write_error):
+    """All valid requests (including ids already done), and the count of non-blank lines."""
+    requests, first_line, lines = [], {}, 0
+    with open(path, encoding="utf-8") as f:
+        for n, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            lines += 1
+            row_id = None
+            try:
+                try:
+                    record = json.loads(text)
+                except ValueError as exc:
+                    raise LineError(f"malformed JSON: {exc}") from None
+                if not isinstance(record, dict):
+                    raise LineError("expected a JSON object")
+                if "id" not in record:
+                    raise LineError("missing field 'id'")
+                if record["id"] is None or isinstance(record["id"], (dict, list)):
+                    raise LineError("id must be a JSON string, number or boolean")
+                key = id_key(record["id"])
+                if key in first_line:  # the output keeps one row per id; this line's row gets id null
+                    raise LineError(f"duplicate id {key} (first on line {first_line[key]})")
+                first_line[key] = n
+                row_id = record["id"]
+                ids, prompt_length = parse_request(record, tokenizer)
+                try:
+                    check_sequence(ids, prompt_length, config.vocab_size, config.max_position_embeddings)
+                except ValueError as exc:
+                    raise LineError(str(exc)) from None
+                requests.append(Request(n, row_id, ids, prompt_length))
+            except LineError as exc:
+                if id_key(row_id) not in done:
+                    write_error(n, row_id, str(exc))
+    return requests, lines
+
+
+def load_model(args):
+    from transformers import AutoModelForCausalLM
+
+    from .patch import make_invariant
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    return make_invariant(model)
+
+
+def result_row(request: Request, result) -> dict:
+    return {"id": request.id, "token_logprobs": result.token_logprobs.tolist(), "logprob": result.logprob,
+            "num_tokens": result.num_tokens, "greedy": result.greedy, "digest": result.digest}
+
+
+def verify(model, requests: list[Request], digests: dict[str, str], k: int) -> bool:
+    """Re-score k random finished rows alone (batch of one) and compare digests bitwise."""
+    candidates = [r for r in requests if id_key(r.id) in digests]
+    picked = random.Random(0).sample(candidates, min(k, len(candidates)))
+    mismatched = [r.id for r in picked
+                  if score_batch(model, [r.ids], [r.prompt_length])[0].digest != digests[id_key(r.id)]]
+    if mismatched:
+        print(f"verify: MISMATCH: {len(mismatched)} of {len(picked)} rows re-scored alone differ: ids "
+              f"{mismatched[:10]}", file=sys.stderr)
+    else:
+        print(f"verify: {len(picked)} of {len(picked)} rows re-scored alone match their digests bitwise",
+              file=sys.stderr)
+    return not mismatched
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+    started = time.perf_counter()
+    if args.max_batch_tokens < 1:
+        print("score: --max-batch-tokens must be at least 1", file=sys.stderr)
+        return EXIT_FATAL
+    try:
+        model = load_model(args)
+    except Exception as exc:
+        print(f"score: cannot load {args.model}: {exc}", file=sys.stderr)
+        return EXIT_FATAL
+    output = Path(args.output)
+    digests = recover_output(output)
+    out = open(output, "a", encoding="utf-8")
+    errors = 0
+
+    def write_row(row: dict) -> None:
+        out.write(json.dumps(row) + "\n")  # one write per row, so a crash tears at most the last
+        out.flush()
+
+    def write_error(line: int, row_id, message: str) -> None:
+        nonlocal errors
+        errors += 1
+        print(f"{args.input}:{line}: {message}", file=sys.stderr)
+        write_row({"id": row_id, "line": line, "error": message})
+
+    with out:
+        requests, lines = read_requests(args.input, Tokenizer(args.tokenizer or args.model), model.config,
+                                        digests, write_error)
+        pending = [r for r in requests if id_key(r.id) not in digests]
+        tokens = sum(len(r.ids) for r in pending)
+        scoring_started = time.perf_counter()
+        bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="score", file=sys.stderr, smoothing=0.1)
+        for batch in plan_batches([len(r.ids) for r in pending], args.max_batch_tokens):
+            batch = [pending[i] for i in batch]
+            for request, result in zip(batch, score_batch(model, [r.ids for r in batch],
+                                                          [r.prompt_length for r in batch])):
+                row = result_row(request, result)
+                write_row(row)
+                digests[id_key(request.id)] = row["digest"]
+            os.fsync(out.fileno())
+            bar.update(sum(len(r.ids) for r in batch))
+        bar.close()
+    now = time.perf_counter()
+    scoring_time = max(now - scoring_started, 1e-9)
+    print(f"score: {lines} lines: {len(pending)} scored, {len(requests) - len(pending)} already in output, "
+          f"{errors} errors; {tokens} tokens in {scoring_time:.1f} s ({tokens / scoring_time:.1f} tokens/s); "
+          f"{now - started:.1f} s in all", file=sys.stderr)
+    verified = args.verify <= 0 or verify(model, requests, digests, args.verify)
+    if not verified:
+        return EXIT_VERIFY_MISMATCH
+    return EXIT_LINE_ERRORS if errors else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Qwen2/Qwen2.5 checkpoint directory")
+    parser.add_argument("--input", required=True, help="JSONL requests, one per line, each with an id")
+    parser.add_argument("--output", required=True, help="JSONL results; an existing file is resumed")
+    parser.add_argument("--tokenizer", help="tokenizer directory for text lines (default: --model)")
+    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+                        help="padded tokens per batch (rows x longest); results do not depend on it")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    parser.add_argument("--verify", type=int, default=0, metavar="K",
+                        help="re-score K random rows alone and check their digests bitwise")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("score", help="reproducible per-token logprobs for a JSONL file",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m invariant_infer.scoring_cli ...``: the score command on its own."""
+    parser = argparse.ArgumentParser(prog="invariant-infer score", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
