@@ -60,12 +60,17 @@ def linear_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> Linea
     return cfg
 
 
+# Optional prologues applied to each x tile as it is loaded (fusions). Each computes exactly the
+# values the standalone kernel would write, so a fused call is bitwise equal to the unfused pair.
+PROLOGUE_NONE, PROLOGUE_SILU_MUL, PROLOGUE_RMS_NORM = 0, 1, 2
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, up_ptr, rstd_ptr, norm_w_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -89,10 +94,22 @@ def _linear_kernel(
     k_end = tl.minimum(K, k_begin + k_blocks_per_split * BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PROLOGUE == 2:
+        rstd = tl.load(rstd_ptr + offs_m, mask=offs_m < M, other=0.0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
-                    mask=(offs_m[:, None] < M) & (ks[None, :] < k_end), other=0.0)
+        x_offs = offs_m[:, None] * stride_xm + ks[None, :] * stride_xk
+        x_mask = (offs_m[:, None] < M) & (ks[None, :] < k_end)
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        if PROLOGUE == 1:  # x is gate: silu(gate) rounded, times up, rounded (as silu_mul)
+            up = tl.load(up_ptr + x_offs, mask=x_mask, other=0.0)
+            g = x.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty)
+            x = (act.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        if PROLOGUE == 2:  # x * rstd rounded, times the norm weight, rounded (as rms_norm)
+            normed = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
+            norm_w = tl.load(norm_w_ptr + ks, mask=ks < k_end, other=0.0)
+            x = (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (ks[:, None] < k_end), other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
@@ -123,45 +140,55 @@ def _split_k_combine_kernel(
     tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _check_operands(x, weight, bias):
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"linear: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
+                        f"{'' if bias is None else ', ' + str(bias.dtype)}")
+    if x.device != weight.device:
+        raise ValueError(f"linear: x on {x.device} but weight on {weight.device}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
+
+
+def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None, rstd=None, norm_weight=None):
+    """Launch on 2-D ``x2`` [M, K]; the prologue operands are used only by their prologue."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    cfg = config or linear_config(x2.device.type, x2.dtype, n, k)
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    if m == 0:
+        return y
+    has_bias = bias is not None
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    out = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32)
+    stride_ys = 0 if cfg.split_k == 1 else out.stride(0)
+    launch(
+        _linear_kernel, grid, x2.device,
+        x2, x2 if up is None else up, x2 if rstd is None else rstd, x2 if norm_weight is None else norm_weight,
+        weight, bias if has_bias else x2, out,
+        m, n, k,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+        stride_ys, out.stride(-2), out.stride(-1),
+        HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, PROLOGUE=prologue,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        block_n = 1024
+        launch(_split_k_combine_kernel, (m, triton.cdiv(n, block_n)), x2.device,
+               out, bias if has_bias else out, y, m, n, out.stride(0), out.stride(1), y.stride(0),
+               HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=block_n)
+    return y
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: LinearConfig | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` with a batch-invariant reduction order.
 
     ``config`` overrides the per-shape table; pass one only to study configs (tests use it to
     build a deliberately M-dependent negative control)."""
-    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"linear: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
-                        f"{'' if bias is None else ', ' + str(bias.dtype)}")
-    if x.device != weight.device:
-        raise ValueError(f"linear: x on {x.device} but weight on {weight.device}")
+    _check_operands(x, weight, bias)
     n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {k}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    cfg = config or linear_config(x.device.type, x.dtype, n, k)
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    if m == 0:
-        return y.reshape(*lead, n)
-    has_bias = bias is not None
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    out = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), device=x.device, dtype=torch.float32)
-    stride_ys = 0 if cfg.split_k == 1 else out.stride(0)
-    launch(
-        _linear_kernel, grid, x.device,
-        x2, weight, bias if has_bias else x2, out,
-        m, n, k,
-        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
-        stride_ys, out.stride(-2), out.stride(-1),
-        HAS_BIAS=has_bias, SPLIT_K=cfg.split_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if cfg.split_k > 1:
-        block_n = 1024
-        launch(_split_k_combine_kernel, (m, triton.cdiv(n, block_n)), x.device,
-               out, bias if has_bias else out, y, m, n, out.stride(0), out.stride(1), y.stride(0),
-               HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=block_n)
-    return y.reshape(*lead, n)
+    y = launch_linear(x.reshape(-1, k), weight, bias, config)
+    return y.reshape(*x.shape[:-1], n)

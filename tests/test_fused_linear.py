@@ -1,0 +1,39 @@
+"""Prologue fusions: bitwise equal to the unfused kernels, hence batch-invariant too."""
+import pytest
+import torch
+
+from conftest import DEVICES, DTYPES
+from invariant_infer.kernels import LinearConfig, linear, rms_norm, silu_mul
+from invariant_infer.kernels.fused_linear import rms_norm_linear, silu_mul_linear
+
+
+def _data(dtype, device, m=37, k=300, n=100):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype).to(device)
+    x2 = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device)
+    norm_w = (1 + torch.randn(k, generator=g) / 10).to(dtype).to(device)
+    return x, x2, w, b, norm_w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_silu_mul_linear_equals_unfused(dtype, device, split_k):
+    gate, up, w, b, _ = _data(dtype, device)
+    cfg = None if split_k == 1 else LinearConfig(16, 64, 64, split_k=split_k)
+    fused = silu_mul_linear(gate, up, w, b, config=cfg)
+    assert torch.equal(fused, linear(silu_mul(gate, up), w, b, config=cfg))
+    assert torch.equal(silu_mul_linear(gate[5:6], up[5:6], w, b, config=cfg)[0], fused[5])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_rms_norm_linear_equals_unfused(dtype, device, split_k):
+    x, _, w, b, norm_w = _data(dtype, device)
+    cfg = None if split_k == 1 else LinearConfig(16, 64, 64, split_k=split_k)
+    fused = rms_norm_linear(x, norm_w, 1e-6, w, b, config=cfg)
+    assert torch.equal(fused, linear(rms_norm(x, norm_w, 1e-6), w, b, config=cfg))
+    assert torch.equal(rms_norm_linear(x[20:], norm_w, 1e-6, w, b, config=cfg), fused[20:])
