@@ -7,19 +7,23 @@ What changes (and nothing process-wide):
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
   * attention -> the ``invariant`` attention and mask functions (see ``hf_attention``);
   * a pre-forward hook on the base model derives ``position_ids`` from the mask
-    (cumsum - 1, pads at 0) and rejects masks that cannot be invariant.
+    (cumsum - 1, pads at 0) and rejects masks that cannot be invariant;
+  * ``model.generate`` (this instance only) first rejects options that are not batch-invariant
+    (see ``generation``).
 ``restore(model)`` undoes all of it.
 """
 from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 
 import torch
 from torch import nn
 
 from . import hf_attention
 from .errors import NonInvariantInputError, UnsupportedModelError
+from .generation import install_generate_checks, remove_generate_checks
 from .kernels import linear, rms_norm, silu_mul
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -89,6 +93,18 @@ def check_contiguous_mask(attention_mask: torch.Tensor) -> None:
             "pad prompts on the left (tokenizer.padding_side = 'left').")
 
 
+def _warn_if_positions_disagree(mask: torch.Tensor, position_ids: torch.Tensor, query_length: int) -> None:
+    """Explicit position_ids that are not cumsum(mask) - 1 on real tokens (e.g. arange with left
+    padding) are honoured, but the rows cannot then match the same samples run alone."""
+    real = mask[:, -query_length:].to(torch.bool)
+    expected = positions_from_mask(mask, query_length)
+    got = position_ids.expand(real.shape[0], -1)
+    if got.shape == expected.shape and not torch.equal(got[real], expected[real]):
+        warnings.warn("position_ids do not equal cumsum(attention_mask) - 1 on real tokens; padded rows will not "
+                      "match the same samples run alone. Omit position_ids to have them derived from the mask.",
+                      stacklevel=3)
+
+
 _BASE_FORWARD_ARGS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -109,6 +125,8 @@ def _base_pre_hook(module, args, kwargs):
             check_contiguous_mask(mask)
         if kwargs.get("position_ids") is None and tokens is not None:
             kwargs["position_ids"] = positions_from_mask(mask, tokens.shape[1])
+        elif not compiling and tokens is not None:
+            _warn_if_positions_disagree(mask, kwargs["position_ids"], tokens.shape[1])
     positions = kwargs.get("position_ids")
     if not compiling and isinstance(positions, torch.Tensor) and positions.numel():
         limit = module.rotary_emb._invariant_tables[0].shape[0]
@@ -202,6 +220,8 @@ def make_invariant(model: nn.Module) -> nn.Module:
     hook = base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
     previous_attn = model.config._attn_implementation
     model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
+    if hasattr(model, "generate"):
+        install_generate_checks(model)
     setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "rotary": rotary})
     return model
 
@@ -220,6 +240,7 @@ def restore(model: nn.Module) -> nn.Module:
     state["hook"].remove()
     del state["rotary"]._invariant_tables
     model.set_attn_implementation(state["attn"])
+    remove_generate_checks(model)
     delattr(model, _STATE_ATTR)
     return model
 

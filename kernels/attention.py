@@ -6,6 +6,19 @@ start at kv_start[b], so the amount or side of padding never moves a block bound
 decode step (Lq = 1) walks exactly the blocks prefill walked for the same row. The online
 softmax is updated per query row only from that row's own scores, so the other rows in a
 tile, and how many query rows there are, never change a row's arithmetic.
+
+Decode (Lq = 1, or a few tokens) is this same kernel with the same BLOCK_M and BLOCK_N: a
+tile shape change could change the MMA instruction, and with it the summation order, so
+neither may depend on Lq. Its keys come from the cache (dynamic or static; a static cache's
+unused tail lies after the query's position, so the causal mask hides it), so a decode
+step's bits equal those of the prefill row at the same position.
+
+Future flash-decoding (split-KV) must keep this contract: split each row's keys into chunks
+of a fixed SIZE (a multiple of BLOCK_N, starting at kv_start), never a fixed COUNT chosen
+from the batch, Lk or the number of SMs; reduce each chunk with this online softmax and
+merge the chunks' (m, l, acc) in ascending chunk order. A chunk merge is not bitwise a
+continuation of the online softmax, so prefill must then reduce with the same chunks (one
+split-aware kernel serving both), or decode would no longer equal prefill.
 """
 from __future__ import annotations
 

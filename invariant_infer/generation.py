@@ -1,0 +1,344 @@
+"""Deterministic, batch-invariant generation.
+
+* ``make_invariant`` wraps ``model.generate`` per instance (``install_generate_checks``): options
+  that would make a row's tokens depend on its batch-mates raise ``NonInvariantInputError``
+  before any forward pass.
+* ``seeded_sampling(seeds, temperature, top_k, top_p)`` samples without ``torch.multinomial``:
+  each row adds Gumbel noise hashed from (its own seed, step, token id) to its filtered logits,
+  and greedy decoding takes the argmax, which is an exact draw from the filtered softmax.
+* ``generate_invariant(model, prompts, ...)`` left-pads prompts and calls ``generate``.
+
+Why decode equals prefill: every kernel computes a row from that row alone, and attention walks
+the same fixed-size KV blocks from each row's first real key whether it serves 1 query or many
+(see ``invariant_infer.kernels.attention``).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
+
+from .errors import NonInvariantInputError
+
+_SEEDED_SAMPLING_HINT = ("use invariant_infer.generation.seeded_sampling(seeds=[...], temperature=, top_k=, top_p=) "
+                         "as generate(do_sample=False, logits_processor=...)")
+
+
+# ---- seeded sampling -------------------------------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shift_right(z, 30)) * _MIX1  # int64 products wrap mod 2**64 on CPU and CUDA
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def _splitmix64_int(value: int) -> int:
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform_noise(seed: int, step: int, size: int, device) -> torch.Tensor:
+    """float64 [size] in (0, 1), a pure function of (seed, step, index): counter-based, no generator
+    state, identical on CPU and CUDA, and independent of how many other rows there are."""
+    key = _signed64(_splitmix64_int(_splitmix64_int(seed) ^ step))
+    counter = torch.arange(size, device=device, dtype=torch.int64) * _GOLDEN + key
+    bits = _shift_right(_splitmix64(counter), 11)  # top 53 bits
+    return (bits.to(torch.float64) + 0.5) * 2.0 ** -53
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """One row [V]: -inf outside the top-k, then outside the smallest set whose probability reaches
+    top_p. Exact and row-local: a stable sort of this row alone, ties at the k-th value kept."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[0] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class SeededSampling(LogitsProcessor):
+    """Temperature / top-k / top-p sampling as Gumbel-max, with one seed per row.
+
+    Row ``i`` of the batch uses ``seeds[i]``; at generation step ``s`` its noise depends only on
+    ``(seeds[i], s)``. Every operation runs on that row alone (a 1-D tensor), so neither the batch
+    size nor the other rows can change a bit of it. Use with ``do_sample=False``: the greedy argmax
+    of the returned scores is the sample. Steps count from this processor's first call in a
+    ``generate``; the wrapped ``generate`` resets it, so the same list can be reused."""
+
+    def __init__(self, seeds: Sequence[int], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+        if not len(seeds):
+            raise ValueError("seeded sampling needs one seed per sequence")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 (use greedy decoding for 0), got {temperature}")
+        if top_k < 0 or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k}, top_p={top_p}")
+        self.seeds = [int(seed) & _MASK64 for seed in seeds]
+        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+        self._first_length: int | None = None
+
+    def reset(self) -> None:
+        self._first_length = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if scores.shape[0] != len(self.seeds):
+            raise NonInvariantInputError(f"seeded sampling has {len(self.seeds)} seeds for {scores.shape[0]} "
+                                         "sequences; pass one seed per sequence (prompt x num_return_sequences)")
+        if self._first_length is None or input_ids.shape[1] < self._first_length:
+            self._first_length = input_ids.shape[1]
+        step = input_ids.shape[1] - self._first_length
+        out = torch.empty_like(scores)
+        for row, seed in enumerate(self.seeds):
+            logits = filter_logits(scores[row].float() / self.temperature, self.top_k, self.top_p)
+            gumbel = -torch.log(-torch.log(uniform_noise(seed, step, logits.shape[-1], logits.device)))
+            out[row] = (logits.double() + gumbel).to(out.dtype)
+        return out
+
+
+def seeded_sampling(seeds: Sequence[int], temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0) -> LogitsProcessorList:
+    """``generate(..., do_sample=False, logits_processor=seeded_sampling([...]))`` samples each row
+    with its own seed, identically in any batch."""
+    return LogitsProcessorList([SeededSampling(seeds, temperature, top_k, top_p)])
+
+
+# ---- input checks for generate ------------------------------------------------------------------------
+
+def check_left_padded(attention_mask: torch.Tensor) -> bool:
+    """Raise unless every row is pads then one run of real tokens ending at the last column.
+    Returns whether any row has padding."""
+    if attention_mask.dim() != 2:
+        raise NonInvariantInputError("generate needs a 2-D attention_mask [batch, length]")
+    mask = attention_mask.to(torch.int64)
+    count = mask.sum(-1)
+    bad = (count == 0) | (mask[:, -1] == 0) | (mask.shape[-1] - mask.argmax(-1) != count)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise NonInvariantInputError(
+            f"attention_mask rows {rows[:8]} are right-padded, empty or have holes. Generation appends tokens at "
+            "the end of every row, so prompts must be left-padded: tokenizer.padding_side = 'left' (or use "
+            "invariant_infer.generation.left_pad).")
+    return bool((count < mask.shape[-1]).any())
+
+
+def _option(options: dict, generation_config, name: str):
+    if name in options:
+        return options[name]
+    return getattr(generation_config, name, None)
+
+
+def _unsupported(options: dict, generation_config) -> str | None:
+    """The first generate option that is not batch-invariant, as a message; None if all are fine."""
+    def get(name):
+        return _option(options, generation_config, name)
+
+    if (get("num_beams") or 1) > 1 or (get("num_beam_groups") or 1) > 1:
+        return "beam search is not supported (its hypothesis bookkeeping and cache reordering are not verified " \
+               "batch-invariant); use greedy decoding or seeded sampling"
+    if get("penalty_alpha"):
+        return "contrastive search (penalty_alpha) is not supported"
+    if get("dola_layers") is not None:
+        return "DoLa decoding (dola_layers) is not supported"
+    if options.get("assistant_model") is not None or get("prompt_lookup_num_tokens") or get("assistant_early_exit"):
+        return "assisted / speculative decoding is not supported"
+    if options.get("custom_generate") is not None:
+        return "custom_generate is not supported"
+    if options.get("negative_prompt_ids") is not None or (get("guidance_scale") or 1.0) != 1.0:
+        return "classifier-free guidance (guidance_scale, negative_prompt_ids) is not supported"
+    if get("max_time") is not None:
+        return "max_time stops on wall-clock time, which depends on the batch; use max_new_tokens"
+    if get("watermarking_config") is not None:
+        return "watermarking is not supported"
+    cache_implementation = get("cache_implementation")
+    if cache_implementation not in (None, "dynamic", "static"):
+        return f"cache_implementation={cache_implementation!r} is not supported; use the default or 'static'"
+    cache = options.get("past_key_values", options.get("cache"))
+    if cache is not None and type(cache) not in (DynamicCache, StaticCache):
+        return f"a {type(cache).__name__} is not supported; pass a DynamicCache, a StaticCache or no cache"
+    return None
+
+
+# Options that read the padded prompt length or the pad tokens themselves.
+def _unsupported_with_padding(options: dict, generation_config) -> str | None:
+    def get(name):
+        return _option(options, generation_config, name)
+
+    if get("max_new_tokens") is None:
+        return "pass max_new_tokens: max_length counts left padding, so padded rows would stop earlier"
+    if (get("min_length") or 0) > 0:
+        return "min_length counts left padding; use min_new_tokens"
+    if (get("repetition_penalty") or 1.0) != 1.0:
+        return "repetition_penalty also penalises the pad token in padded rows; set repetition_penalty=1.0"
+    if get("no_repeat_ngram_size"):
+        return "no_repeat_ngram_size also counts n-grams made of pad tokens; unset it"
+    return None
+
+
+def _seeded_processors(logits_processor) -> list[SeededSampling]:
+    return [p for p in (logits_processor or []) if isinstance(p, SeededSampling)]
+
+
+def check_generate_options(model, options: dict) -> dict:
+    """Validate ``generate`` options (by name) for batch invariance; return them, adjusted:
+    ``do_sample`` is set to False when seeded sampling is used and the model's generation config
+    samples, and the CUDA compile config keeps eager rounding (see ``invariant_compile_config``)."""
+    options = dict(options)
+    generation_config = options.get("generation_config") or model.generation_config
+    problem = _unsupported(options, generation_config)
+    if problem:
+        raise NonInvariantInputError(f"generate: {problem}")
+
+    seeded = _seeded_processors(options.get("logits_processor"))
+    if seeded:
+        if options.get("do_sample"):
+            raise NonInvariantInputError(
+                "generate: do_sample=True draws with torch.multinomial after seeded sampling; pass do_sample=False "
+                "(the seeded processor already samples)")
+        options["do_sample"] = False  # the seeded processor replaces HF's temperature/top-k/top-p and draw
+        for processor in seeded:
+            processor.reset()
+    elif _option(options, generation_config, "do_sample"):
+        raise NonInvariantInputError(
+            "generate: do_sample=True samples with torch.multinomial over the whole batch, so a row's draw depends "
+            f"on its batch-mates. For batch-invariant sampling {_SEEDED_SAMPLING_HINT}; for greedy decoding pass "
+            "do_sample=False (the model's generation_config may set do_sample=True).")
+
+    inputs = options.get("inputs")
+    if inputs is None:
+        inputs = options.get("input_ids")
+    if inputs is None:
+        inputs = options.get("inputs_embeds")
+    mask = options.get("attention_mask")
+    padded = False
+    if mask is not None:
+        padded = check_left_padded(mask)
+    elif isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
+        pad = _option(options, generation_config, "pad_token_id")
+        if pad is not None and bool((inputs == pad).any()):
+            raise NonInvariantInputError(
+                "generate: input_ids contain pad_token_id but no attention_mask was passed; pass the "
+                "attention_mask of left-padded prompts")
+    if padded:
+        problem = _unsupported_with_padding(options, generation_config)
+        if problem:
+            raise NonInvariantInputError(f"generate with padded prompts: {problem}")
+
+    rows = inputs.shape[0] * (_option(options, generation_config, "num_return_sequences") or 1) \
+        if isinstance(inputs, torch.Tensor) else None
+    for processor in seeded:
+        if rows is not None and rows != len(processor.seeds):
+            raise NonInvariantInputError(f"seeded sampling has {len(processor.seeds)} seeds for {rows} sequences; "
+                                         "pass one seed per sequence")
+
+    cache = options.get("past_key_values", options.get("cache"))
+    compiles = _option(options, generation_config, "cache_implementation") == "static" \
+        or getattr(cache, "is_compileable", False)
+    if compiles and model.device.type == "cuda" and "compile_config" not in options \
+            and getattr(generation_config, "compile_config", None) is None:
+        compile_config = invariant_compile_config()
+        if compile_config is not None:
+            options["compile_config"] = compile_config
+    return options
+
+
+def invariant_compile_config():
+    """The config ``generate`` compiles decode steps with on CUDA (static cache): CUDA graphs, as HF's
+    default ``reduce-overhead``, plus inductor's ``emulate_precision_casts``, which keeps eager's
+    per-op rounding and turns off FMA contraction, so fused pointwise code (RoPE) matches the
+    eager prefill bit for bit. None when this torch has no such switch."""
+    import torch._inductor.config as inductor_config
+    from transformers import CompileConfig
+
+    if not hasattr(inductor_config, "emulate_precision_casts"):
+        return None
+    return CompileConfig(mode=None, options={"triton.cudagraphs": True, "emulate_precision_casts": True})
+
+
+# ---- the per-instance generate wrapper ---------------------------------------------------------------
+
+def _invariant_generate(model, *args, **kwargs):
+    generate = type(model).generate
+    bound = inspect.signature(generate).bind(model, *args, **kwargs)
+    options = dict(bound.arguments)
+    options.pop(next(iter(inspect.signature(generate).parameters)))  # self
+    options.update(options.pop("kwargs", {}))
+    return generate(model, **check_generate_options(model, options))
+
+
+def install_generate_checks(model) -> None:
+    """Shadow ``model.generate`` on this instance only with the checked version."""
+    model.generate = functools.partial(_invariant_generate, model)
+
+
+def remove_generate_checks(model) -> None:
+    if isinstance(model.__dict__.get("generate"), functools.partial):
+        del model.generate
+
+
+# ---- convenience -------------------------------------------------------------------------------------
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int = 0, device=None):
+    """(input_ids, attention_mask), both [B, max_len] long, with each sequence right-aligned."""
+    width = max(len(seq) for seq in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq):
+            input_ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
+            attention_mask[row, width - len(seq):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def generate_invariant(model, prompts, tokenizer=None, *, max_new_tokens: int, seeds: Sequence[int] | None = None,
+                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, **generate_kwargs):
+    """Generate for a list of prompts (strings with ``tokenizer``, or token-id lists), left-padded.
+
+    Greedy without ``seeds``; with ``seeds`` (one per prompt), seeded temperature/top-k/top-p
+    sampling. Every row's tokens and logits are the same in any batch. Returns what ``generate`` does."""
+    from .patch import make_invariant
+
+    make_invariant(model)
+    if tokenizer is not None and prompts and isinstance(prompts[0], str):
+        prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
+    pad_token_id = generate_kwargs.pop("pad_token_id", None)
+    if pad_token_id is None and tokenizer is not None:
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_token_id is None:
+        pad_token_id = model.generation_config.pad_token_id or 0
+    input_ids, attention_mask = left_pad(prompts, pad_token_id, model.device)
+    processors = LogitsProcessorList(generate_kwargs.pop("logits_processor", None) or [])
+    if seeds is not None:
+        processors.extend(seeded_sampling(seeds, temperature, top_k, top_p))  # last: it samples
+    if processors:
+        generate_kwargs["logits_processor"] = processors
+    return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                          do_sample=False, pad_token_id=pad_token_id, **generate_kwargs)
