@@ -19,7 +19,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: LinearConfig | None = None) -> torch.Tensor:
+                    config: LinearConfig | None = None, parallel_chunks: bool | None = None) -> torch.Tensor:
     """linear(silu_mul(gate, up), weight, bias), bitwise, without writing silu_mul's output."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul_linear: gate {tuple(gate.shape)} {gate.dtype} vs up {tuple(up.shape)} {up.dtype}")
@@ -28,17 +28,19 @@ def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, 
     if g2.stride() != u2.stride():
         u2 = u2.contiguous()
         g2 = g2.contiguous()
-    y = launch_linear(g2, weight, bias, config, PROLOGUE_SILU_MUL, up=u2)
+    y = launch_linear(g2, weight, bias, config, PROLOGUE_SILU_MUL, up=u2, parallel_chunks=parallel_chunks)
     return y.reshape(*gate.shape[:-1], weight.shape[0])
 
 
 def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None, config: LinearConfig | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, config: LinearConfig | None = None,
+                    parallel_chunks: bool | None = None) -> torch.Tensor:
     """linear(rms_norm(x, norm_weight, eps), weight, bias), bitwise, without writing the normed x."""
     _check_operands(x, weight, bias)
     if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype:
         raise ValueError(f"rms_norm_linear: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not "
                          f"match x {tuple(x.shape)} {x.dtype}")
     x2 = _rows(x)
-    y = launch_linear(x2, weight, bias, config, PROLOGUE_RMS_NORM, rstd=rms_rstd(x2, eps), norm_weight=norm_weight)
+    y = launch_linear(x2, weight, bias, config, PROLOGUE_RMS_NORM, rstd=rms_rstd(x2, eps), norm_weight=norm_weight,
+                      parallel_chunks=parallel_chunks)
     return y.reshape(*x.shape[:-1], weight.shape[0])

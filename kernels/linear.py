@@ -1,8 +1,15 @@
 """Batch-invariant linear layer: y = x @ W^T (+ bias).
 
-Every output element is reduced over K in one order fixed by (dtype, N, K) alone: one tile
-config per weight shape, no autotuning, no atomics, and split-K only as a fixed property of
-the weight shape with an in-order combine. Nothing here looks at M.
+Every output element is reduced over K in one order fixed by (device, dtype, N, K) alone: one
+tile config per weight shape, no autotuning, no atomics. K may be cut into a fixed number of
+chunks (``k_chunks``, a property of the weight shape): each chunk is summed from zero, and the
+chunk sums are added in chunk order. That reduction tree can run on two schedules with the
+same bits:
+  * sequential: one program walks all chunks, adding each chunk's sum into its total;
+  * parallel (split-K): one program per chunk writes fp32 partials, and a combine kernel adds
+    them in chunk order.
+Only the schedule may depend on M (parallel chunks fill the GPU when M is small); the
+arithmetic never does.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ class LinearConfig:
     block_m: int
     block_n: int
     block_k: int
-    split_k: int = 1
+    k_chunks: int = 1   # the reduction tree: K cut into this many chunks, summed in order
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
@@ -70,7 +77,7 @@ def _linear_kernel(
     x_ptr, up_ptr, rstd_ptr, norm_w_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, K_CHUNKS: tl.constexpr, PARALLEL_CHUNKS: tl.constexpr, PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -88,12 +95,42 @@ def _linear_kernel(
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * N can pass 2**31 (logits)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # Each split owns a fixed K range (fixed by K and SPLIT_K only).
-    k_blocks_per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
-    k_begin = pid_k * k_blocks_per_split * BLOCK_K
-    k_end = tl.minimum(K, k_begin + k_blocks_per_split * BLOCK_K)
-
+    # Chunk c covers K range [c * chunk_len, (c + 1) * chunk_len): fixed by K and K_CHUNKS only.
+    chunk_len = (((K + BLOCK_K - 1) // BLOCK_K + K_CHUNKS - 1) // K_CHUNKS) * BLOCK_K
+    if PARALLEL_CHUNKS:
+        first_chunk = pid_k
+        last_chunk = pid_k + 1
+    else:
+        first_chunk = 0
+        last_chunk = K_CHUNKS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for chunk in range(first_chunk, last_chunk):
+        k_begin = chunk * chunk_len
+        k_end = tl.minimum(K, k_begin + chunk_len)
+        if K_CHUNKS == 1:
+            acc = _chunk_dot(acc, x_ptr, up_ptr, norm_w_ptr, w_ptr, rstd_ptr, offs_m, offs_n, offs_k, k_begin, k_end,
+                             M, N, stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
+        else:  # a chunk is summed from zero, then added to the total in chunk order
+            part = _chunk_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr, up_ptr, norm_w_ptr, w_ptr,
+                              rstd_ptr, offs_m, offs_n, offs_k, k_begin, k_end, M, N,
+                              stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
+            acc += part
+
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    if PARALLEL_CHUNKS:
+        tl.store(y_ptrs, acc, mask=out_mask)  # fp32 partials, combined in chunk order below
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _chunk_dot(acc, x_ptr, up_ptr, norm_w_ptr, w_ptr, rstd_ptr, offs_m, offs_n, offs_k, k_begin, k_end, M, N,
+               stride_xm, stride_xk, stride_wn, stride_wk,
+               PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + x[:, k_begin:k_end] @ w[:, k_begin:k_end]^T, k in order, with the x prologue applied."""
     if PROLOGUE == 2:
         rstd = tl.load(rstd_ptr + offs_m, mask=offs_m < M, other=0.0)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -113,27 +150,19 @@ def _linear_kernel(
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (ks[:, None] < k_end), other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-
-    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(y_ptrs, acc, mask=out_mask)  # fp32 partials, combined in order below
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_k_combine_kernel(
+def _chunk_combine_kernel(
     part_ptr, b_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, K_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < N
     acc = tl.load(part_ptr + row * stride_pm + offs_n, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):  # always split 0, 1, 2, ... in that order
+    for s in tl.static_range(1, K_CHUNKS):  # always chunk 0, 1, 2, ... in that order
         acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + offs_n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
@@ -150,8 +179,19 @@ def _check_operands(x, weight, bias):
         raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
 
 
-def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None, rstd=None, norm_weight=None):
-    """Launch on 2-D ``x2`` [M, K]; the prologue operands are used only by their prologue."""
+def parallel_chunks_pays(device: torch.device, m: int, n: int, cfg: LinearConfig) -> bool:
+    """The schedule (never the arithmetic): run chunks in parallel when output tiles alone would
+    leave most of the GPU idle (small M). The interpreter always runs them in sequence."""
+    if cfg.k_chunks == 1 or device.type != "cuda":
+        return False
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return tiles < torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None, rstd=None, norm_weight=None,
+                  parallel_chunks: bool | None = None):
+    """Launch on 2-D ``x2`` [M, K]; the prologue operands are used only by their prologue.
+    ``parallel_chunks`` forces a schedule (tests); by default ``parallel_chunks_pays`` picks it."""
     m, k = x2.shape
     n = weight.shape[0]
     cfg = config or linear_config(x2.device.type, x2.dtype, n, k)
@@ -159,9 +199,12 @@ def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None, rst
     if m == 0:
         return y
     has_bias = bias is not None
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    out = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), device=x2.device, dtype=torch.float32)
-    stride_ys = 0 if cfg.split_k == 1 else out.stride(0)
+    if parallel_chunks is None:
+        parallel_chunks = parallel_chunks_pays(x2.device, m, n, cfg)
+    parallel_chunks = parallel_chunks and cfg.k_chunks > 1
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.k_chunks if parallel_chunks else 1)
+    out = torch.empty((cfg.k_chunks, m, n), device=x2.device, dtype=torch.float32) if parallel_chunks else y
+    stride_ys = out.stride(0) if parallel_chunks else 0
     launch(
         _linear_kernel, grid, x2.device,
         x2, x2 if up is None else up, x2 if rstd is None else rstd, x2 if norm_weight is None else norm_weight,
@@ -169,26 +212,26 @@ def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None, rst
         m, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
         stride_ys, out.stride(-2), out.stride(-1),
-        HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, PROLOGUE=prologue,
+        HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, PARALLEL_CHUNKS=parallel_chunks, PROLOGUE=prologue,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.split_k > 1:
+    if parallel_chunks:
         block_n = 1024
-        launch(_split_k_combine_kernel, (m, triton.cdiv(n, block_n)), x2.device,
+        launch(_chunk_combine_kernel, (m, triton.cdiv(n, block_n)), x2.device,
                out, bias if has_bias else out, y, m, n, out.stride(0), out.stride(1), y.stride(0),
-               HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=block_n)
+               HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, BLOCK_N=block_n)
     return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: LinearConfig | None = None) -> torch.Tensor:
+           config: LinearConfig | None = None, parallel_chunks: bool | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` with a batch-invariant reduction order.
 
-    ``config`` overrides the per-shape table; pass one only to study configs (tests use it to
-    build a deliberately M-dependent negative control)."""
+    ``config`` overrides the per-shape table and ``parallel_chunks`` the schedule; pass them only
+    to study configs (tests use them, e.g. for a deliberately M-dependent negative control)."""
     _check_operands(x, weight, bias)
     n, k = weight.shape
-    y = launch_linear(x.reshape(-1, k), weight, bias, config)
+    y = launch_linear(x.reshape(-1, k), weight, bias, config, parallel_chunks=parallel_chunks)
     return y.reshape(*x.shape[:-1], n)

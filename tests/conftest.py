@@ -21,6 +21,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _seed():
+    """Every test draws the same random data on every run."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """2 layers, hidden 64, 4 query heads / 2 KV heads of 16, q/k/v bias, untied lm_head."""

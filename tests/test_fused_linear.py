@@ -19,10 +19,10 @@ def _data(dtype, device, m=37, k=300, n=100):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_silu_mul_linear_equals_unfused(dtype, device, split_k):
+@pytest.mark.parametrize("k_chunks", [1, 2])
+def test_silu_mul_linear_equals_unfused(dtype, device, k_chunks):
     gate, up, w, b, _ = _data(dtype, device)
-    cfg = None if split_k == 1 else LinearConfig(16, 64, 64, split_k=split_k)
+    cfg = None if k_chunks == 1 else LinearConfig(16, 64, 64, k_chunks=k_chunks)
     fused = silu_mul_linear(gate, up, w, b, config=cfg)
     assert torch.equal(fused, linear(silu_mul(gate, up), w, b, config=cfg))
     assert torch.equal(silu_mul_linear(gate[5:6], up[5:6], w, b, config=cfg)[0], fused[5])
@@ -30,10 +30,10 @@ def test_silu_mul_linear_equals_unfused(dtype, device, split_k):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_rms_norm_linear_equals_unfused(dtype, device, split_k):
+@pytest.mark.parametrize("k_chunks", [1, 2])
+def test_rms_norm_linear_equals_unfused(dtype, device, k_chunks):
     x, _, w, b, norm_w = _data(dtype, device)
-    cfg = None if split_k == 1 else LinearConfig(16, 64, 64, split_k=split_k)
+    cfg = None if k_chunks == 1 else LinearConfig(16, 64, 64, k_chunks=k_chunks)
     fused = rms_norm_linear(x, norm_w, 1e-6, w, b, config=cfg)
     assert torch.equal(fused, linear(rms_norm(x, norm_w, 1e-6), w, b, config=cfg))
     assert torch.equal(rms_norm_linear(x[20:], norm_w, 1e-6, w, b, config=cfg), fused[20:])
