@@ -1,0 +1,133 @@
+"""The phenomenon: a row's logits computed in a batch vs the same row alone, stock and invariant.
+
+For each case a batch of rows (left or right padded to one length) is scored once; then each
+checked row is scored alone, unpadded, batch size 1. Compared on the row's real tokens:
+max |delta logit| and the number of rows whose logits are not bitwise equal (torch.equal).
+Both runs get position_ids = cumsum(mask) - 1 (as generate() does), so padding never shifts
+positions and any difference comes from reduction order alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from invariant_infer import make_invariant, positions_from_mask, restore
+from invariant_infer.models import qwen2_config
+
+from .e2e import build_model
+from .timing import Run, free_memory
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    lengths: tuple  # real tokens per row
+    side: str = "left"  # padding side
+    invariant_rows: int | None = None  # check only this many rows alone for invariant (None = all)
+
+
+def _random_lengths(seed: int, n: int, hi: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    return (hi,) + tuple(torch.randint(1, hi + 1, (n - 1,), generator=g).tolist())
+
+
+CASES = (
+    Case("left-pad B=4 lens 33/20/9/1", (33, 20, 9, 1)),
+    Case("left-pad B=8 lens 1..256", _random_lengths(1, 8, 256)),
+    Case("right-pad B=8 lens 1..256", _random_lengths(2, 8, 256), side="right"),
+    Case("no pad B=8 L=128", (128,) * 8),
+    Case("decode-shaped B=16 L=1", (1,) * 16),
+    Case("decode-shaped B=64 L=1", (1,) * 64),
+    Case("left-pad B=32 lens 1..512", _random_lengths(3, 32, 512)),
+)
+# Quick mode: stock HF at Qwen2.5-1.5B's real widths (1 layer, vocab 2048) is cheap on CPU; the
+# invariant path runs there through the interpreter (3-5 s per 16 tokens), so it checks two rows
+# (first and last) of the first two cases and skips the rest (invariant_rows=0).
+QUICK_CASES = (
+    Case("left-pad B=4 lens 7/5/3/1", (7, 5, 3, 1), invariant_rows=2),
+    Case("decode-shaped B=16 L=1", (1,) * 16, invariant_rows=2),
+    Case("left-pad B=4 lens 33/20/9/1", (33, 20, 9, 1), invariant_rows=0),
+    Case("no pad B=4 L=8", (8,) * 4, invariant_rows=0),
+    Case("decode-shaped B=32 L=1", (1,) * 32, invariant_rows=0),
+)
+
+
+def quick_config():
+    return qwen2_config("qwen2.5-1.5b", num_hidden_layers=1, vocab_size=2048)
+
+
+def _batch(case: Case, vocab: int, gen: torch.Generator):
+    length = max(case.lengths)
+    ids = torch.randint(0, vocab, (len(case.lengths), length), generator=gen)
+    mask = torch.zeros_like(ids)
+    spans = []
+    for i, n in enumerate(case.lengths):
+        span = slice(length - n, length) if case.side == "left" else slice(0, n)
+        mask[i, span] = 1
+        spans.append(span)
+    return ids, mask, spans
+
+
+def _checked_rows(n_rows: int, limit: int | None) -> list:
+    """All rows, or ``limit`` rows spread evenly over the batch (first and last included)."""
+    if limit is None or limit >= n_rows:
+        return list(range(n_rows))
+    if limit <= 1:
+        return [0][:limit]
+    return sorted({round(i * (n_rows - 1) / (limit - 1)) for i in range(limit)})
+
+
+def _compare(model, ids, mask, spans, rows) -> dict:
+    dev = next(model.parameters()).device
+    ids, mask = ids.to(dev), mask.to(dev)
+    batch = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask, ids.shape[1])).logits
+    worst, unequal = 0.0, 0
+    for i in rows:
+        row_ids = ids[i:i + 1, spans[i]]
+        alone = model(input_ids=row_ids, attention_mask=torch.ones_like(row_ids)).logits[0]
+        in_batch = batch[i, spans[i]]
+        worst = max(worst, (alone.float() - in_batch.float()).abs().max().item())
+        unequal += not torch.equal(alone, in_batch)
+    return {"max_abs_diff": worst, "rows_unequal": unequal, "rows_checked": len(rows)}
+
+
+def run(ctx: Run, config=None, cases=None, dtype=torch.bfloat16) -> dict:
+    config = config or (quick_config() if ctx.quick else qwen2_config("qwen2.5-1.5b"))
+    cases = cases or (QUICK_CASES if ctx.quick else CASES)
+    model = build_model(ctx, config, dtype)
+    gen = torch.Generator().manual_seed(4)
+    batches = [_batch(case, config.vocab_size, gen) for case in cases]
+    results = {case.name: {"case": case.name, "batch": len(case.lengths), "lengths": list(case.lengths),
+                           "padding": case.side, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
+                           "intermediate": config.intermediate_size, "vocab": config.vocab_size,
+                           "dtype": str(dtype)[6:]} for case in cases}
+    with torch.inference_mode():
+        for mode in ("stock", "invariant"):
+            if mode == "invariant":
+                make_invariant(model)
+            try:
+                for case, (ids, mask, spans) in tqdm(list(zip(cases, batches)), desc=f"divergence {mode}", leave=False):
+                    limit = case.invariant_rows if mode == "invariant" else None
+                    rows = _checked_rows(len(case.lengths), limit)
+                    if not rows or ctx.out_of_time(f"divergence {mode} {case.name}"):
+                        continue
+                    try:
+                        found = _compare(model, ids, mask, spans, rows)
+                    except Exception as exc:
+                        ctx.failed(f"divergence {mode} {case.name}", exc)
+                        continue
+                    results[case.name].update({f"{mode}_{key}": value for key, value in found.items()})
+            finally:
+                restore(model)
+    del model
+    free_memory(ctx.device)
+    out = []
+    for row in results.values():
+        for mode in ("stock", "invariant"):
+            for key in ("max_abs_diff", "rows_unequal", "rows_checked"):
+                row.setdefault(f"{mode}_{key}", None)
+            checked = row[f"{mode}_rows_checked"]
+            row[f"{mode}_frac_unequal"] = row[f"{mode}_rows_unequal"] / checked if checked else None
+        out.append(row)
+    return {"divergence": out}

@@ -1,0 +1,77 @@
+"""Linear layers at Qwen2.5-1.5B's shapes: torch.nn.functional.linear (cuBLAS) vs invariant_infer.kernels.linear."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from invariant_infer.kernels import linear
+
+from .timing import Run, time_ms
+
+# name -> (N, K, bias): y[M, N] = x[M, K] @ W[N, K]^T (+ b)
+SHAPES = {
+    "q": (1536, 1536, True),
+    "k/v": (256, 1536, True),
+    "o": (1536, 1536, False),
+    "gate/up": (8960, 1536, False),
+    "down": (1536, 8960, False),
+    "lm_head": (151936, 1536, False),
+}
+MS = (1, 8, 32, 128, 512, 2048, 8192)
+# Quick (CPU interpreter): N and K divided by 16, small M.
+QUICK_SHAPES = {name: (max(16, n // 16), max(16, k // 16), bias) for name, (n, k, bias) in SHAPES.items()}
+QUICK_MS = (1, 8, 32)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor, chunk: int = 1024) -> float:
+    """max |a - b| in fp32, a row chunk at a time (lm_head outputs reach gigabytes)."""
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    best = 0.0
+    for i in range(0, a2.shape[0], chunk):
+        best = max(best, (a2[i:i + chunk].float() - b2[i:i + chunk].float()).abs().max().item())
+    return best
+
+
+def run(ctx: Run, shapes: dict | None = None, ms=None, dtype=torch.bfloat16) -> dict:
+    shapes = shapes or (QUICK_SHAPES if ctx.quick else SHAPES)
+    ms = tuple(ms or (QUICK_MS if ctx.quick else MS))
+    rows = []
+    items = [(name, m) for name in shapes for m in ms]
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    weights = {}
+    refs = {}  # name -> (stock row 0, invariant row 0) at M=1
+    for name, m in tqdm(items, desc="matmul", leave=False):
+        if ctx.out_of_time(f"{name} M={m}"):
+            continue
+        n, k, has_bias = shapes[name]
+        try:
+            if name not in weights:
+                weights.clear()
+                w = torch.randn(n, k, generator=gen, device=ctx.device, dtype=dtype) * k ** -0.5
+                b = torch.randn(n, generator=gen, device=ctx.device, dtype=dtype) * 0.02 if has_bias else None
+                x_all = torch.randn(max(ms), k, generator=gen, device=ctx.device, dtype=dtype)
+                weights[name] = (w, b, x_all)
+            w, b, x_all = weights[name]
+            x = x_all[:m]
+            stock_fn, inv_fn = (lambda: F.linear(x, w, b)), (lambda: linear(x, w, b))
+            y_stock, y_inv = stock_fn(), inv_fn()  # also the warm-up (Triton compiles here)
+            stock_ms = time_ms(stock_fn, ctx.device, reps=3, warmup=0, flush_l2=True)
+            inv_ms = time_ms(inv_fn, ctx.device, reps=3 if ctx.on_gpu else 1, warmup=0, flush_l2=True)
+            if m == ms[0]:
+                refs[name] = (y_stock[0].clone(), y_inv[0].clone())
+            flops = 2.0 * m * n * k
+            rows.append({
+                "shape": name, "M": m, "N": n, "K": k, "bias": has_bias, "dtype": str(dtype).removeprefix("torch."),
+                "stock_ms": stock_ms, "invariant_ms": inv_ms,
+                "stock_tflops": flops / (stock_ms * 1e-3) / 1e12, "invariant_tflops": flops / (inv_ms * 1e-3) / 1e12,
+                "ratio": inv_ms / stock_ms,
+                "max_abs_diff": max_abs_diff(y_inv, y_stock),
+                # Row 0 of this M-row product, bitwise, against row 0 computed with M = min(ms).
+                "stock_row0_equal": bool(torch.equal(y_stock[0], refs[name][0])) if name in refs else None,
+                "invariant_row0_equal": bool(torch.equal(y_inv[0], refs[name][1])) if name in refs else None,
+            })
+            del y_stock, y_inv
+        except Exception as exc:  # one failing shape must not end a one-shot GPU run
+            ctx.failed(f"{name} M={m}", exc)
+    return {"matmul": rows}

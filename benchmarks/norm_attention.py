@@ -1,0 +1,122 @@
+"""RMSNorm (vs HF Qwen2RMSNorm) and attention (vs torch SDPA, called as HF's "sdpa" calls it)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+from invariant_infer.kernels import attention, rms_norm
+
+from .matmul import max_abs_diff
+from .timing import Run, time_ms
+
+HIDDEN, EPS = 1536, 1e-6
+NORM_MS, QUICK_NORM_MS = (1, 32, 512, 2048, 8192, 32768), (1, 32)
+# Qwen2.5-1.5B attention: 12 query heads, 2 KV heads, head_dim 128.
+HEADS, QUICK_HEADS = (12, 2, 128), (4, 2, 64)
+PREFILL_GRID, QUICK_PREFILL_GRID = [(b, s) for b in (1, 8, 32) for s in (512, 2048)], [(1, 16), (3, 48)]
+DECODE_GRID = [(b, c) for b in (1, 16) for c in (512, 1024, 2048, 4096, 8192)]
+QUICK_DECODE_GRID = [(2, 64), (2, 128)]
+
+
+def padding_mask(pads, lq: int, lk: int, device):
+    """HF-style bool mask [B, 1, Lq, Lk] (True = attend) for left padding, built once per forward
+    as transformers does; None when nothing is padded. Fully padded query rows attend everywhere
+    (HF's fix for SDPA), so no NaN."""
+    if not any(pads):
+        return None
+    key_idx = torch.arange(lk, device=device)
+    q_idx = torch.arange(lk - lq, lk, device=device)
+    pad = torch.tensor(pads, device=device)
+    mask = (key_idx[None, None, :] <= q_idx[None, :, None]) & (key_idx[None, None, :] >= pad[:, None, None])
+    return (mask | ~mask.any(-1, keepdim=True))[:, None]
+
+
+def stock_attention(q, k, v, mask):
+    """torch SDPA as transformers' sdpa_attention_forward calls it: no mask -> is_causal with
+    enable_gqa; a padding mask -> KV heads repeated (enable_gqa with a mask falls back to math)."""
+    lq = q.shape[2]
+    if mask is None:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=lq > 1, enable_gqa=True)
+        except TypeError:  # torch < 2.5
+            pass
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=lq > 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _rmsnorm(ctx: Run, dtype) -> list:
+    rows = []
+    gen = torch.Generator(device=ctx.device).manual_seed(1)
+    module = Qwen2RMSNorm(HIDDEN, eps=EPS).to(device=ctx.device, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(1 + 0.1 * torch.randn(HIDDEN, generator=gen, device=ctx.device))
+    for m in tqdm(QUICK_NORM_MS if ctx.quick else NORM_MS, desc="rmsnorm", leave=False):
+        if ctx.out_of_time(f"rmsnorm M={m}"):
+            continue
+        try:
+            x = torch.randn(m, HIDDEN, generator=gen, device=ctx.device, dtype=dtype)
+            stock_fn, inv_fn = (lambda: module(x)), (lambda: rms_norm(x, module.weight, EPS))
+            with torch.no_grad():
+                y_stock, y_inv = stock_fn(), inv_fn()
+                stock_ms = time_ms(stock_fn, ctx.device, flush_l2=True)
+                inv_ms = time_ms(inv_fn, ctx.device, reps=3 if ctx.on_gpu else 1, warmup=0, flush_l2=True)
+            nbytes = 2 * m * HIDDEN * x.element_size() + HIDDEN * x.element_size()
+            rows.append({"M": m, "N": HIDDEN, "stock_ms": stock_ms, "invariant_ms": inv_ms, "ratio": inv_ms / stock_ms,
+                         "stock_gbps": nbytes / (stock_ms * 1e-3) / 1e9, "invariant_gbps": nbytes / (inv_ms * 1e-3) / 1e9,
+                         "max_abs_diff": max_abs_diff(y_inv, y_stock), "bitwise_equal_to_stock": bool(torch.equal(y_inv, y_stock))})
+        except Exception as exc:
+            ctx.failed(f"rmsnorm M={m}", exc)
+    return rows
+
+
+def _attention_case(ctx: Run, gen, dtype, batch: int, lq: int, lk: int, pads: list) -> dict:
+    hq, hkv, d = QUICK_HEADS if ctx.quick else HEADS
+    q = torch.randn(batch, hq, lq, d, generator=gen, device=ctx.device, dtype=dtype)
+    k = torch.randn(batch, hkv, lk, d, generator=gen, device=ctx.device, dtype=dtype)
+    v = torch.randn(batch, hkv, lk, d, generator=gen, device=ctx.device, dtype=dtype)
+    i32 = dict(device=ctx.device, dtype=torch.int32)
+    kv_start, kv_end = torch.tensor(pads, **i32), torch.full((batch,), lk, **i32)
+    q_start = torch.full((batch,), lk - lq, **i32)  # query i sits at key position lk - lq + i
+    scale = d ** -0.5
+    mask = padding_mask(pads, lq, lk, ctx.device)
+    stock_fn = lambda: stock_attention(q, k, v, mask)  # noqa: E731
+    inv_fn = lambda: attention(q, k, v, kv_start, kv_end, q_start, scale)  # noqa: E731
+    y_stock, y_inv = stock_fn().transpose(1, 2), inv_fn()
+    stock_ms = time_ms(stock_fn, ctx.device, flush_l2=True)
+    inv_ms = time_ms(inv_fn, ctx.device, reps=3 if ctx.on_gpu else 1, warmup=0, flush_l2=True)
+    real = [slice(max(0, p - (lk - lq)), lq) for p in pads]  # query rows that have a real token
+    diff = max((max_abs_diff(y_inv[i, r], y_stock[i, r]) for i, r in enumerate(real) if r.start < r.stop), default=0.0)
+    return {"batch": batch, "q_len": lq, "kv_len": lk, "heads": hq, "kv_heads": hkv, "head_dim": d,
+            "padded_rows": sum(1 for p in pads if p), "pad_tokens": int(sum(pads)),
+            "stock_ms": stock_ms, "invariant_ms": inv_ms, "ratio": inv_ms / stock_ms, "max_abs_diff": diff}
+
+
+def _pads(batch: int, seq: int) -> list:
+    """Row 0 full length; the others left-padded by different amounts up to a quarter of the row."""
+    return [0] + [(37 * i) % (seq // 4 + 1) for i in range(1, batch)]
+
+
+def run(ctx: Run, dtype=torch.bfloat16) -> dict:
+    out = {"rmsnorm": _rmsnorm(ctx, dtype), "attention": [], "decode_attention": []}
+    gen = torch.Generator(device=ctx.device).manual_seed(2)
+    with torch.no_grad():
+        for batch, seq in tqdm(QUICK_PREFILL_GRID if ctx.quick else PREFILL_GRID, desc="attention", leave=False):
+            if ctx.out_of_time(f"attention {batch}x{seq}"):
+                continue
+            try:
+                out["attention"].append(_attention_case(ctx, gen, dtype, batch, seq, seq, _pads(batch, seq)))
+            except Exception as exc:
+                ctx.failed(f"attention {batch}x{seq}", exc)
+        for batch, context in tqdm(QUICK_DECODE_GRID if ctx.quick else DECODE_GRID, desc="decode attn", leave=False):
+            if ctx.out_of_time(f"decode attention {batch}x{context}"):
+                continue
+            try:
+                out["decode_attention"].append(_attention_case(ctx, gen, dtype, batch, 1, context, [0] * batch))
+            except Exception as exc:
+                ctx.failed(f"decode attention {batch}x{context}", exc)
+    return out

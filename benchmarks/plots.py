@@ -1,0 +1,184 @@
+"""PNG plots (matplotlib, Agg): overhead vs M, throughput vs batch, divergence, kernels."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+
+NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
+STOCK, INVARIANT = "#1f77b4", "#d62728"
+
+
+def _finish(fig, results: dict, path: Path, timed: bool = True) -> str:
+    device = results.get("device", "?")
+    fig.text(0.01, 0.005, f"{device} · commit {str(results.get('commit'))[:12]} · torch {results.get('torch')} · "
+             f"triton {results.get('triton')}", fontsize=7, color="gray", ha="left", va="bottom")
+    if timed and not results.get("timings_meaningful"):
+        fig.text(0.5, 0.5, NOT_MEANINGFUL, fontsize=17, color="red", alpha=0.22, ha="center", va="center",
+                 rotation=20, weight="bold")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def _log_ticks(ax, xs) -> None:
+    """Log axes labelled as plain numbers: x at the measured values, y at 1-2-5 steps."""
+    xs = sorted(set(xs))
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if ax.get_yscale() == "log":
+        low, high = ax.get_ylim()
+        decades = math.log10(high / low) if low > 0 else 99
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 3 else (1.0,)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _suffix(results: dict) -> str:
+    return "" if results.get("timings_meaningful") else f"\n({NOT_MEANINGFUL})"
+
+
+def overhead_vs_m(results: dict, out: Path) -> str | None:
+    rows = results.get("matmul") or []
+    if not rows:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    cmap = plt.get_cmap("tab10")
+    for i, shape in enumerate(dict.fromkeys(r["shape"] for r in rows)):
+        sel = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["M"])
+        ms = [r["M"] for r in sel]
+        label = f"{shape} ({sel[0]['N']}×{sel[0]['K']})"
+        ax1.plot(ms, [r["ratio"] for r in sel], "o-", color=cmap(i), label=label)
+        ax2.plot(ms, [r["stock_tflops"] for r in sel], "s--", color=cmap(i), alpha=0.7)
+        ax2.plot(ms, [r["invariant_tflops"] for r in sel], "o-", color=cmap(i), label=label)
+    ax1.axhline(1.0, color="black", lw=0.8, ls=":", label="parity")
+    ax1.set(xscale="log", yscale="log", xlabel="M (rows = tokens in the batch)",
+            ylabel="invariant time / stock time (×, lower is better)",
+            title="Invariant linear overhead vs M" + _suffix(results))
+    ax2.set(xscale="log", yscale="log", xlabel="M (rows = tokens in the batch)", ylabel="throughput (TFLOP/s)",
+            title="Linear throughput: stock F.linear (dashed ■) vs invariant (solid ●)" + _suffix(results))
+    ax2.plot([], [], "k--s", label="stock (F.linear)")
+    ax2.plot([], [], "k-o", label="invariant")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        _log_ticks(ax, [r["M"] for r in rows])
+    return _finish(fig, results, out / "overhead_vs_m.png")
+
+
+def _grouped_bars(ax, labels, stock, invariant, ylabel, title):
+    xs = range(len(labels))
+    width = 0.38
+    values = {"stock": stock, "invariant": invariant}
+    for offset, (name, color) in zip((-width / 2, width / 2), (("stock", STOCK), ("invariant", INVARIANT))):
+        heights = [v if v is not None else 0 for v in values[name]]
+        bars = ax.bar([x + offset for x in xs], heights, width, color=color, label=name)
+        for bar, v in zip(bars, values[name]):
+            if v is None:
+                ax.annotate("n/a", (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom", fontsize=8)
+    for x, s, i in zip(xs, stock, invariant):
+        if s and i:
+            ax.annotate(f"{i / s:.2f}×", (x, max(s, i)), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(list(xs), labels)
+    ax.set(ylabel=ylabel, title=title)
+    ax.margins(y=0.15)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def throughput_vs_batch(results: dict, out: Path) -> str | None:
+    e2e, decode = results.get("e2e") or [], results.get("decode") or []
+    if not e2e and not decode:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    model = f"{e2e[0]['layers']} layers, hidden {e2e[0]['hidden']}" if e2e else ""
+    _grouped_bars(ax1, [f"{r['batch']}×{r['seq']}" for r in e2e], [r.get("stock_tokens_per_s") for r in e2e],
+                  [r.get("invariant_tokens_per_s") for r in e2e], "tokens / s (higher is better)",
+                  f"Scoring throughput ({model})\n(label = invariant/stock tokens/s)" + _suffix(results))
+    ax1.set_xlabel("batch × sequence length")
+    _grouped_bars(ax2, [f"B={r['batch']}" for r in decode], [r.get("stock_decode_tokens_per_s") for r in decode],
+                  [r.get("invariant_decode_tokens_per_s") for r in decode], "generated tokens / s (higher is better)",
+                  "Greedy decode with KV cache\n(label = invariant/stock tokens/s)" + _suffix(results))
+    if decode:
+        ax2.set_xlabel(f"batch (prompt {decode[0]['prompt']} tokens, {decode[0]['new_tokens']} new tokens)")
+    return _finish(fig, results, out / "throughput_vs_batch.png")
+
+
+def divergence(results: dict, out: Path) -> str | None:
+    rows = results.get("divergence") or []
+    if not rows:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.55 * len(rows) + 2.6), sharey=True)
+    ys = list(range(len(rows)))[::-1]
+    h = 0.38
+    for offset, mode, color in ((h / 2, "stock", STOCK), (-h / 2, "invariant", INVARIANT)):
+        diffs = [r.get(f"{mode}_max_abs_diff") for r in rows]
+        fracs = [r.get(f"{mode}_frac_unequal") for r in rows]
+        ax1.barh([y + offset for y in ys], [d or 0 for d in diffs], h, color=color, label=mode)
+        ax2.barh([y + offset for y in ys], [100 * (f or 0) for f in fracs], h, color=color, label=mode)
+        for y, r, d in zip(ys, rows, diffs):
+            checked = r.get(f"{mode}_rows_checked")
+            text = "not run" if not checked else (f"{d:.3g}" if d else "0 (bitwise equal)")
+            ax1.annotate(text, (d or 0, y + offset), xytext=(3, 0), textcoords="offset points", va="center",
+                         fontsize=7, color=color)
+            text = "not run" if not checked else f"{r[f'{mode}_rows_unequal']}/{checked}"
+            ax2.annotate(text, (100 * (r.get(f"{mode}_frac_unequal") or 0), y + offset), xytext=(3, 0),
+                         textcoords="offset points", va="center", fontsize=7, color=color)
+    first = rows[0]
+    model = f"{first['layers']} layer(s), hidden {first['hidden']}, MLP {first['intermediate']}, {first['dtype']}"
+    ax1.set_yticks(ys, [r["case"] for r in rows], fontsize=8)
+    ax1.set(xlabel="max |Δ logit|, batch vs alone (logit units)", title=f"Logit drift, batch vs alone\n({model})")
+    ax2.set(xlabel="rows not bitwise equal (%)", xlim=(0, 115), title="Rows whose logits change with the batch")
+    for ax in (ax1, ax2):
+        ax.margins(x=0.2)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    ax2.set_xlim(0, 115)
+    return _finish(fig, results, out / "divergence.png", timed=False)
+
+
+def kernels(results: dict, out: Path) -> str | None:
+    norm, attn, dec = results.get("rmsnorm") or [], results.get("attention") or [], results.get("decode_attention") or []
+    if not (norm or attn or dec):
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for ax, rows, key, xlabel, title in (
+            (axes[0], norm, "M", "rows (M), hidden 1536", "RMSNorm: HF Qwen2RMSNorm vs invariant"),
+            (axes[2], dec, "kv_len", "context length (keys)", "Decode attention (Lq=1): SDPA vs invariant")):
+        for batch in dict.fromkeys(r.get("batch", "") for r in rows):
+            sel = [r for r in rows if r.get("batch", "") == batch]
+            tag = f" B={batch}" if batch != "" else ""
+            ax.plot([r[key] for r in sel], [r["stock_ms"] for r in sel], "s--", color=STOCK, label=f"stock{tag}",
+                    alpha=0.6 if batch == 1 else 1)
+            ax.plot([r[key] for r in sel], [r["invariant_ms"] for r in sel], "o-", color=INVARIANT,
+                    label=f"invariant{tag}", alpha=0.6 if batch == 1 else 1)
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="time (ms, lower is better)", title=title + _suffix(results))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        if rows:
+            _log_ticks(ax, [r[key] for r in rows])
+    _grouped_bars(axes[1], [f"{r['batch']}×{r['q_len']}" for r in attn], [r["stock_ms"] for r in attn],
+                  [r["invariant_ms"] for r in attn], "time (ms, lower is better)",
+                  "Prefill attention, left-padded: SDPA vs invariant\n(label = invariant/stock time)" + _suffix(results))
+    axes[1].set_xlabel("batch × sequence length")
+    return _finish(fig, results, out / "kernels.png")
+
+
+def make_plots(results: dict, out: Path) -> list:
+    made = []
+    for fn in (overhead_vs_m, throughput_vs_batch, divergence, kernels):
+        try:
+            name = fn(results, out)
+        except Exception as exc:  # a plot must never lose the numbers
+            print(f"plot {fn.__name__} failed: {exc}")
+            name = None
+        if name:
+            made.append(name)
+    return made

@@ -1,0 +1,226 @@
+"""results.json, RESULTS.md and PNG plots; ``python -m benchmarks.report --summary results.json``
+prints the short summary table."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REQUIRED = {
+    "top": ("device", "commit", "torch", "triton", "transformers", "matmul", "e2e", "divergence"),
+    "matmul": ("shape", "M", "N", "K", "stock_tflops", "invariant_tflops"),
+    "e2e": ("batch", "seq", "stock_tokens_per_s", "invariant_tokens_per_s", "stock_peak_gb", "invariant_peak_gb"),
+    "divergence": ("case", "stock_max_abs_diff", "invariant_max_abs_diff", "stock_rows_unequal",
+                   "invariant_rows_unequal"),
+}
+NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
+
+
+# ---- metadata -------------------------------------------------------------------------------------
+
+def git_commit(repo: Path) -> str:
+    """``git rev-parse HEAD`` (+ "-dirty"), else $BENCH_COMMIT, else "unknown"."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except Exception:
+        return os.environ.get("BENCH_COMMIT", "unknown")
+
+
+def metadata(device: torch.device, quick: bool) -> dict:
+    import transformers
+    import triton
+    gpu = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if gpu else f"cpu ({platform.processor() or platform.machine()}, " \
+                                                           f"{os.cpu_count()} cores)"
+    return {
+        "device": name, "device_type": device.type, "commit": git_commit(Path(__file__).resolve().parents[1]),
+        "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "quick": quick, "timings_meaningful": gpu,
+        "timing_note": ("CUDA: triton.testing.do_bench medians with L2 flushed (kernels); CUDA-event medians (e2e)"
+                        if gpu else NOT_MEANINGFUL + ": invariant kernels run in Python; quick mode checks "
+                                                     "correctness and divergence only"),
+        "memory_note": ("torch.cuda.max_memory_allocated, weights included" if gpu
+                        else "null on CPU: torch's CPU allocator is invisible to tracemalloc and ru_maxrss is a "
+                             "process-lifetime high-water mark"),
+    }
+
+
+def validate(results: dict) -> list:
+    """Names of required fields that are missing (empty list = schema ok)."""
+    missing = [key for key in REQUIRED["top"] if key not in results]
+    for section in ("matmul", "e2e", "divergence"):
+        for i, row in enumerate(results.get(section) or []):
+            missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
+    return missing
+
+
+# ---- markdown -------------------------------------------------------------------------------------
+
+def fmt(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.3g}" if abs(value) < 1e5 else f"{value:.3e}"
+    if isinstance(value, (list, tuple)):
+        return "/".join(map(str, value)) if len(value) <= 8 else f"{len(value)} rows"
+    return str(value)
+
+
+def table(rows: list, columns: list) -> str:
+    """columns: [(header, key)]"""
+    if not rows:
+        return "_no rows (skipped or failed; see Skipped)_\n"
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(row.get(key)) for _, key in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: dict) -> str:
+    meaningful = results.get("timings_meaningful")
+    out = [f"# Benchmark results: {results['device']}\n",
+           f"commit `{results['commit']}` · torch {results['torch']} · triton {results['triton']} · "
+           f"transformers {results['transformers']} · {'quick' if results.get('quick') else 'full'} mode · "
+           f"{results.get('created', '')} · {results.get('duration_s', 0):.0f} s\n"]
+    if not meaningful:
+        out.append(f"> **{NOT_MEANINGFUL}.** The invariant kernels run in Triton's Python interpreter here; the "
+                   "numbers below check that everything runs and how far logits drift, not speed.\n")
+    out.append(f"Timing: {results.get('timing_note')}. Memory: {results.get('memory_note')}.\n")
+    out.append("## Divergence: the same row in a batch vs alone\n\nmax |Δ logit| over the row's real tokens; "
+               "rows unequal = rows whose logits are not bitwise equal (`torch.equal`), of rows checked.\n")
+    out.append(table(results.get("divergence"), [
+        ("case", "case"), ("model", "_model"), ("stock max abs Δ", "stock_max_abs_diff"),
+        ("stock rows unequal", "_stock_rows"), ("invariant max abs Δ", "invariant_max_abs_diff"),
+        ("invariant rows unequal", "_invariant_rows")]))
+    out.append("\n## Matmul (bf16): `F.linear` vs `invariant_infer.kernels.linear`\n\nratio = invariant time / "
+               "stock time (above 1 = invariant slower). row0 equal: row 0 of the M-row product is bitwise "
+               "equal to the M=1 product.\n")
+    out.append(table(results.get("matmul"), [
+        ("shape", "shape"), ("M", "M"), ("N", "N"), ("K", "K"), ("stock ms", "stock_ms"),
+        ("invariant ms", "invariant_ms"), ("stock TFLOP/s", "stock_tflops"), ("invariant TFLOP/s", "invariant_tflops"),
+        ("ratio", "ratio"), ("max abs Δ", "max_abs_diff"), ("stock row0 equal", "stock_row0_equal"),
+        ("invariant row0 equal", "invariant_row0_equal")]))
+    out.append("\n## End to end: scoring (one forward over batch × seq tokens)\n")
+    out.append(table(results.get("e2e"), [
+        ("batch", "batch"), ("seq", "seq"), ("model", "_model"), ("stock tok/s", "stock_tokens_per_s"),
+        ("invariant tok/s", "invariant_tokens_per_s"), ("time ratio", "ratio"), ("stock peak GB", "stock_peak_gb"),
+        ("invariant peak GB", "invariant_peak_gb"), ("last-token max abs Δ", "last_token_max_abs_diff")]))
+    out.append("\n## End to end: greedy decode (generate, KV cache; tokens/s of the steps after prefill)\n")
+    out.append(table(results.get("decode"), [
+        ("batch", "batch"), ("prompt", "prompt"), ("new tokens", "new_tokens"),
+        ("stock tok/s", "stock_decode_tokens_per_s"), ("invariant tok/s", "invariant_decode_tokens_per_s"),
+        ("stock/invariant", "ratio")]))
+    out.append("\n## RMSNorm: HF `Qwen2RMSNorm` vs `invariant_infer.kernels.rms_norm`\n")
+    out.append(table(results.get("rmsnorm"), [
+        ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
+        ("stock GB/s", "stock_gbps"), ("invariant GB/s", "invariant_gbps"), ("bitwise = stock", "bitwise_equal_to_stock")]))
+    attn_cols = [("batch", "batch"), ("q len", "q_len"), ("kv len", "kv_len"), ("heads q/kv/d", "_heads"),
+                 ("padded rows", "padded_rows"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"),
+                 ("ratio", "ratio"), ("max abs Δ", "max_abs_diff")]
+    out.append("\n## Prefill attention (causal, GQA, left padding): torch SDPA vs `invariant_infer.kernels.attention`\n")
+    out.append(table(results.get("attention"), attn_cols))
+    out.append("\n## Decode attention (Lq = 1)\n")
+    out.append(table(results.get("decode_attention"), attn_cols))
+    if results.get("skipped"):
+        out.append("\n## Skipped\n")
+        out.append(table(results["skipped"], [("section", "section"), ("item", "item"), ("reason", "reason")]))
+    if results.get("plots"):
+        out.append("\n## Plots\n")
+        out += [f"![{p}]({p})\n" for p in results["plots"]]
+    return "\n".join(out)
+
+
+def _decorate(results: dict) -> None:
+    """Display-only helper keys (prefixed with _), used by the markdown tables."""
+    for row in results.get("divergence") or []:
+        row["_model"] = f"{row.get('layers')}L h{row.get('hidden')}/{row.get('intermediate')} v{row.get('vocab')}"
+        for mode in ("stock", "invariant"):
+            checked = row.get(f"{mode}_rows_checked")
+            row[f"_{mode}_rows"] = f"{row[f'{mode}_rows_unequal']}/{checked}" if checked else "not run"
+    for row in results.get("e2e") or []:
+        row["_model"] = f"{row.get('layers')}L h{row.get('hidden')}"
+    for row in (results.get("attention") or []) + (results.get("decode_attention") or []):
+        row["_heads"] = f"{row.get('heads')}/{row.get('kv_heads')}/{row.get('head_dim')}"
+
+
+def _strip(results: dict) -> dict:
+    return {k: ([{kk: vv for kk, vv in r.items() if not kk.startswith("_")} for r in v]
+                if isinstance(v, list) and v and isinstance(v[0], dict) else v) for k, v in results.items()}
+
+
+def write_all(results: dict, out: Path, plots: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if plots:
+        from .plots import make_plots
+        results["plots"] = make_plots(results, out)
+    clean = _strip(results)
+    (out / "results.json").write_text(json.dumps(clean, indent=1, default=str) + "\n")
+    _decorate(results)
+    (out / "RESULTS.md").write_text(markdown(results))
+
+
+# ---- summary ------------------------------------------------------------------------------------
+
+def _geomean(values):
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def summary(results: dict) -> str:
+    lines = [f"{results['device']} | commit {results['commit']} | torch {results['torch']} triton "
+             f"{results['triton']} transformers {results['transformers']}"
+             + ("" if results.get("timings_meaningful") else f" | {NOT_MEANINGFUL}")]
+    shapes = list(dict.fromkeys(r["shape"] for r in results.get("matmul") or []))
+    for shape in shapes:
+        rows = [r for r in results["matmul"] if r["shape"] == shape]
+        lines.append(f"matmul {shape:8s} invariant/stock time ratio geomean {fmt(_geomean([r['ratio'] for r in rows]))}"
+                     f"  (M {rows[0]['M']}..{rows[-1]['M']}: {', '.join(fmt(r['ratio']) for r in rows)})")
+    for r in results.get("e2e") or []:
+        lines.append(f"e2e {r['batch']}x{r['seq']}: stock {fmt(r['stock_tokens_per_s'])} tok/s, invariant "
+                     f"{fmt(r['invariant_tokens_per_s'])} tok/s, peak GB {fmt(r['stock_peak_gb'])} / "
+                     f"{fmt(r['invariant_peak_gb'])}")
+    for r in results.get("decode") or []:
+        lines.append(f"decode B={r['batch']}: stock {fmt(r.get('stock_decode_tokens_per_s'))} tok/s, invariant "
+                     f"{fmt(r.get('invariant_decode_tokens_per_s'))} tok/s")
+    for r in results.get("divergence") or []:
+        lines.append(f"divergence {r['case']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
+                     f"({fmt(r['stock_rows_unequal'])}/{fmt(r.get('stock_rows_checked'))} rows differ); invariant "
+                     f"{fmt(r['invariant_max_abs_diff'])} ({fmt(r['invariant_rows_unequal'])}/"
+                     f"{fmt(r.get('invariant_rows_checked'))})")
+    if results.get("skipped"):
+        lines.append(f"skipped/failed items: {len(results['skipped'])} (see RESULTS.md)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--summary", metavar="RESULTS_JSON", required=True)
+    args = parser.parse_args(argv)
+    results = json.loads(Path(args.summary).read_text())
+    print(summary(results))
+    missing = validate(results)
+    if missing:
+        print(f"schema: missing {missing[:10]}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
