@@ -3,7 +3,7 @@
 What changes (and nothing process-wide):
   * every ``nn.Linear`` (q/k/v with bias, o, gate/up/down, lm_head) -> fixed-order Triton linear;
   * every ``Qwen2RMSNorm`` -> one-row-per-program Triton RMSNorm;
-  * every ``Qwen2MLP`` -> same projections, with silu(gate) * up as a row kernel;
+  * every ``Qwen2MLP`` -> same projections, with silu(gate) * up fused into the down projection;
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
   * attention -> the ``invariant`` attention and mask functions (see ``hf_attention``);
   * a pre-forward hook on the base model derives ``position_ids`` from the mask
@@ -24,7 +24,8 @@ from torch import nn
 from . import hf_attention
 from .errors import NonInvariantInputError, UnsupportedModelError
 from .generation import install_generate_checks, remove_generate_checks
-from .kernels import linear, rms_norm, silu_mul
+from .kernels import linear, rms_norm
+from .kernels.fused_linear import silu_mul_linear
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -44,7 +45,10 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    # silu(gate) * up is computed inside the down projection's prologue: bitwise what
+    # down_proj(silu_mul(gate, up)) gives, without writing the [tokens x intermediate] product.
+    down = self.down_proj
+    return silu_mul_linear(self.gate_proj(x), self.up_proj(x), down.weight, down.bias)
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):

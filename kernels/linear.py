@@ -46,8 +46,21 @@ _DEFAULT_CONFIGS = {
     ("cpu", torch.float32): LinearConfig(32, 256, 256),
 }
 
-# Per-weight-shape overrides, keyed by (device type, dtype, N, K). Filled by GPU tuning.
-LINEAR_CONFIGS: dict[tuple, LinearConfig] = {}
+# Per-weight-shape configs, keyed by (device type, dtype, N, K): Qwen2.5-1.5B's projections.
+# NOT YET MEASURED (no GPU in the sessions so far): predictions recorded in
+# benchmarks/results/LOG.md. Rationale: at small M the output tiles alone fill few of an
+# H100/H200's 132 SMs, so shapes with few N tiles get a fixed K-chunk tree that the parallel
+# schedule spreads over more programs; all tiles stay within 72 KiB of shared memory (sm_80/89 safe).
+_QWEN25_1_5B = {
+    (1536, 1536): LinearConfig(64, 64, 64, k_chunks=4),    # q, o: 24 N tiles -> 96 programs at M <= 64
+    (256, 1536): LinearConfig(64, 32, 64, k_chunks=4),     # k, v: 8 N tiles -> 32 programs
+    (8960, 1536): LinearConfig(64, 128, 64, k_chunks=2),   # gate, up: 70 N tiles -> 140 programs
+    (1536, 8960): LinearConfig(64, 64, 64, k_chunks=8),    # down: 24 N tiles -> 192 programs
+    (151936, 1536): LinearConfig(64, 128, 64),             # lm_head: 1187 N tiles already
+}
+LINEAR_CONFIGS: dict[tuple, LinearConfig] = {
+    ("cuda", dtype, n, k): cfg for dtype in (torch.bfloat16, torch.float16) for (n, k), cfg in _QWEN25_1_5B.items()
+}
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

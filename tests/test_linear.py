@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, DTYPES
-from invariant_infer.kernels import LinearConfig, linear, linear_config
+from invariant_infer.kernels import LINEAR_CONFIGS, LinearConfig, linear, linear_config
 
 # Max relative error (|y - ref|.max / |ref|.max) against float64: bf16 / fp16 outputs are rounded
 # to 8 / 11 bits; fp32 accumulates in fp32 (IEEE, no TF32).
@@ -96,3 +96,19 @@ def test_linear_rejects_mixed_dtypes():
         linear(torch.randn(2, 16), w, b)
     with pytest.raises(TypeError, match="supports"):
         linear(torch.randn(2, 16, dtype=torch.float64), w.double())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)])
+def test_gpu_shape_table_is_invariant_in_the_interpreter(shape):
+    """The CUDA per-weight-shape configs, run through the interpreter: both schedules give the
+    same bits, rows equal alone and in a batch, and accuracy holds."""
+    n, k = shape
+    cfg = LINEAR_CONFIGS[("cuda", torch.bfloat16, n, k)]
+    w, b = _weights(n, k, torch.bfloat16, "cpu")
+    x = torch.randn(5, k).bfloat16()
+    batch = linear(x, w, b, config=cfg, parallel_chunks=False)
+    assert torch.equal(linear(x, w, b, config=cfg, parallel_chunks=True), batch)
+    assert torch.equal(linear(x[3:4], w, b, config=cfg, parallel_chunks=True)[0], batch[3])
+    ref = x.double() @ w.double().T + b.double()
+    assert ((batch.double() - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[torch.bfloat16]
