@@ -14,7 +14,7 @@ from .report import metadata, summary, validate, write_all
 from .timing import Run, free_memory
 
 # Share of the time budget per section; time one section leaves unused passes to the next.
-SHARES = {"matmul": 0.3, "norm_attention": 0.15, "e2e": 0.3, "divergence": 0.25}
+SHARES = {"matmul": 0.27, "norm_attention": 0.14, "e2e": 0.27, "scoring": 0.1, "divergence": 0.22}
 
 
 def parse(argv=None):
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     results = metadata(device, args.quick)
     results.update({"budget_s": args.budget_s, "sections": args.only,
                     "matmul": [], "rmsnorm": [], "attention": [], "decode_attention": [], "e2e": [], "decode": [],
-                    "divergence": []})
+                    "scoring_memory": [], "scoring_throughput": [], "divergence": []})
     out = args.out or Path("bench_out") / f"{time.strftime('%Y%m%d-%H%M%S')}-{results['device'].split(' (')[0].replace(' ', '-')}"
     for i, name in enumerate(args.only):
         if end is not None:  # this section's share of what is left

@@ -20,6 +20,10 @@ REQUIRED = {
     "e2e": ("batch", "seq", "stock_tokens_per_s", "invariant_tokens_per_s", "stock_peak_gb", "invariant_peak_gb"),
     "divergence": ("case", "stock_max_abs_diff", "invariant_max_abs_diff", "stock_rows_unequal",
                    "invariant_rows_unequal"),
+    "scoring_memory": ("tokens", "hidden", "vocab", "chunk_rows", "naive_peak_gb", "ours_peak_gb", "peak_gb_method",
+                       "naive_ms", "ours_ms", "max_abs_diff", "is_argmax_agree"),
+    "scoring_throughput": ("sequences", "tokens", "max_batch_tokens", "stock_tokens_per_s", "invariant_tokens_per_s",
+                           "max_abs_diff", "digests_equal_across_budgets"),
 }
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 
@@ -61,7 +65,7 @@ def metadata(device: torch.device, quick: bool) -> dict:
 def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
-    for section in ("matmul", "e2e", "divergence"):
+    for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing
@@ -128,6 +132,7 @@ def markdown(results: dict) -> str:
         ("batch", "batch"), ("prompt", "prompt"), ("new tokens", "new_tokens"),
         ("stock tok/s", "stock_decode_tokens_per_s"), ("invariant tok/s", "invariant_decode_tokens_per_s"),
         ("stock/invariant", "ratio")]))
+    out.append(scoring_markdown(results))
     out.append("\n## RMSNorm: HF `Qwen2RMSNorm` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
@@ -148,6 +153,37 @@ def markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+def scoring_markdown(results: dict) -> str:
+    out = ["\n## Scoring: per-token logprobs from final hidden states, naive vs chunked\n\n"
+           "naive = `naive_token_logprobs` (full fp32 [T × V] logits, `torch.log_softmax`, gather); ours = "
+           "`token_logprobs_from_hidden` (lm_head on `chunk rows` at a time through the invariant linear, each chunk "
+           "reduced by the `token_logprobs` kernel). Peak = memory above the inputs (hidden, lm_head weight, "
+           "targets). max |Δ| = max |naive − ours| logprob; half the targets are the stock argmax, and is-argmax agree "
+           "= the two is-argmax flags are equal on every row.\n"]
+    memory = results.get("scoring_memory") or []
+    if any(r.get("peak_gb_method") == "estimate" for r in memory):
+        out.append("> **Peak MB marked `estimate` are analytic estimates, not measurements** (torch's CPU allocator "
+                   "is invisible to tracemalloc): naive = T × V × 8 B (fp32 logits + fp32 log_softmax); ours = "
+                   "min(chunk rows, T) × V × dtype bytes + the [T] outputs.\n")
+    out.append(table(memory, [
+        ("T", "tokens"), ("H", "hidden"), ("V", "vocab"), ("dtype", "dtype"), ("chunk rows", "chunk_rows"),
+        ("naive peak MB", "_naive_peak_mb"), ("ours peak MB", "_ours_peak_mb"), ("peak method", "peak_gb_method"),
+        ("naive / ours memory", "memory_ratio"), ("naive ms", "naive_ms"), ("ours ms", "ours_ms"),
+        ("max abs Δ logprob", "max_abs_diff"), ("is-argmax agree", "_argmax")]))
+    out.append("\n## Scoring throughput: `score_sequences` vs the stock way\n\nstock = the same batch plan, "
+               "right-padded HF forward, `torch.log_softmax` over the full fp32 logits, gather; invariant = "
+               "`score_sequences(make_invariant(model), …)`. tok/s counts every input token. max |Δ| = invariant "
+               "vs stock logprobs. digests equal = `score_sequences` digests are identical for `max_batch_tokens` "
+               "and the alternative budget (different batches). Peak GB includes the weights.\n")
+    out.append(table(results.get("scoring_throughput"), [
+        ("sequences", "sequences"), ("lengths", "_lengths"), ("tokens", "tokens"), ("model", "_model"),
+        ("max_batch_tokens (batches)", "_budget"), ("stock tok/s", "stock_tokens_per_s"),
+        ("invariant tok/s", "invariant_tokens_per_s"), ("time ratio", "ratio"), ("stock peak GB", "stock_peak_gb"),
+        ("invariant peak GB", "invariant_peak_gb"), ("max abs Δ logprob", "max_abs_diff"),
+        ("alt budget (batches)", "_alt_budget"), ("digests equal", "digests_equal_across_budgets")]))
+    return "\n".join(out)
+
+
 def _decorate(results: dict) -> None:
     """Display-only helper keys (prefixed with _), used by the markdown tables."""
     for row in results.get("divergence") or []:
@@ -157,6 +193,18 @@ def _decorate(results: dict) -> None:
             row[f"_{mode}_rows"] = f"{row[f'{mode}_rows_unequal']}/{checked}" if checked else "not run"
     for row in results.get("e2e") or []:
         row["_model"] = f"{row.get('layers')}L h{row.get('hidden')}"
+    for row in results.get("scoring_memory") or []:
+        for name in ("naive", "ours"):
+            gb = row.get(f"{name}_peak_gb")
+            row[f"_{name}_peak_mb"] = row.get(f"{name}_skipped") or (gb * 1e3 if gb is not None else None)
+        mismatches = row.get("is_argmax_mismatches")
+        row["_argmax"] = (None if mismatches is None else
+                          "yes" if mismatches == 0 else f"**no** ({mismatches}/{row.get('tokens')} rows)")
+    for row in results.get("scoring_throughput") or []:
+        row["_model"] = f"{row.get('layers')}L h{row.get('hidden')} v{row.get('vocab')}"
+        row["_lengths"] = f"{row.get('min_len')}–{row.get('max_len')}"
+        row["_budget"] = f"{row.get('max_batch_tokens')} ({row.get('batches')})"
+        row["_alt_budget"] = f"{row.get('alt_max_batch_tokens')} ({row.get('alt_batches')})"
     for row in (results.get("attention") or []) + (results.get("decode_attention") or []):
         row["_heads"] = f"{row.get('heads')}/{row.get('kv_heads')}/{row.get('head_dim')}"
 
@@ -200,6 +248,14 @@ def summary(results: dict) -> str:
     for r in results.get("decode") or []:
         lines.append(f"decode B={r['batch']}: stock {fmt(r.get('stock_decode_tokens_per_s'))} tok/s, invariant "
                      f"{fmt(r.get('invariant_decode_tokens_per_s'))} tok/s")
+    for r in results.get("scoring_memory") or []:
+        lines.append(f"logprobs T={r['tokens']} V={r['vocab']}: peak GB naive {fmt(r['naive_peak_gb'])} / ours "
+                     f"{fmt(r['ours_peak_gb'])} ({r['peak_gb_method']}), max|Δ logprob| {fmt(r['max_abs_diff'])}, "
+                     f"is-argmax agree {fmt(r['is_argmax_agree'])}")
+    for r in results.get("scoring_throughput") or []:
+        lines.append(f"score_sequences {r['sequences']} seqs / {r['tokens']} tokens: stock "
+                     f"{fmt(r['stock_tokens_per_s'])} tok/s, invariant {fmt(r['invariant_tokens_per_s'])} tok/s, "
+                     f"digests equal across budgets {fmt(r['digests_equal_across_budgets'])}")
     for r in results.get("divergence") or []:
         lines.append(f"divergence {r['case']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
                      f"({fmt(r['stock_rows_unequal'])}/{fmt(r.get('stock_rows_checked'))} rows differ); invariant "
