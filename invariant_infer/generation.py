@@ -124,6 +124,25 @@ class SeededSampling(LogitsProcessor):
         return out
 
 
+class RowRepetitionPenalty(LogitsProcessor):
+    """HF's repetition penalty (divide positive, multiply negative scores of tokens already in
+    the sequence), applied to each row's own tokens only: its left padding is skipped, so the pad
+    token is not penalised in padded rows. The wrapped ``generate`` puts it in place of HF's."""
+
+    def __init__(self, penalty: float, pad_counts: Sequence[int]):
+        if not penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+        self.penalty, self.pad_counts = float(penalty), [int(c) for c in pad_counts]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        out = scores.clone()
+        for row, pads in enumerate(self.pad_counts):
+            tokens = input_ids[row, pads:]
+            seen = out[row].gather(0, tokens)
+            out[row] = out[row].scatter(0, tokens, torch.where(seen < 0, seen * self.penalty, seen / self.penalty))
+        return out
+
+
 def seeded_sampling(seeds: Sequence[int], temperature: float = 1.0, top_k: int = 0,
                     top_p: float = 1.0) -> LogitsProcessorList:
     """``generate(..., do_sample=False, logits_processor=seeded_sampling([...]))`` samples each row
@@ -196,8 +215,6 @@ def _unsupported_with_padding(options: dict, generation_config) -> str | None:
         return "pass max_new_tokens: max_length counts left padding, so padded rows would stop earlier"
     if (get("min_length") or 0) > 0:
         return "min_length counts left padding; use min_new_tokens"
-    if (get("repetition_penalty") or 1.0) != 1.0:
-        return "repetition_penalty also penalises the pad token in padded rows; set repetition_penalty=1.0"
     if get("no_repeat_ngram_size"):
         return "no_repeat_ngram_size also counts n-grams made of pad tokens; unset it"
     return None
@@ -254,6 +271,18 @@ def check_generate_options(model, options: dict) -> dict:
 
     rows = inputs.shape[0] * (_option(options, generation_config, "num_return_sequences") or 1) \
         if isinstance(inputs, torch.Tensor) else None
+    penalty = _option(options, generation_config, "repetition_penalty")
+    if penalty is not None and penalty != 1.0:
+        # Replace HF's processor, which would also penalise the pad token of padded rows.
+        repeats = _option(options, generation_config, "num_return_sequences") or 1
+        has_prompt_ids = isinstance(inputs, torch.Tensor) and not inputs.is_floating_point()
+        if mask is not None and has_prompt_ids:
+            pad_counts = (mask.shape[-1] - mask.to(torch.int64).sum(-1)).repeat_interleave(repeats).tolist()
+        else:
+            pad_counts = [0] * (rows or 0)
+        options["repetition_penalty"] = 1.0
+        options["logits_processor"] = LogitsProcessorList(
+            [RowRepetitionPenalty(penalty, pad_counts), *(options.get("logits_processor") or [])])
     for processor in seeded:
         if rows is not None and rows != len(processor.seeds):
             raise NonInvariantInputError(f"seeded sampling has {len(processor.seeds)} seeds for {rows} sequences; "

@@ -15,6 +15,7 @@ What changes (and nothing process-wide):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 import warnings
 
@@ -81,64 +82,90 @@ def positions_from_mask(attention_mask: torch.Tensor, query_length: int) -> torc
     return positions[:, -query_length:]
 
 
-def check_contiguous_mask(attention_mask: torch.Tensor) -> None:
-    """Each row's ones must form one run: holes make positions and blocks depend on the batch."""
-    mask = attention_mask.to(torch.int32)
-    n = mask.shape[-1]
+def _mask_holes(mask: torch.Tensor) -> torch.Tensor:
+    """bool [B]: rows whose ones are not one contiguous run."""
+    mask = mask.to(torch.int32)
     count = mask.sum(-1)
     first = mask.argmax(-1)
-    last = n - 1 - mask.flip(-1).argmax(-1)
-    holes = (count > 0) & (last - first + 1 != count)
+    last = mask.shape[-1] - 1 - mask.flip(-1).argmax(-1)
+    return (count > 0) & (last - first + 1 != count)
+
+
+def _holes_error(holes: torch.Tensor) -> NonInvariantInputError:
+    rows = holes.nonzero().flatten().tolist()
+    return NonInvariantInputError(
+        f"attention_mask rows {rows[:8]} have holes (their ones are not contiguous). Invariant inference "
+        "supports left or right padding around one contiguous run of real tokens per row. In generation, "
+        "pad prompts on the left (tokenizer.padding_side = 'left').")
+
+
+def check_contiguous_mask(attention_mask: torch.Tensor) -> None:
+    """Each row's ones must form one run: holes make positions and blocks depend on the batch."""
+    holes = _mask_holes(attention_mask)
     if bool(holes.any()):
-        rows = holes.nonzero().flatten().tolist()
-        raise NonInvariantInputError(
-            f"attention_mask rows {rows[:8]} have holes (their ones are not contiguous). Invariant inference "
-            "supports left or right padding around one contiguous run of real tokens per row. In generation, "
-            "pad prompts on the left (tokenizer.padding_side = 'left').")
+        raise _holes_error(holes)
 
 
-def _warn_if_positions_disagree(mask: torch.Tensor, position_ids: torch.Tensor, query_length: int) -> None:
-    """Explicit position_ids that are not cumsum(mask) - 1 on real tokens (e.g. arange with left
-    padding) are honoured, but the rows cannot then match the same samples run alone."""
-    real = mask[:, -query_length:].to(torch.bool)
-    expected = positions_from_mask(mask, query_length)
-    got = position_ids.expand(real.shape[0], -1)
-    if got.shape == expected.shape and not torch.equal(got[real], expected[real]):
-        warnings.warn("position_ids do not equal cumsum(attention_mask) - 1 on real tokens; padded rows will not "
-                      "match the same samples run alone. Omit position_ids to have them derived from the mask.",
-                      stacklevel=3)
+def _base_forward_names(module: nn.Module) -> list[str]:
+    """Parameter names of the base model's forward, to bind positional arguments."""
+    names = getattr(type(module), "_invariant_forward_names", None)
+    if names is None:
+        names = [n for n in inspect.signature(type(module).forward).parameters if n != "self"]
+        type(module)._invariant_forward_names = names
+    return names
 
 
-_BASE_FORWARD_ARGS = ("input_ids", "attention_mask", "position_ids")
+def _cache_length(kwargs) -> int:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
 
 
 def _base_pre_hook(module, args, kwargs):
-    kwargs = dict(kwargs)
-    for name, value in zip(_BASE_FORWARD_ARGS, args):
-        kwargs.setdefault(name, value)
-    args = args[len(_BASE_FORWARD_ARGS):]
+    kwargs = {**dict(zip(_base_forward_names(module), args)), **kwargs}
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         raise NonInvariantInputError("4-D attention masks are not supported; pass the 2-D padding mask")
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
-    compiling = torch.compiler.is_compiling()
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        if not compiling:
-            check_contiguous_mask(mask)
-        if kwargs.get("position_ids") is None and tokens is not None:
-            kwargs["position_ids"] = positions_from_mask(mask, tokens.shape[1])
-        elif not compiling and tokens is not None:
-            _warn_if_positions_disagree(mask, kwargs["position_ids"], tokens.shape[1])
+    if tokens is None:
+        return (), kwargs
+    query_length = tokens.shape[1]
+    limit = module.rotary_emb._invariant_tables[0].shape[0]
+    has_mask = isinstance(mask, torch.Tensor) and mask.dim() == 2
+    given = kwargs.get("position_ids")
+    if has_mask and given is None:
+        kwargs["position_ids"] = positions_from_mask(mask, query_length)
+    if torch.compiler.is_compiling():  # checks below sync with the host; generate() validated up front
+        return (), kwargs
     positions = kwargs.get("position_ids")
-    if not compiling and isinstance(positions, torch.Tensor) and positions.numel():
-        limit = module.rotary_emb._invariant_tables[0].shape[0]
-        if int(positions.max()) >= limit or int(positions.min()) < 0:
-            raise NonInvariantInputError(
-                f"position ids must lie in [0, {limit}) (max_position_embeddings); got "
-                f"[{int(positions.min())}, {int(positions.max())}]")
-    return args, kwargs
+    if positions is None:  # HF will use arange(past, past + L)
+        if _cache_length(kwargs) + query_length > limit:
+            raise NonInvariantInputError(f"sequence of {_cache_length(kwargs) + query_length} positions is longer "
+                                         f"than max_position_embeddings ({limit})")
+        return (), kwargs
+    if has_mask:
+        real = mask[:, -query_length:].to(torch.bool)
+        positions = positions.expand(real.shape[0], -1)
+        flags = torch.stack([_mask_holes(mask).any(),
+                             (positions[real] < 0).any() | (positions[real] >= limit).any(),
+                             (positions[real] != positions_from_mask(mask, query_length)[real]).any()])
+    else:
+        flags = torch.stack([torch.zeros((), dtype=torch.bool, device=positions.device),
+                             (positions < 0).any() | (positions >= limit).any(),
+                             torch.zeros((), dtype=torch.bool, device=positions.device)])
+    holes, out_of_range, disagree = flags.tolist()  # one host sync for all checks
+    if holes:
+        raise _holes_error(_mask_holes(mask))
+    if out_of_range:
+        raise NonInvariantInputError(f"position ids of real tokens must lie in [0, {limit}) "
+                                     "(max_position_embeddings)")
+    if disagree and given is not None:
+        # Honoured, as in stock HF; but the rows cannot then match the same samples run alone.
+        warnings.warn("position_ids do not equal cumsum(attention_mask) - 1 on real tokens; padded rows will not "
+                      "match the same samples run alone. Omit position_ids to have them derived from the mask.",
+                      stacklevel=3)
+    return (), kwargs
 
 
 # ---- checks ----------------------------------------------------------------------------------------
@@ -180,6 +207,14 @@ def _check_model(model: nn.Module) -> nn.Module:
                 raise UnsupportedModelError(
                     f"{name} is {type(proj).__module__}.{type(proj).__name__}; only plain torch.nn.Linear "
                     "projections are supported (no quantized or adapter layers; merge LoRA first)")
+    for name, module in model.named_modules():  # lm_head, score heads, anything Linear-like
+        if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+            raise UnsupportedModelError(
+                f"{name or 'model'} is {type(module).__module__}.{type(module).__name__}; only plain "
+                "torch.nn.Linear layers are supported (no quantized or adapter layers; merge LoRA first)")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and type(head) is not nn.Linear:
+        raise UnsupportedModelError(f"lm_head is {type(head).__name__}; only a plain torch.nn.Linear is supported")
     for name, param in model.named_parameters():
         if param.dtype not in SUPPORTED_DTYPES:
             raise UnsupportedModelError(f"parameter {name} has dtype {param.dtype}; supported: {SUPPORTED_DTYPES}")

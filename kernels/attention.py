@@ -64,7 +64,7 @@ def _attention_kernel(
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // Hq
+    b = (bh // Hq).to(tl.int64)  # batch offsets can pass 2**31 elements (long static caches)
     h = bh % Hq
     kvh = h // GROUP  # GQA: read the shared KV head, never a repeated copy
     kv_start = tl.load(kv_start_ptr + b)

@@ -7,8 +7,13 @@ The stock interpreter (see shared NOTES §1) has two defects that matter here:
 
 ``patched_interpreter()`` swaps in a dot that widens to fp32 and reduces every output
 element over k in one sequential order (as one tensor-core instruction does on a GPU,
-whatever the other rows hold), and a round-to-nearest-even bf16 cast. It only touches
-the interpreter's builder, so compiled GPU kernels are unaffected.
+whatever the other rows hold), and a round-to-nearest-even bf16 cast.
+
+While an interpreted launch runs, it also lets nested @triton.jit helpers run interpreted and
+turns off the interpreter's integer-overflow sanitizer (costly; our kernels use int64 offsets
+where products can pass 2**31). These patches are process-wide for the duration of a CPU
+launch: a thread compiling CUDA Triton kernels at that very moment would see them. Single-
+threaded use, or CPU and CUDA work in separate processes, is unaffected.
 """
 from __future__ import annotations
 

@@ -50,6 +50,13 @@ def test_rejects_non_plain_linear_projections(model):
         make_invariant(model)
 
 
+def test_rejects_non_plain_lm_head(model):
+    old = model.lm_head
+    model.lm_head = LoraLikeLinear(old.in_features, old.out_features, bias=False, dtype=old.weight.dtype)
+    with pytest.raises(UnsupportedModelError, match="lm_head is .*LoraLikeLinear"):
+        make_invariant(model)
+
+
 def test_rejects_quantization_config(model):
     model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     with pytest.raises(UnsupportedModelError, match="quantized"):
@@ -82,6 +89,37 @@ def test_rejects_positions_beyond_the_rope_table(model):
     make_invariant(model)
     with pytest.raises(NonInvariantInputError, match="max_position_embeddings"):
         model(input_ids=torch.tensor([[1, 2]]), position_ids=torch.tensor([[510, 512]]))
+    with pytest.raises(NonInvariantInputError, match="max_position_embeddings"):  # implicit arange positions
+        model(input_ids=torch.zeros(1, 513, dtype=torch.long))
+
+
+def test_accepts_naive_cumsum_positions_with_negative_pads(model):
+    """position_ids = mask.cumsum(-1) - 1 leaves -1 at left pads: fine, only real tokens count."""
+    make_invariant(model)
+    ids = torch.randint(0, 512, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        derived = model(input_ids=ids, attention_mask=mask).logits
+        naive = model(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1).logits
+    assert torch.equal(derived[mask.bool()], naive[mask.bool()])
+
+
+def test_warns_on_positions_that_disagree_with_the_mask(model):
+    make_invariant(model)
+    ids = torch.randint(0, 512, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with pytest.warns(UserWarning, match="cumsum"):
+        model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(5)[None])
+
+
+def test_base_model_takes_positional_arguments(model):
+    make_invariant(model)
+    ids = torch.randint(0, 512, (1, 4))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        by_name = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        by_position = model.model(ids, mask, None, None).last_hidden_state
+    assert torch.equal(by_name, by_position)
 
 
 def test_restore_returns_stock_behaviour(tiny_checkpoint, model):

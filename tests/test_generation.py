@@ -154,6 +154,24 @@ def test_generate_invariant_helper(model, prompts):
     assert torch.equal(out[1, -2:], alone[0, -2:])
 
 
+def test_repetition_penalty_skips_left_padding(model, prompts):
+    """Qwen2.5-Instruct's generation config sets repetition_penalty: padded rows must not penalise
+    their pad token, so a row's tokens equal the prompt's alone."""
+    batch = run_generate(model, prompts, extra_pad=3, repetition_penalty=1.3)
+    for row, prompt in enumerate(prompts):
+        tokens, logits = run_generate(model, [prompt], repetition_penalty=1.3)[0]
+        assert torch.equal(batch[row][0], tokens) and torch.equal(batch[row][1], logits)
+
+
+def test_row_repetition_penalty_matches_hf_on_unpadded_rows():
+    from transformers import RepetitionPenaltyLogitsProcessor
+    from invariant_infer.generation import RowRepetitionPenalty
+    ids = torch.randint(0, 50, (3, 7))
+    scores = torch.randn(3, 50)
+    assert torch.equal(RowRepetitionPenalty(1.3, [0, 0, 0])(ids, scores),
+                       RepetitionPenaltyLogitsProcessor(1.3)(ids, scores))
+
+
 # ---- clear errors ------------------------------------------------------------------------------------
 
 def test_right_padding_is_rejected_before_decoding(model, prompts, monkeypatch):
@@ -168,7 +186,6 @@ def test_right_padding_is_rejected_before_decoding(model, prompts, monkeypatch):
 @pytest.mark.parametrize("options, match", [
     (dict(do_sample=True), "seeded_sampling"),
     (dict(num_beams=2), "beam search"),
-    (dict(repetition_penalty=1.2), "repetition_penalty"),
     (dict(max_new_tokens=None, max_length=30), "max_new_tokens"),
     (dict(cache_implementation="offloaded"), "cache_implementation"),
     (dict(do_sample=True, logits_processor=seeded_sampling([1, 2])), "do_sample=False"),
