@@ -22,7 +22,6 @@ split-aware kernel serving both), or decode would no longer equal prefill.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +39,6 @@ class AttentionConfig:
     num_stages: int = 2
 
 
-@functools.lru_cache(maxsize=None)
 def attention_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionConfig:
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"invariant attention supports bf16/fp16/fp32, got {dtype}")

@@ -13,7 +13,6 @@ arithmetic never does.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,7 +64,6 @@ LINEAR_CONFIGS: dict[tuple, LinearConfig] = {
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
 def linear_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> LinearConfig:
     """The one tile config used for this weight shape, whatever M is."""
     if dtype not in SUPPORTED_DTYPES:
