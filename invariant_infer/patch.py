@@ -138,6 +138,10 @@ def _base_pre_hook(module, args, kwargs):
         kwargs["position_ids"] = positions_from_mask(mask, query_length)
     if torch.compiler.is_compiling():  # checks below sync with the host; generate() validated up front
         return (), kwargs
+    if torch.is_grad_enabled() and module.embed_tokens.weight.requires_grad:
+        warnings.warn("invariant kernels are inference-only: their outputs carry no gradient, so a backward pass "
+                      "would see only the residual paths. Run under torch.no_grad() or torch.inference_mode().",
+                      stacklevel=3)
     positions = kwargs.get("position_ids")
     if positions is None:  # HF will use arange(past, past + L)
         if _cache_length(kwargs) + query_length > limit:
