@@ -40,9 +40,9 @@ _DEFAULT_CONFIGS = {
     ("cuda", torch.float16): LinearConfig(64, 128, 64),
     ("cuda", torch.float32): LinearConfig(64, 64, 32),
     # Interpreter: large tiles mean fewer Python-level programs (trimmed to the weight below).
-    ("cpu", torch.bfloat16): LinearConfig(32, 256, 256),
-    ("cpu", torch.float16): LinearConfig(32, 256, 256),
-    ("cpu", torch.float32): LinearConfig(32, 256, 256),
+    ("cpu", torch.bfloat16): LinearConfig(64, 512, 512),
+    ("cpu", torch.float16): LinearConfig(64, 512, 512),
+    ("cpu", torch.float32): LinearConfig(64, 512, 512),
 }
 
 # Per-weight-shape configs, keyed by (device type, dtype, N, K): Qwen2.5-1.5B's projections.

@@ -9,7 +9,7 @@ from triton.runtime import interpreter
 
 from invariant_infer.kernels import interpreter_harness
 from invariant_infer.kernels.interpreter_harness import (
-    bf16_bits_to_fp32, fixed_order_dot, fp32_to_bf16_bits_rne, interpreted, patched_interpreter)
+    bf16_bits_to_fp32, fixed_order_dot, fp32_to_bf16_bits_rne, interpreted, patched_interpreter, sequential_dot)
 
 # Relative error of a 200x1536 @ 1536x512 product against float64 (NOTES §1 measured these).
 DOT_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
@@ -22,13 +22,16 @@ def _sequential_dot(a, b):
     return out
 
 
-def test_fixed_order_dot_sums_k_sequentially_for_every_element():
+@pytest.mark.parametrize("dot", [sequential_dot, fixed_order_dot], ids=["definition", "in_use"])
+def test_fixed_order_dot_sums_k_sequentially_for_every_element(dot):
     rng = np.random.default_rng(0)
-    for m, k, n in [(1, 64, 64), (64, 64, 64), (16, 256, 128), (7, 33, 5)]:
+    for m, k, n in [(1, 64, 64), (64, 64, 64), (16, 256, 128), (7, 33, 5), (32, 512, 256), (3, 1, 16)]:
         a = rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((k, n)).astype(np.float32)
         # Starting from 0 + p0 + p1 ... is the same order as reducing from p0.
-        assert np.array_equal(fixed_order_dot(a, b), _sequential_dot(a, b))
+        assert np.array_equal(dot(a, b), _sequential_dot(a, b))
+        # Non-contiguous operands (transposed loads) take the same path.
+        assert np.array_equal(dot(np.asfortranarray(a), np.asfortranarray(b)), _sequential_dot(a, b))
 
 
 def test_fixed_order_dot_is_row_position_invariant():
