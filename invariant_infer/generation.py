@@ -112,7 +112,7 @@ class SeededSampling(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if scores.shape[0] != len(self.seeds):
             raise NonInvariantInputError(f"seeded sampling has {len(self.seeds)} seeds for {scores.shape[0]} "
-                                         "sequences; pass one seed per sequence (prompt x num_return_sequences)")
+                                         "sequences; pass one seed per sequence (for several samples of one prompt, repeat the prompt with different seeds)")
         if self._first_length is None or input_ids.shape[1] < self._first_length:
             self._first_length = input_ids.shape[1]
         step = input_ids.shape[1] - self._first_length

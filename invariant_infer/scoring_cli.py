@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -123,26 +124,37 @@ def recover_output(path: Path) -> dict[str, str]:
     return digests
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def read_requests(path: str, tokenizer: Tokenizer, config, done: dict[str, str], write_error):
     """All valid requests (including ids already done), and the count of non-blank lines."""
     requests, first_line, lines = [], {}, 0
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, start=1):
-            if not text.strip():
+    with open(path, "rb") as f:  # decoded line by line: one bad byte fails its line, not the job
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             lines += 1
             row_id = None
             try:
                 try:
-                    record = json.loads(text)
-                except ValueError as exc:
+                    text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    raise LineError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+                try:
+                    record = json.loads(text, parse_constant=_reject_constant)
+                except json.JSONDecodeError as exc:  # the decoder's own "line 1" would be misleading
+                    raise LineError(f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+                except ValueError as exc:  # NaN / Infinity
                     raise LineError(f"malformed JSON: {exc}") from None
                 if not isinstance(record, dict):
                     raise LineError("expected a JSON object")
                 if "id" not in record:
                     raise LineError("missing field 'id'")
-                if record["id"] is None or isinstance(record["id"], (dict, list)):
-                    raise LineError("id must be a JSON string, number or boolean")
+                if record["id"] is None or isinstance(record["id"], (dict, list)) or \
+                        (isinstance(record["id"], float) and not math.isfinite(record["id"])):
+                    raise LineError("id must be a JSON string, finite number or boolean")
                 key = id_key(record["id"])
                 if key in first_line:  # the output keeps one row per id; this line's row gets id null
                     raise LineError(f"duplicate id {key} (first on line {first_line[key]})")
@@ -196,18 +208,29 @@ def run(args) -> int:
     if args.max_batch_tokens < 1:
         print("score: --max-batch-tokens must be at least 1", file=sys.stderr)
         return EXIT_FATAL
+    output = Path(args.output)
+    # Fatal problems first, before minutes of model loading.
+    if not os.access(args.input, os.R_OK) or not Path(args.input).is_file():
+        print(f"score: cannot read --input {args.input}", file=sys.stderr)
+        return EXIT_FATAL
+    if not output.parent.is_dir():
+        print(f"score: the folder of --output {args.output} does not exist", file=sys.stderr)
+        return EXIT_FATAL
     try:
         model = load_model(args)
     except Exception as exc:
         print(f"score: cannot load {args.model}: {exc}", file=sys.stderr)
         return EXIT_FATAL
-    output = Path(args.output)
-    digests = recover_output(output)
-    out = open(output, "a", encoding="utf-8")
+    try:
+        digests = recover_output(output)
+        out = open(output, "a", encoding="utf-8")
+    except OSError as exc:
+        print(f"score: cannot write --output {args.output}: {exc}", file=sys.stderr)
+        return EXIT_FATAL
     errors = 0
 
     def write_row(row: dict) -> None:
-        out.write(json.dumps(row) + "\n")  # one write per row, so a crash tears at most the last
+        out.write(json.dumps(row, allow_nan=False) + "\n")  # one write per row: a crash tears at most the last
         out.flush()
 
     def write_error(line: int, row_id, message: str) -> None:

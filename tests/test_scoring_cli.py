@@ -173,6 +173,7 @@ BAD_LINES = [
     ('{"id": "long", "input_ids": [%s]}' % ", ".join(["1"] * 513), "longer than the model's 512 positions"),
     ('{"id": [1], "input_ids": [1, 2]}', "id must be"),
     ('{"id": null, "input_ids": [1, 2]}', "id must be"),
+    ('{"id": NaN, "input_ids": [1, 2]}', "malformed JSON"),
     ('{"id": "ok1", "input_ids": [4, 5]}', "duplicate id"),
     ("", None),  # blank lines are skipped
     ('{"id": 7, "text": "the cat runs fast"}', None),
@@ -191,7 +192,7 @@ def test_bad_input_matrix(model_dir, tmp_path, capsys):
     for n, match in expected.items():
         assert match in errors[n]["error"], (n, errors[n])
         assert f"{inp}:{n}: " in stderr and match in stderr
-    assert errors[4]["id"] is None and errors[2]["id"] is None and errors[19]["id"] is None  # no id / duplicate
+    assert errors[4]["id"] is None and errors[2]["id"] is None and errors[20]["id"] is None  # no id / duplicate
     assert errors[5]["id"] == "unknown" and errors[13]["id"] == "vocab"
     assert sorted(by_id(rows)) == sorted(['"ok1"', "7", '"ok2"'])  # every valid line still scored
     assert "3 scored" in stderr and f"{len(expected)} errors" in stderr and "tokens/s" in stderr
@@ -203,6 +204,26 @@ def test_bad_input_matrix(model_dir, tmp_path, capsys):
     ids = [json.dumps(r["id"]) for r in again if r["id"] is not None]
     assert len(ids) == len(set(ids))
     assert "0 scored, 3 already in output" in capsys.readouterr().err
+
+
+def test_invalid_utf8_fails_its_line_only(model_dir, tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b'{"id": 1, "input_ids": [1, 2, 3]}\n{"id": 2, "text": "caf\xe9"}\n{"id": 3, "input_ids": [4, 5]}\n')
+    assert score(model_dir, inp, out, "--dtype", "fp32") == 1
+    rows = read_rows(out)
+    assert sorted(by_id(rows)) == ["1", "3"]
+    assert [r["line"] for r in rows if "error" in r] == [2]
+    assert f"{inp}:2: not valid UTF-8" in capsys.readouterr().err
+
+
+def test_fatal_errors_exit_2_before_loading(tmp_path, capsys):
+    missing_model = tmp_path / "no-model"  # never loaded: the input check comes first
+    assert score(missing_model, tmp_path / "missing.jsonl", tmp_path / "out.jsonl") == 2
+    assert "cannot read --input" in capsys.readouterr().err
+    inp = write_jsonl(tmp_path / "in.jsonl", ['{"id": 1, "input_ids": [1, 2]}'])
+    assert score(missing_model, inp, tmp_path / "no-such-dir" / "out.jsonl") == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_resume_repairs_torn_last_line(model_dir, main_job, tmp_path):
