@@ -1,7 +1,7 @@
 """``invariant-infer demo``: the same model, stock and invariant, batch vs alone.
 
 By default it builds a random-init model with Qwen2.5-1.5B's layer widths (one layer, small
-vocab) that runs on CPU through the Triton interpreter in about a minute. ``--model PATH``
+vocab) that runs on CPU through the Triton interpreter in under a minute. ``--model PATH``
 runs a real checkpoint (on GPU when one is present)."""
 from __future__ import annotations
 
