@@ -4,10 +4,13 @@
     model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
 """
 from .errors import NonInvariantInputError, UnsupportedModelError
+from .generation import generate_invariant, seeded_sampling
 from .patch import invariant, is_invariant, make_invariant, positions_from_mask, restore
+from .scoring import ScoreResult, score_sequences
 
 __all__ = [
     "make_invariant", "restore", "invariant", "is_invariant", "positions_from_mask",
     "NonInvariantInputError", "UnsupportedModelError",
+    "seeded_sampling", "generate_invariant", "score_sequences", "ScoreResult",
 ]
 __version__ = "0.1.0"
