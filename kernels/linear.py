@@ -196,7 +196,18 @@ def parallel_chunks_pays(device: torch.device, m: int, n: int, cfg: LinearConfig
     if cfg.k_chunks == 1 or device.type != "cuda":
         return False
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return tiles < torch.cuda.get_device_properties(device).multi_processor_count
+    return tiles < _sm_count(device)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    # Cached in a plain dict: a traced (torch.compile) call then reads a constant.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None, rstd=None, norm_weight=None,
