@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .generation import left_pad
+
 
 @dataclass
 class Drift:
@@ -13,22 +15,11 @@ class Drift:
     rows: int
 
 
-def pad_left(samples: list[torch.Tensor], pad_id: int = 0, extra: int = 0):
-    """Left-pad token-id rows into (input_ids, attention_mask)."""
-    width = max(len(s) for s in samples) + extra
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(samples):
-        ids[b, width - len(s):] = s
-        mask[b, width - len(s):] = 1
-    return ids, mask
-
-
 @torch.no_grad()
-def batch_drift(model, samples: list[torch.Tensor], extra_pad: int = 0, progress=None) -> Drift:
+def batch_drift(model, samples: list[torch.Tensor], progress=None) -> Drift:
     """Run the samples as one left-padded batch and each alone; compare bitwise."""
     device = next(model.parameters()).device
-    ids, mask = pad_left(samples, extra=extra_pad)
+    ids, mask = left_pad(samples)
     batched = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
     if progress is not None:
         progress.update(1)

@@ -99,20 +99,15 @@ def _holes_error(holes: torch.Tensor) -> NonInvariantInputError:
         "pad prompts on the left (tokenizer.padding_side = 'left').")
 
 
-def check_contiguous_mask(attention_mask: torch.Tensor) -> None:
-    """Each row's ones must form one run: holes make positions and blocks depend on the batch."""
-    holes = _mask_holes(attention_mask)
-    if bool(holes.any()):
-        raise _holes_error(holes)
+_FORWARD_NAMES: dict[type, list[str]] = {}
 
 
 def _base_forward_names(module: nn.Module) -> list[str]:
-    """Parameter names of the base model's forward, to bind positional arguments."""
-    names = getattr(type(module), "_invariant_forward_names", None)
-    if names is None:
-        names = [n for n in inspect.signature(type(module).forward).parameters if n != "self"]
-        type(module)._invariant_forward_names = names
-    return names
+    """Parameter names of the base model's forward, to bind positional arguments (once per class)."""
+    cls = type(module)
+    if cls not in _FORWARD_NAMES:
+        _FORWARD_NAMES[cls] = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
+    return _FORWARD_NAMES[cls]
 
 
 def _cache_length(kwargs) -> int:
@@ -144,9 +139,10 @@ def _base_pre_hook(module, args, kwargs):
                       stacklevel=3)
     positions = kwargs.get("position_ids")
     if positions is None:  # HF will use arange(past, past + L)
-        if _cache_length(kwargs) + query_length > limit:
-            raise NonInvariantInputError(f"sequence of {_cache_length(kwargs) + query_length} positions is longer "
-                                         f"than max_position_embeddings ({limit})")
+        total = _cache_length(kwargs) + query_length
+        if total > limit:
+            raise NonInvariantInputError(f"sequence of {total} positions is longer than max_position_embeddings "
+                                         f"({limit})")
         return (), kwargs
     if has_mask:
         real = mask[:, -query_length:].to(torch.bool)
