@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from invariant_infer import make_invariant, positions_from_mask, restore
-from invariant_infer.models import qwen2_config
+from invariant_infer.random_checkpoints import qwen2_config
 
 from .e2e import build_model
 from .timing import Run, free_memory

@@ -6,7 +6,7 @@ import torch
 from tqdm import tqdm
 
 from invariant_infer import make_invariant, restore
-from invariant_infer.models import qwen2_config, random_qwen2
+from invariant_infer.random_checkpoints import qwen2_config, random_model
 
 from .timing import Run, free_memory, peak_gb, reset_peak, time_ms
 
@@ -18,7 +18,7 @@ DECODE_SHAPES, QUICK_DECODE_SHAPES = ((1, 128, 32), (8, 128, 32), (32, 128, 32))
 def build_model(ctx: Run, config, dtype=torch.bfloat16):
     """Random weights created directly on the device (no 6 GB fp32 detour through the host)."""
     with torch.device(ctx.device):
-        model = random_qwen2(config, seed=0, dtype=dtype)
+        model = random_model(config, seed=0, dtype=dtype)
     model.set_attn_implementation("sdpa")
     return model
 

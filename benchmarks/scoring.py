@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from invariant_infer import make_invariant, restore
-from invariant_infer.models import qwen2_config
+from invariant_infer.random_checkpoints import qwen2_config
 from invariant_infer.scoring import (LOGITS_CHUNK_ELEMENTS, naive_token_logprobs, plan_batches, score_sequences,
                                      token_logprobs_from_hidden)
 

@@ -1,15 +1,16 @@
-"""Bitwise batch-invariant inference for Hugging Face Qwen2 / Qwen2.5 models.
+"""Bitwise batch-invariant inference for Hugging Face causal LMs: Qwen2/Qwen2.5, Qwen3, Llama 3.x, Mistral.
 
     from invariant_infer import make_invariant, restore
     model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
 """
 from .errors import NonInvariantInputError, UnsupportedModelError
 from .generation import generate_invariant, seeded_sampling
-from .patch import invariant, is_invariant, make_invariant, positions_from_mask, restore
+from .padding import left_pad, pad_sequences, positions_from_mask
+from .patch import invariant, is_invariant, make_invariant, restore
 from .scoring import ScoreResult, score_sequences
 
 __all__ = [
-    "make_invariant", "restore", "invariant", "is_invariant", "positions_from_mask",
+    "make_invariant", "restore", "invariant", "is_invariant", "positions_from_mask", "left_pad", "pad_sequences",
     "NonInvariantInputError", "UnsupportedModelError",
     "seeded_sampling", "generate_invariant", "score_sequences", "ScoreResult",
 ]

@@ -1,8 +1,10 @@
 """``invariant-infer demo``: the same model, stock and invariant, batch vs alone.
 
 By default it builds a random-init model with Qwen2.5-1.5B's layer widths (one layer, small
-vocab) that runs on CPU through the Triton interpreter in under a minute. ``--model PATH``
-runs a real checkpoint (on GPU when one is present)."""
+vocab) that runs on CPU through the Triton interpreter in under a minute; ``--family`` picks
+another family's real widths. ``--model PATH`` runs a real checkpoint of any supported family
+(on GPU when one is present). Both runs give the batch position_ids = cumsum(mask) - 1, so the
+stock figure is reduction order alone."""
 from __future__ import annotations
 
 import argparse
@@ -12,17 +14,23 @@ import torch
 from tqdm import tqdm
 
 from .drift import batch_drift
-from .models import qwen2_config, random_qwen2
+from .families import FAMILIES
+from .random_checkpoints import random_config, random_model
 from .patch import make_invariant, restore
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SAMPLE_LENGTHS = (1, 33, 7, 20)
+# The real widths each family's built-in random model takes (one layer, small vocab).
+DEMO_PRESETS = {"qwen2": "qwen2.5-1.5b", "qwen3": "qwen3-0.6b", "llama": "llama-3.2-1b", "mistral": "mistral-7b-v0.3"}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="show stock HF logits drifting between batch and alone, and ours not",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="a Qwen2/Qwen2.5 checkpoint directory or hub id (default: built-in random model)")
+    p.add_argument("--model", help="a checkpoint directory or hub id of a supported family "
+                   f"({', '.join(sorted(FAMILIES))}); default: a built-in random model")
+    p.add_argument("--family", choices=sorted(DEMO_PRESETS), default="qwen2",
+                   help="the built-in random model's family and widths (ignored with --model)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0)
@@ -32,9 +40,14 @@ def add_parser(sub) -> None:
 def _load(args, device):
     dtype = DTYPES[args.dtype]
     if args.model is None:
-        config = qwen2_config("qwen2.5-1.5b", num_hidden_layers=1, vocab_size=2048, max_position_embeddings=1024)
-        return random_qwen2(config, seed=args.seed, dtype=dtype).to(device), \
-            "random-init, Qwen2.5-1.5B widths (hidden 1536, MLP 8960, 12/2 heads), 1 layer, vocab 2048"
+        preset = DEMO_PRESETS[args.family]
+        config = random_config(args.family, preset, num_hidden_layers=1, vocab_size=2048,
+                               max_position_embeddings=1024)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads = f"{config.num_attention_heads}/{config.num_key_value_heads} heads of {head_dim}"
+        return random_model(config, seed=args.seed, dtype=dtype).to(device), \
+            (f"random-init, {preset} widths (hidden {config.hidden_size}, MLP {config.intermediate_size}, "
+             f"{heads}), 1 layer, vocab 2048")
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     return model, args.model

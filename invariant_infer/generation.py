@@ -22,6 +22,8 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 
 from .errors import NonInvariantInputError
+from .padding import check_left_padded, left_pad
+from .patch import make_invariant, register_instance_extension
 
 _SEEDED_SAMPLING_HINT = ("use invariant_infer.generation.seeded_sampling(seeds=[...], temperature=, top_k=, top_p=) "
                          "as generate(do_sample=False, logits_processor=...)")
@@ -151,23 +153,6 @@ def seeded_sampling(seeds: Sequence[int], temperature: float = 1.0, top_k: int =
 
 
 # ---- input checks for generate ------------------------------------------------------------------------
-
-def check_left_padded(attention_mask: torch.Tensor) -> bool:
-    """Raise unless every row is pads then one run of real tokens ending at the last column.
-    Returns whether any row has padding."""
-    if attention_mask.dim() != 2:
-        raise NonInvariantInputError("generate needs a 2-D attention_mask [batch, length]")
-    mask = attention_mask.to(torch.int64)
-    count = mask.sum(-1)
-    bad = (count == 0) | (mask[:, -1] == 0) | (mask.shape[-1] - mask.argmax(-1) != count)
-    if bool(bad.any()):
-        rows = bad.nonzero().flatten().tolist()
-        raise NonInvariantInputError(
-            f"attention_mask rows {rows[:8]} are right-padded, empty or have holes. Generation appends tokens at "
-            "the end of every row, so prompts must be left-padded: tokenizer.padding_side = 'left' (or use "
-            "invariant_infer.generation.left_pad).")
-    return bool((count < mask.shape[-1]).any())
-
 
 def _option(options: dict, generation_config, name: str):
     if name in options:
@@ -333,19 +318,15 @@ def remove_generate_checks(model) -> None:
         del model.generate
 
 
+def _install_if_generative(model) -> None:
+    if hasattr(model, "generate"):
+        install_generate_checks(model)
+
+
+register_instance_extension(_install_if_generative, remove_generate_checks)
+
+
 # ---- convenience -------------------------------------------------------------------------------------
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int = 0, device=None):
-    """(input_ids, attention_mask), both [B, max_len] long, with each sequence right-aligned."""
-    width = max(len(seq) for seq in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if len(seq):
-            input_ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
-            attention_mask[row, width - len(seq):] = 1
-    return input_ids.to(device), attention_mask.to(device)
-
 
 def generate_invariant(model, prompts, tokenizer=None, *, max_new_tokens: int, seeds: Sequence[int] | None = None,
                        temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, **generate_kwargs):
@@ -353,8 +334,6 @@ def generate_invariant(model, prompts, tokenizer=None, *, max_new_tokens: int, s
 
     Greedy without ``seeds``; with ``seeds`` (one per prompt), seeded temperature/top-k/top-p
     sampling. Every row's tokens and logits are the same in any batch. Returns what ``generate`` does."""
-    from .patch import make_invariant
-
     make_invariant(model)
     if tokenizer is not None and prompts and isinstance(prompts[0], str):
         prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]

@@ -12,27 +12,9 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from .errors import NonInvariantInputError
 from .kernels import attention
+from .padding import sequence_bounds
 
 ATTN_IMPLEMENTATION = "invariant"
-
-
-def sequence_bounds(attention_mask: torch.Tensor | None, batch_size: int, kv_length: int,
-                    q_offset, device) -> torch.Tensor:
-    """int32 [3, B] with rows kv_start, kv_end, q_start, from a 2-D padding mask whose ones are contiguous.
-
-    Traceable (no host sync): the contiguity check lives in the model's pre-forward hook."""
-    if attention_mask is None:
-        kv_start = torch.zeros(batch_size, dtype=torch.int32, device=device)
-        kv_end = torch.full((batch_size,), kv_length, dtype=torch.int32, device=device)
-    else:
-        mask = attention_mask[:, -kv_length:].to(device=device, dtype=torch.int32)
-        kv_start = mask.argmax(dim=1).to(torch.int32)  # first real key (0 for an empty row)
-        kv_end = kv_start + mask.sum(dim=1, dtype=torch.int32)
-    if isinstance(q_offset, torch.Tensor):
-        q_start = q_offset.to(device=device, dtype=torch.int32).reshape(-1)[:1].expand(batch_size)
-    else:
-        q_start = torch.full((batch_size,), int(q_offset), dtype=torch.int32, device=device)
-    return torch.stack([kv_start, kv_end, q_start])
 
 
 def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,

@@ -1,15 +1,17 @@
-"""``make_invariant(model)``: patch one loaded Qwen2/Qwen2.5 model in place, per instance.
+"""``make_invariant(model)``: patch one loaded model in place, per instance.
 
+Which classes are patched comes from the model family's adapter (``invariant_infer.families``).
 What changes (and nothing process-wide):
-  * every ``nn.Linear`` (q/k/v with bias, o, gate/up/down, lm_head) -> fixed-order Triton linear;
-  * every ``Qwen2RMSNorm`` -> one-row-per-program Triton RMSNorm;
-  * every ``Qwen2MLP`` -> same projections, with silu(gate) * up fused into the down projection;
+  * every ``nn.Linear`` (q/k/v/o, gate/up/down, with or without bias, lm_head) -> fixed-order Triton linear;
+  * every RMSNorm of the family (layer norms, final norm, Qwen3's per-head q/k norms) -> one-row-per-program
+    Triton RMSNorm;
+  * every MLP of the family -> same projections, with silu(gate) * up fused into the down projection;
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
   * attention -> the ``invariant`` attention and mask functions (see ``hf_attention``);
   * a pre-forward hook on the base model derives ``position_ids`` from the mask
     (cumsum - 1, pads at 0) and rejects masks that cannot be invariant;
-  * ``model.generate`` (this instance only) first rejects options that are not batch-invariant
-    (see ``generation``).
+  * registered instance extensions run (``invariant_infer.generation`` registers one that makes
+    ``model.generate`` on this instance reject options that are not batch-invariant).
 ``restore(model)`` undoes all of it.
 """
 from __future__ import annotations
@@ -24,9 +26,10 @@ from torch import nn
 
 from . import hf_attention
 from .errors import NonInvariantInputError, UnsupportedModelError
-from .generation import install_generate_checks, remove_generate_checks
+from .families import FamilyAdapter, family_of, sliding_window_refusal
 from .kernels import linear, rms_norm
 from .kernels.fused_linear import silu_mul_linear
+from .padding import resolve_positions
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -75,30 +78,6 @@ def _rope_tables(rotary: nn.Module, max_positions: int):
 
 # ---- input handling ------------------------------------------------------------------------------
 
-def positions_from_mask(attention_mask: torch.Tensor, query_length: int) -> torch.Tensor:
-    """position_ids for the last ``query_length`` columns: cumsum(mask) - 1, pads at 0."""
-    mask = attention_mask.to(torch.long)
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    return positions[:, -query_length:]
-
-
-def _mask_holes(mask: torch.Tensor) -> torch.Tensor:
-    """bool [B]: rows whose ones are not one contiguous run."""
-    mask = mask.to(torch.int32)
-    count = mask.sum(-1)
-    first = mask.argmax(-1)
-    last = mask.shape[-1] - 1 - mask.flip(-1).argmax(-1)
-    return (count > 0) & (last - first + 1 != count)
-
-
-def _holes_error(holes: torch.Tensor) -> NonInvariantInputError:
-    rows = holes.nonzero().flatten().tolist()
-    return NonInvariantInputError(
-        f"attention_mask rows {rows[:8]} have holes (their ones are not contiguous). Invariant inference "
-        "supports left or right padding around one contiguous run of real tokens per row. In generation, "
-        "pad prompts on the left (tokenizer.padding_side = 'left').")
-
-
 _FORWARD_NAMES: dict[type, list[str]] = {}
 
 
@@ -125,46 +104,18 @@ def _base_pre_hook(module, args, kwargs):
         tokens = kwargs.get("inputs_embeds")
     if tokens is None:
         return (), kwargs
-    query_length = tokens.shape[1]
-    limit = module.rotary_emb._invariant_tables[0].shape[0]
-    has_mask = isinstance(mask, torch.Tensor) and mask.dim() == 2
-    given = kwargs.get("position_ids")
-    if has_mask and given is None:
-        kwargs["position_ids"] = positions_from_mask(mask, query_length)
-    if torch.compiler.is_compiling():  # checks below sync with the host; generate() validated up front
-        return (), kwargs
-    if torch.is_grad_enabled() and module.embed_tokens.weight.requires_grad:
+    # Tracing (compiled decode) skips the checks, which sync with the host; generate() checked up front.
+    check = not torch.compiler.is_compiling()
+    if check and torch.is_grad_enabled() and module.embed_tokens.weight.requires_grad:
         warnings.warn("invariant kernels are inference-only: their outputs carry no gradient, so a backward pass "
                       "would see only the residual paths. Run under torch.no_grad() or torch.inference_mode().",
                       stacklevel=3)
-    positions = kwargs.get("position_ids")
-    if positions is None:  # HF will use arange(past, past + L)
-        total = _cache_length(kwargs) + query_length
-        if total > limit:
-            raise NonInvariantInputError(f"sequence of {total} positions is longer than max_position_embeddings "
-                                         f"({limit})")
-        return (), kwargs
-    if has_mask:
-        real = mask[:, -query_length:].to(torch.bool)
-        positions = positions.expand(real.shape[0], -1)
-        flags = torch.stack([_mask_holes(mask).any(),
-                             (positions[real] < 0).any() | (positions[real] >= limit).any(),
-                             (positions[real] != positions_from_mask(mask, query_length)[real]).any()])
-    else:
-        flags = torch.stack([torch.zeros((), dtype=torch.bool, device=positions.device),
-                             (positions < 0).any() | (positions >= limit).any(),
-                             torch.zeros((), dtype=torch.bool, device=positions.device)])
-    holes, out_of_range, disagree = flags.tolist()  # one host sync for all checks
-    if holes:
-        raise _holes_error(_mask_holes(mask))
-    if out_of_range:
-        raise NonInvariantInputError(f"position ids of real tokens must lie in [0, {limit}) "
-                                     "(max_position_embeddings)")
-    if disagree and given is not None:
-        # Honoured, as in stock HF; but the rows cannot then match the same samples run alone.
-        warnings.warn("position_ids do not equal cumsum(attention_mask) - 1 on real tokens; padded rows will not "
-                      "match the same samples run alone. Omit position_ids to have them derived from the mask.",
-                      stacklevel=3)
+    positions = resolve_positions(
+        mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
+        cache_length=_cache_length(kwargs) if check else 0,
+        max_positions=module.rotary_emb._invariant_tables[0].shape[0], check=check)
+    if positions is not None:
+        kwargs["position_ids"] = positions
     return (), kwargs
 
 
@@ -173,22 +124,24 @@ def _base_pre_hook(module, args, kwargs):
 def _base_model(model: nn.Module) -> nn.Module:
     base = getattr(model, "model", model)
     if not (hasattr(base, "layers") and hasattr(base, "rotary_emb") and hasattr(base, "norm")):
-        raise UnsupportedModelError(f"{type(model).__name__} does not have the Qwen2 layout (model.layers, "
+        raise UnsupportedModelError(f"{type(model).__name__} does not have the decoder layout (model.layers, "
                                     "model.norm, model.rotary_emb)")
     return base
 
 
-def _check_model(model: nn.Module) -> nn.Module:
+def _not_plain_linear(name: str, module) -> UnsupportedModelError:
+    kind = "missing" if module is None else f"{type(module).__module__}.{type(module).__name__}"
+    return UnsupportedModelError(f"{name} is {kind}; only plain torch.nn.Linear layers are supported (no quantized "
+                                 "or adapter layers; merge LoRA first)")
+
+
+def _check_model(model: nn.Module) -> tuple[FamilyAdapter, nn.Module]:
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type != "qwen2":
-        raise UnsupportedModelError(
-            f"make_invariant supports Hugging Face Qwen2/Qwen2.5 models (config.model_type == 'qwen2'); got "
-            f"{type(model).__name__} with model_type {model_type!r}")
+    adapter = family_of(config)
     base = _base_model(model)
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
-        raise UnsupportedModelError("sliding-window attention layers are not supported; set use_sliding_window=False")
+    problem = adapter.refuse_config(config) or sliding_window_refusal(config)
+    if problem:
+        raise UnsupportedModelError(f"{config.model_type}: {problem}")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"only the silu MLP is supported, config.hidden_act={config.hidden_act!r}")
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -198,20 +151,19 @@ def _check_model(model: nn.Module) -> nn.Module:
     if getattr(config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
         raise UnsupportedModelError("quantized models are not supported: projections must be plain nn.Linear "
                                     f"in {SUPPORTED_DTYPES}")
-    for layer in base.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj,
-                       "gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj, "down_proj": mlp.down_proj}
-        for name, proj in projections.items():
+    for index, layer in enumerate(base.layers):
+        for name, proj in adapter.projections(layer).items():
             if type(proj) is not nn.Linear:
-                raise UnsupportedModelError(
-                    f"{name} is {type(proj).__module__}.{type(proj).__name__}; only plain torch.nn.Linear "
-                    "projections are supported (no quantized or adapter layers; merge LoRA first)")
+                raise _not_plain_linear(f"layers.{index}.{name}", proj)
+        if type(layer.mlp) is not adapter.mlp:
+            raise UnsupportedModelError(f"layers.{index}.mlp is {type(layer.mlp).__name__}, not the "
+                                        f"{adapter.mlp.__name__} the {adapter.model_type} adapter patches")
+        for name in adapter.head_norms:
+            if type(getattr(layer.self_attn, name, None)) is not adapter.rms_norm:
+                raise UnsupportedModelError(f"layers.{index}.self_attn.{name} is not a {adapter.rms_norm.__name__}")
     for name, module in model.named_modules():  # lm_head, score heads, anything Linear-like
         if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
-            raise UnsupportedModelError(
-                f"{name or 'model'} is {type(module).__module__}.{type(module).__name__}; only plain "
-                "torch.nn.Linear layers are supported (no quantized or adapter layers; merge LoRA first)")
+            raise _not_plain_linear(name or "model", module)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and type(head) is not nn.Linear:
         raise UnsupportedModelError(f"lm_head is {type(head).__name__}; only a plain torch.nn.Linear is supported")
@@ -224,10 +176,21 @@ def _check_model(model: nn.Module) -> nn.Module:
         if type(param.data) is not torch.Tensor:
             raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
                                         "are supported")
-    return base
+    return adapter, base
 
 
 # ---- public API -------------------------------------------------------------------------------------
+
+# (install, remove) pairs run on every model make_invariant patches, e.g. the generate checks,
+# which ``invariant_infer.generation`` registers; the patcher itself knows nothing of them.
+_INSTANCE_EXTENSIONS: list[tuple] = []
+
+
+def register_instance_extension(install, remove) -> None:
+    """Run ``install(model)`` on each model ``make_invariant`` patches and ``remove(model)`` on restore."""
+    if (install, remove) not in _INSTANCE_EXTENSIONS:
+        _INSTANCE_EXTENSIONS.append((install, remove))
+
 
 def _set_forward(module: nn.Module, fn, patched: list) -> None:
     module.forward = types.MethodType(fn, module)
@@ -235,21 +198,21 @@ def _set_forward(module: nn.Module, fn, patched: list) -> None:
 
 
 def make_invariant(model: nn.Module) -> nn.Module:
-    """Patch a loaded Qwen2/Qwen2.5 model in place so its logits are bitwise batch-invariant.
+    """Patch a loaded model of a supported family in place so its logits are bitwise batch-invariant.
 
     Returns the same model. Idempotent. Undo with ``restore(model)``."""
     if getattr(model, _STATE_ATTR, None) is not None:
         return model
-    base = _check_model(model)
+    adapter, base = _check_model(model)
     hf_attention.register()
 
     patched: list = []
     for module in model.modules():
         if type(module) is nn.Linear:
             _set_forward(module, _linear_forward, patched)
-        elif type(module).__name__ == "Qwen2RMSNorm":
+        elif type(module) is adapter.rms_norm:
             _set_forward(module, _rms_norm_forward, patched)
-        elif type(module).__name__ == "Qwen2MLP":
+        elif type(module) is adapter.mlp:
             _set_forward(module, _mlp_forward, patched)
 
     rotary = base.rotary_emb
@@ -259,9 +222,11 @@ def make_invariant(model: nn.Module) -> nn.Module:
     hook = base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
     previous_attn = model.config._attn_implementation
     model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
-    if hasattr(model, "generate"):
-        install_generate_checks(model)
-    setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "rotary": rotary})
+    extensions = list(_INSTANCE_EXTENSIONS)
+    for install, _ in extensions:
+        install(model)
+    setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "rotary": rotary,
+                                 "extensions": extensions, "family": adapter})
     return model
 
 
@@ -279,7 +244,8 @@ def restore(model: nn.Module) -> nn.Module:
     state["hook"].remove()
     del state["rotary"]._invariant_tables
     model.set_attn_implementation(state["attn"])
-    remove_generate_checks(model)
+    for _, remove in reversed(state["extensions"]):
+        remove(model)
     delattr(model, _STATE_ATTR)
     return model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from invariant_infer.models import qwen2_config, save_random_checkpoint
+from invariant_infer.random_checkpoints import qwen2_config, save_random_checkpoint
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

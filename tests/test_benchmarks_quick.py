@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import divergence, matmul, scoring  # noqa: E402
 from benchmarks.report import metadata, validate, write_all  # noqa: E402
 from benchmarks.timing import Run  # noqa: E402
-from invariant_infer.models import qwen2_config  # noqa: E402
+from invariant_infer.random_checkpoints import qwen2_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

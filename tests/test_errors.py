@@ -3,12 +3,12 @@ restore() gives back stock behaviour."""
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2ForCausalLM
 
 from conftest import load_model
 from invariant_infer import (NonInvariantInputError, UnsupportedModelError, invariant, is_invariant,
                              make_invariant, restore)
-from invariant_infer.models import qwen2_config, random_qwen2
+from invariant_infer.random_checkpoints import qwen2_config, random_config, random_model
 
 
 @pytest.fixture
@@ -17,11 +17,30 @@ def model(tiny_checkpoint):
 
 
 def test_rejects_other_model_families():
-    llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                         num_key_value_heads=2, num_hidden_layers=1, vocab_size=128))
-    with pytest.raises(UnsupportedModelError, match="Qwen2.*model_type 'llama'"):
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128))
+    with pytest.raises(UnsupportedModelError, match=r"\['llama', 'mistral', 'qwen2', 'qwen3'\].*model_type 'gpt2'"):
+        make_invariant(gpt2)
+    assert not is_invariant(gpt2)
+
+
+def test_rejects_mistral_sliding_window():
+    """MistralConfig's default sliding_window is 4096; only configs without one are supported."""
+    mistral = random_model(random_config("mistral", sliding_window=4096))
+    with pytest.raises(UnsupportedModelError, match="mistral: sliding_window=4096"):
+        make_invariant(mistral)
+    assert not is_invariant(mistral)
+
+
+def test_rejects_qwen3_sliding_window_layers():
+    qwen3 = random_model(random_config("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1))
+    with pytest.raises(UnsupportedModelError, match="qwen3: sliding-window"):
+        make_invariant(qwen3)
+
+
+def test_rejects_llama_pretraining_tp():
+    llama = random_model(random_config("llama", pretraining_tp=2))
+    with pytest.raises(UnsupportedModelError, match="pretraining_tp"):
         make_invariant(llama)
-    assert not is_invariant(llama)
 
 
 def test_rejects_mask_with_holes(model):
@@ -65,7 +84,7 @@ def test_rejects_quantization_config(model):
 
 def test_rejects_unsupported_dtype():
     with pytest.raises(UnsupportedModelError, match="float64"):
-        make_invariant(random_qwen2(qwen2_config("tiny", num_hidden_layers=1), dtype=torch.float64))
+        make_invariant(random_model(qwen2_config("tiny", num_hidden_layers=1), dtype=torch.float64))
 
 
 def test_rejects_unsupported_device():
@@ -76,10 +95,10 @@ def test_rejects_unsupported_device():
 
 
 def test_rejects_sliding_window_and_dynamic_rope():
-    sliding = random_qwen2(qwen2_config("tiny", use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    sliding = random_model(qwen2_config("tiny", use_sliding_window=True, sliding_window=8, max_window_layers=0))
     with pytest.raises(UnsupportedModelError, match="sliding"):
         make_invariant(sliding)
-    dynamic = random_qwen2(qwen2_config("tiny", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+    dynamic = random_model(qwen2_config("tiny", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                  "rope_theta": 10000.0}))
     with pytest.raises(UnsupportedModelError, match="dynamic"):
         make_invariant(dynamic)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conftest import load_model
-from invariant_infer import NonInvariantInputError, make_invariant, restore
+from invariant_infer import NonInvariantInputError, left_pad, make_invariant, restore
 from invariant_infer import hf_attention
-from invariant_infer.generation import (filter_logits, generate_invariant, left_pad, seeded_sampling,
+from invariant_infer.generation import (filter_logits, generate_invariant, seeded_sampling,
                                         uniform_noise)
 from invariant_infer.kernels.attention import AttentionConfig, attention_config
-from invariant_infer.models import qwen2_config, random_qwen2
+from invariant_infer.random_checkpoints import qwen2_config, random_model
 
 NEW_TOKENS = 4
 CACHES = [None, "static"]
@@ -101,7 +101,7 @@ def test_decode_with_other_kv_block_is_caught(model, monkeypatch):
 def test_stock_generate_is_not_batch_invariant():
     """Negative control: the same batched-vs-alone comparison catches stock HF at Qwen2.5-1.5B widths."""
     config = qwen2_config("qwen2.5-1.5b", num_hidden_layers=1, vocab_size=2048, max_position_embeddings=512)
-    stock = random_qwen2(config, seed=0, dtype=torch.bfloat16)
+    stock = random_model(config, seed=0, dtype=torch.bfloat16)
     prompts = make_prompts(config.vocab_size, lengths=(33, 1, 17, 9))
     batched = run_generate(stock, prompts)
     same = [torch.equal(batched[i][1], run_generate(stock, [p])[0][1]) for i, p in enumerate(prompts)]

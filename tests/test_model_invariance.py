@@ -6,7 +6,7 @@ import invariant_infer.patch
 from conftest import DEVICES, DTYPES, load_model
 from invariance import BATCHINGS, Batching, batch_mismatches, make_samples
 from invariant_infer import make_invariant
-from invariant_infer.models import qwen2_config, save_random_checkpoint
+from invariant_infer.random_checkpoints import qwen2_config, save_random_checkpoint
 from test_linear import m_dependent_linear
 
 

@@ -18,7 +18,7 @@ import torch
 
 from conftest import load_model
 from invariant_infer import scoring_cli
-from invariant_infer.models import qwen2_config, save_random_checkpoint
+from invariant_infer.random_checkpoints import qwen2_config, save_random_checkpoint
 
 TOLERANCE_VS_STOCK_FP32 = {"bf16": 0.02, "fp16": 3e-3, "fp32": 1e-5}  # as in test_scoring.py
 WORDS = "the a model token batch score sequence invariant logits prompt completion cat dog runs fast".split()
