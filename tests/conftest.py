@@ -1,14 +1,16 @@
-"""Shared fixtures: random-init Qwen2 checkpoints written with save_pretrained and loaded back
-with from_pretrained, the way users load real ones. GPU-marked tests skip without CUDA."""
+"""Shared fixtures: random-init checkpoints of every supported family, written with save_pretrained
+and loaded back with from_pretrained, the way users load real ones. GPU-marked tests skip without CUDA."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from invariant_infer.random_checkpoints import qwen2_config, save_random_checkpoint
+from invariant_infer.families import FAMILIES
+from invariant_infer.random_checkpoints import qwen2_config, random_config, save_random_checkpoint
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+FAMILY_NAMES = sorted(FAMILIES)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -42,3 +44,23 @@ def tied_checkpoint(tmp_path_factory):
 
 def load_model(path, dtype: torch.dtype, device: str = "cpu"):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory):
+    """family -> the path of its "tiny" random checkpoint, written on first use."""
+    paths = {}
+
+    def get(family: str):
+        if family not in paths:
+            paths[family] = save_random_checkpoint(tmp_path_factory.mktemp(f"tiny-{family}"),
+                                                   random_config(family, "tiny"), seed=0)
+        return paths[family]
+    return get
+
+
+@pytest.fixture(params=FAMILY_NAMES)
+def family_checkpoint(request, family_checkpoints):
+    """Each family's tiny checkpoint in turn (qwen3: head_dim != hidden / heads, tied; llama: llama3
+    RoPE, attention and MLP biases, tied; mistral: no sliding window, 4 query heads per KV head)."""
+    return family_checkpoints(request.param)

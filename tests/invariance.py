@@ -1,11 +1,12 @@
-"""Helpers for model-level invariance tests: samples, batchings and the bitwise comparison."""
+"""Helpers for model-level invariance tests: samples, batchings and the bitwise comparison,
+all through ``invariant_infer.drift`` (the project's one batch-vs-alone measurement)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from invariant_infer import positions_from_mask
+from invariant_infer.drift import batch_drift, logits_alone, logits_in_batch
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,10 @@ class Batching:
     extra_pad: int = 0            # padding beyond the longest member
     embeds: bool = False          # inputs_embeds instead of input_ids
     pass_positions: bool = False  # pass position_ids (cumsum - 1) instead of letting them be derived
+
+    def options(self) -> dict:
+        return dict(side="left" if self.left_pad else "right", extra_pad=self.extra_pad, embeds=self.embeds,
+                    explicit_positions=self.pass_positions)
 
 
 BATCHINGS = [
@@ -32,40 +37,8 @@ def make_samples(vocab_size: int, lengths=(9, 1, 14, 5), seed: int = 0) -> list[
     return [torch.randint(0, vocab_size, (n,), generator=g) for n in lengths]
 
 
-def pad_batch(samples, batching: Batching, pad_id: int = 0):
-    rows = [samples[i] for i in batching.members]
-    width = max(len(r) for r in rows) + batching.extra_pad
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    spans = []
-    for b, r in enumerate(rows):
-        start = width - len(r) if batching.left_pad else 0
-        ids[b, start:start + len(r)] = r
-        mask[b, start:start + len(r)] = 1
-        spans.append(slice(start, start + len(r)))
-    return ids, mask, spans
-
-
-@torch.no_grad()
-def logits_alone(model, sample: torch.Tensor) -> torch.Tensor:
-    device = next(model.parameters()).device
-    return model(input_ids=sample[None].to(device)).logits[0]
-
-
-@torch.no_grad()
-def logits_batched(model, samples, batching: Batching):
-    device = next(model.parameters()).device
-    ids, mask, spans = pad_batch(samples, batching)
-    ids, mask = ids.to(device), mask.to(device)
-    kwargs = {"attention_mask": mask}
-    if batching.embeds:
-        kwargs["inputs_embeds"] = model.get_input_embeddings()(ids)
-    else:
-        kwargs["input_ids"] = ids
-    if batching.pass_positions:
-        kwargs["position_ids"] = positions_from_mask(mask, ids.shape[1])
-    logits = model(**kwargs).logits
-    return [logits[b, span] for b, span in enumerate(spans)]
+def logits_batched(model, samples, batching: Batching) -> list[torch.Tensor]:
+    return logits_in_batch(model, [samples[i] for i in batching.members], **batching.options())
 
 
 def batch_mismatches(model, samples, batchings=BATCHINGS):
@@ -74,8 +47,7 @@ def batch_mismatches(model, samples, batchings=BATCHINGS):
     alone = [logits_alone(model, s) for s in samples]
     mismatches = []
     for batching in batchings:
-        for member, got in zip(batching.members, logits_batched(model, samples, batching)):
-            if not torch.equal(got, alone[member]):
-                diff = (got.float() - alone[member].float()).abs().max().item()
-                mismatches.append((batching, member, diff))
+        drift = batch_drift(model, [samples[i] for i in batching.members], **batching.options(),
+                            alone=[alone[i] for i in batching.members])
+        mismatches += [(batching, batching.members[row], diff) for row, diff in drift.mismatches]
     return mismatches
