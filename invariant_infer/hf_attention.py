@@ -12,7 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from .errors import NonInvariantInputError
 from .kernels import attention
-from .padding import sequence_bounds
+from .padding import is_sequence_bounds, sequence_bounds
 
 ATTN_IMPLEMENTATION = "invariant"
 
@@ -35,7 +35,7 @@ def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_off
 def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                         sliding_window=None, **kwargs):
     """transformers attention function: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> ([B, Lq, Hq, D], None)."""
-    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[0] != 3:
+    if not is_sequence_bounds(attention_mask):
         raise NonInvariantInputError(
             "invariant attention needs the 2-D padding mask (or none); a prepared 4-D mask or a paged cache "
             f"was passed (got {None if attention_mask is None else tuple(attention_mask.shape)}).")
@@ -44,7 +44,7 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     if sliding_window is not None:
         raise NonInvariantInputError("sliding-window attention is not supported by invariant attention")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    kv_start, kv_end, q_start = attention_mask.unbind(0)
+    kv_start, kv_end, q_start = attention_mask[:, :, 0, 0].unbind(0)
     return attention(query, key, value, kv_start, kv_end, q_start, scale), None
 
 

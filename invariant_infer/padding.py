@@ -84,7 +84,9 @@ def resolve_positions(attention_mask: torch.Tensor | None, position_ids: torch.T
                       check: bool = True) -> torch.Tensor | None:
     """The position_ids a forward pass runs with, after checking the layout.
 
-    Without ``position_ids`` and with a 2-D mask, they are derived from the mask. With
+    Without ``position_ids`` and with a 2-D mask, they are derived from the mask. A mask that
+    ``sequence_bounds`` prepared (generate does so for static caches, after checking the 2-D
+    mask) is not checked again. With
     ``check`` (the default; off while tracing, where it would sync with the host), raises on a
     mask with holes or real-token positions outside [0, max_positions), and warns when given
     positions disagree with the mask. Returns None when the model's own default
@@ -142,9 +144,12 @@ def check_left_padded(attention_mask: torch.Tensor) -> bool:
 
 def sequence_bounds(attention_mask: torch.Tensor | None, batch_size: int, kv_length: int,
                     q_offset, device) -> torch.Tensor:
-    """int32 [3, B] with rows kv_start, kv_end, q_start, from a 2-D padding mask whose ones are contiguous.
+    """int32 [3, B, 1, 1] with rows kv_start, kv_end, q_start, from a 2-D padding mask whose ones are
+    contiguous.
 
-    Traceable (no host sync): contiguity is checked by ``resolve_positions`` before the forward."""
+    4-D, so that transformers treats it as a prepared mask and passes it through untouched (generate
+    prepares masks up front for static caches). Traceable (no host sync): contiguity is checked by
+    ``resolve_positions`` before the forward."""
     if attention_mask is None:
         kv_start = torch.zeros(batch_size, dtype=torch.int32, device=device)
         kv_end = torch.full((batch_size,), kv_length, dtype=torch.int32, device=device)
@@ -156,4 +161,10 @@ def sequence_bounds(attention_mask: torch.Tensor | None, batch_size: int, kv_len
         q_start = q_offset.to(device=device, dtype=torch.int32).reshape(-1)[:1].expand(batch_size)
     else:
         q_start = torch.full((batch_size,), int(q_offset), dtype=torch.int32, device=device)
-    return torch.stack([kv_start, kv_end, q_start])
+    return torch.stack([kv_start, kv_end, q_start])[:, :, None, None]
+
+
+def is_sequence_bounds(mask) -> bool:
+    """Whether ``mask`` was made by ``sequence_bounds`` (a user's 4-D mask is [B, 1, Lq, Lk], bool or float)."""
+    return isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4 \
+        and mask.shape[0] == 3 and mask.shape[2:] == (1, 1)

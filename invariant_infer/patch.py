@@ -29,7 +29,7 @@ from .errors import NonInvariantInputError, UnsupportedModelError
 from .families import FamilyAdapter, family_of, sliding_window_refusal
 from .kernels import linear, rms_norm
 from .kernels.fused_linear import silu_mul_linear
-from .padding import resolve_positions
+from .padding import is_sequence_bounds, resolve_positions
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -97,7 +97,7 @@ def _cache_length(kwargs) -> int:
 def _base_pre_hook(module, args, kwargs):
     kwargs = {**dict(zip(_base_forward_names(module), args)), **kwargs}
     mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not is_sequence_bounds(mask):
         raise NonInvariantInputError("4-D attention masks are not supported; pass the 2-D padding mask")
     tokens = kwargs.get("input_ids")
     if tokens is None:

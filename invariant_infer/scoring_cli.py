@@ -268,7 +268,8 @@ def run(args) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Qwen2/Qwen2.5 checkpoint directory")
+    parser.add_argument("--model", required=True,
+                        help="checkpoint directory of a supported family (qwen2, qwen3, llama, mistral)")
     parser.add_argument("--input", required=True, help="JSONL requests, one per line, each with an id")
     parser.add_argument("--output", required=True, help="JSONL results; an existing file is resumed")
     parser.add_argument("--tokenizer", help="tokenizer directory for text lines (default: --model)")
