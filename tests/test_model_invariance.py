@@ -40,7 +40,7 @@ def test_base_model_without_lm_head(family_checkpoints):
         assert torch.equal(batch[1, -3:], alone), family
 
 
-def seed_script(model):
+def inputs_embeds_script(model):
     """The classic report: three one-token texts, inputs_embeds, arange position_ids, logits[0]."""
     device = next(model.parameters()).device
     ids = torch.tensor([[11], [42], [7]], device=device)
@@ -55,7 +55,7 @@ def seed_script(model):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_inputs_embeds_script(family_checkpoint, dtype, device):
-    batch0, single0 = seed_script(make_invariant(load_model(family_checkpoint, dtype, device)))
+    batch0, single0 = inputs_embeds_script(make_invariant(load_model(family_checkpoint, dtype, device)))
     assert torch.equal(batch0, single0)
 
 
@@ -88,7 +88,7 @@ def test_invariant_at_real_widths(real_width_checkpoint, device):
     model = make_invariant(load_model(real_width_checkpoint, torch.bfloat16, device))
     samples = make_samples(model.config.vocab_size, REAL_WIDTH_SAMPLE_LENGTHS)
     assert batch_mismatches(model, samples, REAL_WIDTH_BATCHINGS) == []
-    batch0, single0 = seed_script(model)
+    batch0, single0 = inputs_embeds_script(model)
     assert torch.equal(batch0, single0)
 
 
