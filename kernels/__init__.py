@@ -4,8 +4,9 @@ Shipped as ``invariant_infer.kernels``. CUDA tensors run compiled kernels; CPU t
 the same kernels through Triton's interpreter with the fixes in ``interpreter_harness``.
 Nothing here knows about transformers.
 """
-from .attention import AttentionConfig, attention, attention_config
-from .linear import LINEAR_CONFIGS, LinearConfig, linear, linear_config
+from .attention import attention
+from .configs import LINEAR_CONFIGS, AttentionConfig, LinearConfig, attention_config, linear_config
+from .linear import linear
 from .rms_norm import rms_norm
 from .silu_mul import silu_mul
 from .token_logprobs import token_logprobs

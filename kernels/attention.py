@@ -22,31 +22,12 @@ split-aware kernel serving both), or decode would no longer equal prefill.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from .configs import AttentionConfig, attention_config
 from .launch import launch
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    block_m: int
-    block_n: int  # the KV block: fixed per (device, dtype, head_dim), never per batch
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def attention_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionConfig:
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"invariant attention supports bf16/fp16/fp32, got {dtype}")
-    if device_type == "cpu":
-        return AttentionConfig(block_m=32, block_n=64)
-    if dtype == torch.float32 or head_dim > 128:
-        return AttentionConfig(block_m=32, block_n=32)
-    return AttentionConfig(block_m=64, block_n=64)
 
 
 @triton.jit(do_not_specialize=["Lq", "Lk"])

@@ -13,69 +13,12 @@ arithmetic never does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 import triton
 import triton.language as tl
 
+from .configs import LinearConfig, linear_config
 from .launch import launch
-
-
-@dataclass(frozen=True)
-class LinearConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    k_chunks: int = 1   # the reduction tree: K cut into this many chunks, summed in order
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-# (device type, dtype) -> default config. Valid on sm_80/sm_89 shared memory too:
-# (64*64 + 64*128) * 2 B * 3 stages = 72 KiB for 16-bit types.
-_DEFAULT_CONFIGS = {
-    ("cuda", torch.bfloat16): LinearConfig(64, 128, 64),
-    ("cuda", torch.float16): LinearConfig(64, 128, 64),
-    ("cuda", torch.float32): LinearConfig(64, 64, 32),
-    # Interpreter: large tiles mean fewer Python-level programs (trimmed to the weight below).
-    ("cpu", torch.bfloat16): LinearConfig(64, 512, 512),
-    ("cpu", torch.float16): LinearConfig(64, 512, 512),
-    ("cpu", torch.float32): LinearConfig(64, 512, 512),
-}
-
-# Per-weight-shape configs, keyed by (device type, dtype, N, K): Qwen2.5-1.5B's projections.
-# NOT YET MEASURED (no GPU in the sessions so far): predictions recorded in
-# benchmarks/results/LOG.md. Rationale: at small M the output tiles alone fill few of an
-# H100/H200's 132 SMs, so shapes with few N tiles get a fixed K-chunk tree that the parallel
-# schedule spreads over more programs; all tiles stay within 72 KiB of shared memory (sm_80/89 safe).
-_QWEN25_1_5B = {
-    (1536, 1536): LinearConfig(64, 64, 64, k_chunks=4),    # q, o: 24 N tiles -> 96 programs at M <= 64
-    (256, 1536): LinearConfig(64, 32, 64, k_chunks=4),     # k, v: 8 N tiles -> 32 programs
-    (8960, 1536): LinearConfig(64, 128, 64, k_chunks=2),   # gate, up: 70 N tiles -> 140 programs
-    (1536, 8960): LinearConfig(64, 64, 64, k_chunks=8),    # down: 24 N tiles -> 192 programs
-    (151936, 1536): LinearConfig(64, 128, 64),             # lm_head: 1187 N tiles already
-}
-LINEAR_CONFIGS: dict[tuple, LinearConfig] = {
-    ("cuda", dtype, n, k): cfg for dtype in (torch.bfloat16, torch.float16) for (n, k), cfg in _QWEN25_1_5B.items()
-}
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def linear_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> LinearConfig:
-    """The one tile config used for this weight shape, whatever M is."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"invariant linear supports {SUPPORTED_DTYPES}, got {dtype}")
-    cfg = LINEAR_CONFIGS.get((device_type, dtype, n, k))
-    if cfg is not None:
-        return cfg
-    cfg = _DEFAULT_CONFIGS[(device_type, dtype)]
-    if device_type == "cpu":  # small test models: do not pay for tiles far wider than the weight
-        cfg = replace(cfg, block_n=min(cfg.block_n, max(16, triton.next_power_of_2(n))),
-                      block_k=min(cfg.block_k, max(16, triton.next_power_of_2(k))))
-    return cfg
 
 
 # Optional prologues applied to each x tile as it is loaded (fusions). Each computes exactly the

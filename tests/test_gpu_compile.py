@@ -13,8 +13,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import invariant_infer.kernels  # noqa: F401  (loads the kernel modules)
-from invariant_infer.kernels import LINEAR_CONFIGS, attention_config, linear_config
+from invariant_infer.kernels import LINEAR_CONFIGS, attention_config
 
+configs_mod = sys.modules["invariant_infer.kernels.configs"]
 linear_mod = sys.modules["invariant_infer.kernels.linear"]
 attention_mod = sys.modules["invariant_infer.kernels.attention"]
 rms_mod = sys.modules["invariant_infer.kernels.rms_norm"]
@@ -56,19 +57,22 @@ pytestmark = pytest.mark.skipif(not _offline_compiler_available(),
 
 
 def _linear_cases():
-    """(arch, dtype, config, parallel schedule, prologue): every default config on every arch;
-    the prologue and K-chunk variants on sm_90 only, to keep the suite short."""
+    """(arch, dtype, config, parallel schedule, prologue): the default configs and every distinct
+    per-shape config on every arch; fp16, the parallel schedule and the prologues on sm_90 only,
+    to keep the suite short."""
     for dtype in TL_DTYPE:
-        cfg = linear_config("cuda", dtype, 4096, 4096)
+        default = configs_mod._DEFAULT_CONFIGS[("cuda", dtype)]
         for arch in ARCHS:
-            yield arch, dtype, cfg, False, 0
-        yield 90, dtype, cfg, False, 1   # silu*mul prologue
-        yield 90, dtype, cfg, False, 2   # rms_norm prologue
-    for (device, dtype, n, k), cfg in LINEAR_CONFIGS.items():
-        if device == "cuda" and dtype == torch.bfloat16:
-            yield 90, dtype, cfg, False, 0
-            if cfg.k_chunks > 1:
-                yield 90, dtype, cfg, True, 0
+            yield arch, dtype, default, False, linear_mod.PROLOGUE_NONE
+        yield 90, dtype, default, False, linear_mod.PROLOGUE_SILU_MUL
+        yield 90, dtype, default, False, linear_mod.PROLOGUE_RMS_NORM
+    shape_configs = {cfg for (device, _, _, _), cfg in LINEAR_CONFIGS.items() if device == "cuda"}
+    for cfg in sorted(shape_configs, key=str):
+        for arch in ARCHS:
+            yield arch, torch.bfloat16, cfg, False, linear_mod.PROLOGUE_NONE
+        yield 90, torch.float16, cfg, False, linear_mod.PROLOGUE_NONE
+        if cfg.k_chunks > 1:
+            yield 90, torch.bfloat16, cfg, True, linear_mod.PROLOGUE_NONE
 
 
 @pytest.mark.parametrize("arch, dtype, cfg, parallel, prologue", list(_linear_cases()), ids=str)

@@ -1,0 +1,105 @@
+"""Tile configs for the linear and attention kernels: one per weight (or head) shape, never per M.
+
+A config fixes the reduction order, so changing an entry changes the bits a model produces;
+each entry is chosen once per (device type, dtype, shape) and never by batch size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    k_chunks: int = 1   # the reduction tree: K cut into this many chunks, summed in order
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (device type, dtype) -> default config. Valid on sm_80/sm_89 shared memory too:
+# (64*64 + 64*128) * 2 B * 3 stages = 72 KiB for 16-bit types.
+_DEFAULT_CONFIGS = {
+    ("cuda", torch.bfloat16): LinearConfig(64, 128, 64),
+    ("cuda", torch.float16): LinearConfig(64, 128, 64),
+    ("cuda", torch.float32): LinearConfig(64, 64, 32),
+    # Interpreter: large tiles mean fewer Python-level programs (trimmed to the weight below).
+    ("cpu", torch.bfloat16): LinearConfig(64, 512, 512),
+    ("cpu", torch.float16): LinearConfig(64, 512, 512),
+    ("cpu", torch.float32): LinearConfig(64, 512, 512),
+}
+
+# Per-weight-shape CUDA configs, keyed by (N, K), for bf16 and fp16.
+# PREDICTIONS, NOT MEASURED ON A GPU: recorded in benchmarks/results/LOG.md, to be measured with
+# benchmarks/gpu_check.sh. Rationale: at small M (one 64-row tile) the output tiles alone fill
+# few of an H100/H200's 132 SMs, so shapes with few N tiles get a fixed K-chunk tree that the
+# parallel schedule spreads over more programs. Every tile stays within 72 KiB of shared memory
+# at 3 stages for 16-bit types (sm_80/89 safe). The kernel cuts K into chunks of
+# ceil(K / BLOCK_K / k_chunks) BLOCK_Ks, so a k_chunks dividing K / BLOCK_K gives equal chunks.
+_QWEN25_1_5B = {
+    (1536, 1536): LinearConfig(64, 64, 64, k_chunks=4),    # q, o: 24 N tiles -> 96 programs at M <= 64
+    (256, 1536): LinearConfig(64, 32, 64, k_chunks=4),     # k, v: 8 N tiles -> 32 programs
+    (8960, 1536): LinearConfig(64, 128, 64, k_chunks=2),   # gate, up: 70 N tiles -> 140 programs
+    (1536, 8960): LinearConfig(64, 64, 64, k_chunks=8),    # down: 24 N tiles -> 192 programs, 18 a chunk (last: 14)
+    (151936, 1536): LinearConfig(64, 128, 64),             # lm_head: 1187 N tiles already
+}
+# Hidden 4096, 32 query / 8 KV heads of 128: q/o and k/v are the same shapes in both models,
+# so one entry serves Qwen3-8B and Llama-3.1-8B. K = 4096 is 64 BLOCK_Ks.
+_QWEN3_8B_AND_LLAMA31_8B = {
+    (4096, 4096): LinearConfig(64, 128, 64, k_chunks=4),   # q, o: 32 N tiles -> 128 programs, 16 BLOCK_Ks a chunk
+    (1024, 4096): LinearConfig(64, 64, 64, k_chunks=8),    # k, v: 16 N tiles -> 128 programs, 8 a chunk
+}
+_QWEN3_8B = {  # intermediate 12288, vocab 151936
+    (12288, 4096): LinearConfig(64, 128, 64, k_chunks=2),  # gate, up: 96 N tiles -> 192 programs, 32 a chunk
+    (4096, 12288): LinearConfig(64, 128, 64, k_chunks=4),  # down: 32 N tiles -> 128 programs, 48 a chunk
+    (151936, 4096): LinearConfig(64, 128, 64),             # lm_head: 1187 N tiles already
+}
+_LLAMA31_8B = {  # intermediate 14336, vocab 128256
+    (14336, 4096): LinearConfig(64, 128, 64, k_chunks=2),  # gate, up: 112 N tiles -> 224 programs, 32 a chunk
+    (4096, 14336): LinearConfig(64, 128, 64, k_chunks=4),  # down: 32 N tiles -> 128 programs, 56 a chunk
+    (128256, 4096): LinearConfig(64, 128, 64),             # lm_head: 1002 N tiles already
+}
+_CUDA_SHAPE_CONFIGS = {**_QWEN25_1_5B, **_QWEN3_8B_AND_LLAMA31_8B, **_QWEN3_8B, **_LLAMA31_8B}
+LINEAR_CONFIGS: dict[tuple, LinearConfig] = {
+    ("cuda", dtype, n, k): cfg
+    for dtype in (torch.bfloat16, torch.float16) for (n, k), cfg in _CUDA_SHAPE_CONFIGS.items()
+}
+
+
+def linear_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> LinearConfig:
+    """The one tile config used for this weight shape, whatever M is."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"invariant linear supports {SUPPORTED_DTYPES}, got {dtype}")
+    cfg = LINEAR_CONFIGS.get((device_type, dtype, n, k))
+    if cfg is not None:
+        return cfg
+    cfg = _DEFAULT_CONFIGS[(device_type, dtype)]
+    if device_type == "cpu":  # small test models: do not pay for tiles far wider than the weight
+        cfg = replace(cfg, block_n=min(cfg.block_n, max(16, triton.next_power_of_2(n))),
+                      block_k=min(cfg.block_k, max(16, triton.next_power_of_2(k))))
+    return cfg
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int
+    block_n: int  # the KV block: fixed per (device, dtype, head_dim), never per batch
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def attention_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionConfig:
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"invariant attention supports bf16/fp16/fp32, got {dtype}")
+    if device_type == "cpu":
+        return AttentionConfig(block_m=32, block_n=64)
+    if dtype == torch.float32 or head_dim > 128:
+        return AttentionConfig(block_m=32, block_n=32)
+    return AttentionConfig(block_m=64, block_n=64)
