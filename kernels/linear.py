@@ -23,7 +23,10 @@ from .launch import launch
 
 # Optional prologues applied to each x tile as it is loaded (fusions). Each computes exactly the
 # values the standalone kernel would write, so a fused call is bitwise equal to the unfused pair.
-PROLOGUE_NONE, PROLOGUE_SILU_MUL, PROLOGUE_RMS_NORM = 0, 1, 2
+# constexpr globals, so the kernel can test PROLOGUE against them by name.
+PROLOGUE_NONE = tl.constexpr(0)
+PROLOGUE_SILU_MUL = tl.constexpr(1)
+PROLOGUE_RMS_NORM = tl.constexpr(2)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -85,19 +88,19 @@ def _chunk_dot(acc, x_ptr, up_ptr, norm_w_ptr, w_ptr, rstd_ptr, offs_m, offs_n, 
                stride_xm, stride_xk, stride_wn, stride_wk,
                PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + x[:, k_begin:k_end] @ w[:, k_begin:k_end]^T, k in order, with the x prologue applied."""
-    if PROLOGUE == 2:
+    if PROLOGUE == PROLOGUE_RMS_NORM:
         rstd = tl.load(rstd_ptr + offs_m, mask=offs_m < M, other=0.0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + offs_k
         x_offs = offs_m[:, None] * stride_xm + ks[None, :] * stride_xk
         x_mask = (offs_m[:, None] < M) & (ks[None, :] < k_end)
         x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-        if PROLOGUE == 1:  # x is gate: silu(gate) rounded, times up, rounded (as silu_mul)
+        if PROLOGUE == PROLOGUE_SILU_MUL:  # x is gate: silu(gate) rounded, times up, rounded (as silu_mul)
             up = tl.load(up_ptr + x_offs, mask=x_mask, other=0.0)
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        if PROLOGUE == 2:  # x * rstd rounded, times the norm weight, rounded (as rms_norm)
+        if PROLOGUE == PROLOGUE_RMS_NORM:  # x * rstd rounded, times the norm weight, rounded (as rms_norm)
             normed = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
             norm_w = tl.load(norm_w_ptr + ks, mask=ks < k_end, other=0.0)
             x = (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -177,7 +180,7 @@ def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None, rst
         m, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
         stride_ys, out.stride(-2), out.stride(-1),
-        HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, PARALLEL_CHUNKS=parallel_chunks, PROLOGUE=prologue,
+        HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, PARALLEL_CHUNKS=parallel_chunks, PROLOGUE=int(prologue),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
