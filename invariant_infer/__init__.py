@@ -3,7 +3,7 @@
     from invariant_infer import make_invariant, restore
     model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
 """
-from .errors import NonInvariantInputError, UnsupportedModelError
+from .errors import InvariantInferError, NonInvariantInputError, UnsupportedModelError
 from .generation import generate_invariant, seeded_sampling
 from .padding import left_pad, pad_sequences, positions_from_mask
 from .patch import invariant, is_invariant, make_invariant, restore
@@ -11,7 +11,7 @@ from .scoring import ScoreResult, score_sequences
 
 __all__ = [
     "make_invariant", "restore", "invariant", "is_invariant", "positions_from_mask", "left_pad", "pad_sequences",
-    "NonInvariantInputError", "UnsupportedModelError",
+    "InvariantInferError", "NonInvariantInputError", "UnsupportedModelError",
     "seeded_sampling", "generate_invariant", "score_sequences", "ScoreResult",
 ]
 __version__ = "0.1.0"

@@ -1,9 +1,13 @@
 """Errors raised instead of ever falling back to a batch-variant path."""
 
 
-class UnsupportedModelError(TypeError):
+class InvariantInferError(Exception):
+    """Base of every refusal of this package: ``except InvariantInferError`` catches them all."""
+
+
+class UnsupportedModelError(InvariantInferError, TypeError):
     """The model (family, layer type, dtype, device or config) cannot be made batch-invariant."""
 
 
-class NonInvariantInputError(ValueError):
+class NonInvariantInputError(InvariantInferError, ValueError):
     """The inputs would make the result depend on the batch (e.g. an attention mask with holes)."""

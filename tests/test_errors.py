@@ -6,8 +6,8 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2ForCausalLM
 
 from conftest import load_model
-from invariant_infer import (NonInvariantInputError, UnsupportedModelError, invariant, is_invariant,
-                             make_invariant, restore)
+from invariant_infer import (InvariantInferError, NonInvariantInputError, UnsupportedModelError, invariant,
+                             is_invariant, make_invariant, restore)
 from invariant_infer.random_checkpoints import qwen2_config, random_config, random_model
 
 
@@ -49,6 +49,18 @@ def test_rejects_mask_with_holes(model):
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 0]])
     with pytest.raises(NonInvariantInputError, match=r"rows \[1\] have holes"):
         model(input_ids=ids, attention_mask=mask)
+
+
+def test_every_refusal_is_an_invariant_infer_error(model):
+    """One except clause catches both refusals; each keeps its builtin base (TypeError, ValueError)."""
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128))
+    with pytest.raises(InvariantInferError) as unsupported:
+        make_invariant(gpt2)
+    assert unsupported.type is UnsupportedModelError and isinstance(unsupported.value, TypeError)
+    make_invariant(model)
+    with pytest.raises(InvariantInferError) as non_invariant:
+        model(input_ids=torch.randint(0, 512, (1, 3)), attention_mask=torch.tensor([[1, 0, 1]]))
+    assert non_invariant.type is NonInvariantInputError and isinstance(non_invariant.value, ValueError)
 
 
 def test_rejects_4d_masks(model):
