@@ -4,18 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import demo, scoring_cli
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="invariant-infer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import demo
     demo.add_parser(sub)
-    try:
-        from . import scoring_cli
-    except ImportError:  # scoring lands separately
-        scoring_cli = None
-    if scoring_cli is not None:
-        scoring_cli.add_parser(sub)
+    scoring_cli.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)
 
