@@ -1,6 +1,6 @@
 """Fixes for Triton's CPU interpreter, so interpreted kernels model the GPU's arithmetic.
 
-The stock interpreter (see shared NOTES §1) has two defects that matter here:
+The stock interpreter has two defects that matter here:
   * ``tl.dot`` calls ``np.matmul`` on the raw uint16 bits of bf16 blocks, and numpy's
     BLAS does not sum an output element in the same order for every row position;
   * fp32 -> bf16 casts truncate instead of rounding to nearest even.

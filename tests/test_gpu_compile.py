@@ -1,7 +1,7 @@
 """Every kernel, with the configs used on CUDA, compiles for sm_80, sm_89 and sm_90.
 
 Runs on CPU: Triton compiles to PTX and cubin without a GPU. This catches GPU-only codegen
-errors (ops the interpreter accepts but the compiler rejects) in sessions with no GPU. It
+errors (ops the interpreter accepts but the compiler rejects) on machines with no GPU. It
 checks compilation, not speed or results; the gpu-marked tests check those on a GPU."""
 import inspect
 import sys

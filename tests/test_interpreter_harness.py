@@ -11,7 +11,8 @@ from invariant_infer.kernels import interpreter_harness
 from invariant_infer.kernels.interpreter_harness import (
     bf16_bits_to_fp32, fixed_order_dot, fp32_to_bf16_bits_rne, interpreted, patched_interpreter, sequential_dot)
 
-# Relative error of a 200x1536 @ 1536x512 product against float64 (NOTES §1 measured these).
+# Bounds on the relative error of the 200x1536 @ 1536x512 product below against float64;
+# measured: bf16 1.7e-3, fp16 2.1e-4, fp32 1.8e-7.
 DOT_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
 
 

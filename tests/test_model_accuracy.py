@@ -32,8 +32,8 @@ def test_invariant_error_at_most_twice_stock_error(family_checkpoint, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_error_against_stock_fp32(family_checkpoint, dtype):
-    """The same bound with stock fp32 HF as the reference (the issue's wording; for fp32 itself
-    only a float64 reference can measure stock's own error)."""
+    """The same bound with stock fp32 HF as the reference, the one users compare against (for fp32
+    itself only a float64 reference can measure stock's own error)."""
     samples = make_samples(512)
     reference = logits_batched(load_model(family_checkpoint, torch.float32), samples, BATCHING)
     stock = logits_batched(load_model(family_checkpoint, dtype), samples, BATCHING)
