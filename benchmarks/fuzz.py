@@ -283,7 +283,7 @@ def run(args) -> dict:
                     break
                 b = draw(args.seed, index, args.families, args.dtypes, lengths, args.max_batch, args.max_extra_pad)
                 if args.replay is not None:
-                    bar.write(f"replay {b.describe()}")
+                    bar.write(f"replay {b.describe()}", file=sys.stderr)
                 model = pools.model(b.family, b.dtype)
                 alone = pools.alone_logits(b.family, b.dtype, b.members)
                 samples = [pools.samples[b.family][m] for m in b.members]
@@ -304,8 +304,8 @@ def run(args) -> dict:
                                "replay": replay_command(args, index)}
                     failures.append(failure)
                     if not args.negative_control or len(failures) <= 3:
-                        bar.write(f"MISMATCH {b.describe()}: rows {[r for r, _ in drift.mismatches]} "
-                                  f"max |diff| {drift.max_abs_diff:.3g}\n  replay: {failure['replay']}")
+                        bar.write(f"MISMATCH {b.describe()}: rows {[r for r, _ in drift.mismatches]} max |diff| "
+                                  f"{drift.max_abs_diff:.3g}\n  replay: {failure['replay']}", file=sys.stderr)
                 bar.set_postfix(rows=totals["rows"], unequal=totals["rows_unequal"], refresh=False)
                 if args.out and (n + 1) % args.save_every == 0:
                     write_json(summary(False), args.out)
