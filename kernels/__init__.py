@@ -7,6 +7,7 @@ Nothing here knows about transformers.
 from .attention import attention
 from .configs import LINEAR_CONFIGS, AttentionConfig, LinearConfig, attention_config, linear_config
 from .linear import linear
+from .paged_attention import paged_attention, write_kv
 from .rms_norm import rms_norm
 from .silu_mul import silu_mul
 from .token_logprobs import token_logprobs
@@ -14,5 +15,6 @@ from .token_logprobs import token_logprobs
 __all__ = [
     "AttentionConfig", "attention", "attention_config",
     "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config",
+    "paged_attention", "write_kv",
     "rms_norm", "silu_mul", "token_logprobs",
 ]

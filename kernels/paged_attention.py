@@ -1,0 +1,198 @@
+"""Paged, variable-length causal GQA attention for a serving engine, bitwise equal to ``attention``.
+
+An engine packs the scheduled tokens of S sequences into one unpadded batch of T queries and
+keeps K/V in a paged cache. For every query token this kernel returns exactly the bits that
+``attention()`` (kernels/attention.py) computes for that token when its sequence runs in a
+padded batch, with any padding, as full prefill, chunked prefill or decode. So an engine step
+gets the logits ``model(...)`` gets. What makes it so:
+
+* Same tiles. BLOCK_M, BLOCK_N come from the same ``attention_config(device, dtype, head_dim)``,
+  BLOCK_D = max(16, next_pow2(D)), the same ``input_precision`` ("ieee" for fp32, else "tf32")
+  and the same num_warps / num_stages, so every ``tl.dot`` is the same instruction with the same
+  summation order.
+* Same blocks. Sequence position 0 is page 0 offset 0, and KV block j covers positions
+  [j*BLOCK_N, (j+1)*BLOCK_N): aligned to the sequence's first token exactly as the padded kernel
+  aligns its blocks to kv_start. A page holds a whole number of blocks (page_size is a multiple
+  of BLOCK_N; the engine uses page_size == BLOCK_N), so a page never splits a block.
+* Same arithmetic in the same order. The loop body is the padded kernel's, operation for
+  operation: scores ``tl.dot(q, k) * scale``, masking with -inf, m_new, m_safe, alpha in the
+  ``tl.where(m_new > m_i, ...)`` form, p, the l_i update, ``acc = tl.dot(p.to(v dtype), v,
+  acc * alpha[:, None])``, and finally ``acc / where(l_i > 0, l_i, 1)``. The online softmax
+  of a query row uses only that row's scores, so which other rows share its tile (other
+  queries of its sequence, or tile tails past its chunk) never changes it.
+* Same walk. A query tile holds BLOCK_M consecutive queries of ONE sequence. It walks blocks
+  0 .. the last position its last query can see, like ``hi`` in the padded kernel. A walk may
+  stop earlier or later than the padded kernel's for the same row (chunks and tiles differ),
+  but only by blocks that lie wholly past the row's own position: those are fully masked for
+  it and leave its m, l, acc bit-for-bit unchanged (alpha = 1, p = 0, v finite). Keys past
+  seq_len (a chunk's future, unwritten slots) load as 0, as the padded kernel's out-of-row keys
+  do; they are masked anyway, and 0 * v = 0 exactly.
+
+Queries of sequence s are rows query_starts[s]:query_starts[s+1] of q; with q_len(s) of them,
+they sit at absolute positions seq_lens[s] - q_len(s) .. seq_lens[s] - 1 and see keys
+0 .. own position. A prefill chunk writes its K/V (``write_kv``) before attending, so all
+keys < seq_lens[s] are in the cache.
+
+GQA reads the shared KV head (h // group). Offsets that can pass 2**31 elements (page * page
+stride, token * token stride) are int64. The batch-dependent integer arguments are not
+specialized, so CUDA compiles one kernel for any batch.
+
+What the caller (the engine) must guarantee, unchecked on the device (no host sync):
+  * 0 <= q_len(s) <= seq_lens[s], query_starts non-decreasing, query_starts[S] == T;
+  * max_query_len >= every q_len(s) (tiles past it are never launched: those rows stay unset);
+  * block_tables[s, j] is a valid page for j < cdiv(seq_lens[s], page_size); entries past a
+    sequence's last page are never read, so any filler (0) is fine there;
+  * K/V of positions 0 .. seq_lens[s] - 1 are in those pages (write this step's first);
+  * no two live positions share a slot.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import AttentionConfig, attention_config
+from .launch import launch
+
+
+@triton.jit(do_not_specialize=["stride_bts", "stride_btp"])
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, query_starts_ptr, seq_lens_ptr, block_tables_ptr,
+    stride_qt, stride_qh, stride_qd,
+    stride_kp, stride_ko, stride_kh, stride_kd,
+    stride_vp, stride_vo, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bts, stride_btp,
+    Hq, D, scale,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    sh = tl.program_id(1)
+    s = sh // Hq
+    h = sh % Hq
+    kvh = h // GROUP  # GQA: read the shared KV head, never a repeated copy
+    q_begin = tl.load(query_starts_ptr + s)
+    q_len = tl.load(query_starts_ptr + s + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + s)
+    if pid_m * BLOCK_M >= q_len:  # the grid covers the longest chunk; this sequence's is shorter
+        return
+    q_start = seq_len - q_len  # absolute position of the sequence's first query in this step
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (q_begin + offs_m).to(tl.int64)  # token offsets can pass 2**31 elements
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+                mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < D), other=0.0)
+    q_pos = q_start + offs_m
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    # Walk blocks up to the tile's last query (hi <= seq_len: no page past the sequence's last
+    # one is looked up); blocks past a row's own limit leave its m, l, acc bit-for-bit unchanged.
+    hi = tl.minimum(seq_len, q_start + tl.minimum((pid_m + 1) * BLOCK_M, q_len))
+    table = block_tables_ptr + s.to(tl.int64) * stride_bts
+    k_head = k_ptr + kvh * stride_kh
+    v_head = v_ptr + kvh * stride_vh
+    for n0 in range(0, hi, BLOCK_N):
+        page = tl.load(table + (n0 // PAGE_SIZE) * stride_btp).to(tl.int64)  # page * stride can pass 2**31
+        in_page = (n0 % PAGE_SIZE) + tl.arange(0, BLOCK_N)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_seq = offs_n < seq_len
+        k = tl.load(k_head + page * stride_kp + in_page[None, :] * stride_ko + offs_d[:, None] * stride_kd,
+                    mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
+        s_qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+        visible = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s_qk = tl.where(visible, s_qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m_new > m_i, tl.exp(m_i - m_safe), 1.0)
+        p = tl.exp(s_qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_head + page * stride_vp + in_page[:, None] * stride_vo + offs_d[None, :] * stride_vd,
+                    mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
+        acc = tl.dot(p.to(v_ptr.dtype.element_ty), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    # A row with no visible key (none here: key 0 is visible to every query) would give 0, never NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+             out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < D))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_starts: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float, *, max_query_len: int, config: AttentionConfig | None = None) -> torch.Tensor:
+    """Causal GQA attention of packed queries over a paged KV cache.
+
+    q: [T, Hq, D], the queries of S sequences packed back to back (sequence s owns rows
+    query_starts[s]:query_starts[s+1]); k_cache, v_cache: [num_pages, page_size, Hkv, D] with
+    page_size a multiple of the config's block_n (the engine uses block_n); query_starts: int32
+    [S + 1]; seq_lens: int32 [S], each sequence's context length including this step's queries;
+    block_tables: int32 [S, max_pages], page j of sequence s holding its positions
+    [j * page_size, (j + 1) * page_size); max_query_len: a host int >= every sequence's query
+    count (sizes the grid). Returns [T, Hq, D] in q's dtype, contiguous. ``config`` overrides the
+    fixed per-shape config (tests use it for a negative control); bitwise equality with
+    ``attention`` holds for the default one, which ``attention`` also uses."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"paged_attention: expected q [T, Hq, D] and caches [pages, page_size, Hkv, D], got "
+                         f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    T, Hq, D = q.shape
+    _, page_size, Hkv, _ = k_cache.shape
+    if k_cache.shape[3] != D or Hq % Hkv:
+        raise ValueError(f"paged_attention: incompatible q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"paged_attention: q/k_cache/v_cache dtypes differ: "
+                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    S = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or query_starts.shape != (S + 1,) or block_tables.dim() != 2 \
+            or block_tables.shape[0] != S:
+        raise ValueError(f"paged_attention: expected seq_lens [S], query_starts [S + 1], block_tables [S, pages], got "
+                         f"{tuple(seq_lens.shape)}, {tuple(query_starts.shape)}, {tuple(block_tables.shape)}")
+    for name, t in (("query_starts", query_starts), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"paged_attention: {name} must be int32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
+    cfg = config or attention_config(q.device.type, q.dtype, D)
+    if page_size % cfg.block_n:
+        raise ValueError(f"paged_attention: page_size {page_size} is not a multiple of the KV block "
+                         f"{cfg.block_n}: a page would split a block")
+    out = torch.empty((T, Hq, D), device=q.device, dtype=q.dtype)
+    if T == 0 or S == 0 or max_query_len <= 0:
+        return out
+    grid = (triton.cdiv(max_query_len, cfg.block_m), S * Hq)
+    launch(
+        _paged_attention_kernel, grid, q.device,
+        q, k_cache, v_cache, out, query_starts, seq_lens, block_tables,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
+        Hq, D, scale,
+        GROUP=Hq // Hkv, PAGE_SIZE=page_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values in the paged cache, exactly (a plain indexed copy).
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D], pages and offsets
+    mergeable into one slot dimension (contiguous ones are); slot_mapping: int [T], token t's
+    slot page * page_size + offset. Slots must be distinct and in range."""
+    if k.shape != v.shape or k_cache.shape != v_cache.shape or k.dim() != 3 or k_cache.dim() != 4 \
+            or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"write_kv: incompatible k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, "
+                         f"slot_mapping {tuple(slot_mapping.shape)}")
+    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"write_kv: dtypes differ: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, "
+                        f"v_cache {v_cache.dtype} (a cast here would change the bits attention reads)")
+    slots = slot_mapping.long()
+    _, _, Hkv, D = k_cache.shape
+    # view (never reshape): a copy would swallow the writes.
+    k_cache.view(-1, Hkv, D).index_copy_(0, slots, k)
+    v_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
