@@ -15,6 +15,9 @@ from .kernels import attention
 from .padding import is_sequence_bounds, sequence_bounds
 
 ATTN_IMPLEMENTATION = "invariant"
+# The keyword a serving engine passes through the model's forward to its attention calls: an object
+# with ``attend(layer_idx, query, key, value, scale) -> [1, T, Hq, D]`` over its paged KV cache.
+PAGED_BATCH_KWARG = "paged_batch"
 
 
 def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
@@ -34,7 +37,16 @@ def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_off
 
 def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                         sliding_window=None, **kwargs):
-    """transformers attention function: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> ([B, Lq, Hq, D], None)."""
+    """transformers attention function: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> ([B, Lq, Hq, D], None).
+
+    With a ``paged_batch`` keyword (a serving engine's packed step, B = 1), K/V are written to
+    the engine's paged cache and attention runs over each sequence's pages instead."""
+    paged_batch = kwargs.get(PAGED_BATCH_KWARG)
+    if paged_batch is not None:
+        if dropout:
+            raise NonInvariantInputError("attention dropout is not batch-invariant; call model.eval()")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return paged_batch.attend(module.layer_idx, query, key, value, scale), None
     if not is_sequence_bounds(attention_mask):
         raise NonInvariantInputError(
             "invariant attention needs the 2-D padding mask (or none); a prepared 4-D mask or a paged cache "

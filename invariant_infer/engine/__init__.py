@@ -1,0 +1,13 @@
+"""A continuous-batching engine over packed, unpadded batches and a paged KV cache, whose every
+result is bitwise what the same request gives alone, and what ``model.generate`` /
+``score_sequences`` give on the wrapped model.
+
+Files: ``sequence`` (a request's state), ``sampling_params``, ``block_manager`` (pages, prefix
+cache), ``scheduler`` (continuous batching, chunked prefill, preemption), ``model_runner`` (one
+packed forward over the paged cache), ``engine`` (the API) and ``async_engine`` (for servers).
+"""
+from .async_engine import AsyncEngine
+from .engine import Engine, RequestOutput
+from .sampling_params import RequestError, SamplingParams
+
+__all__ = ["Engine", "AsyncEngine", "RequestOutput", "RequestError", "SamplingParams"]

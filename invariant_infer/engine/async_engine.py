@@ -1,0 +1,75 @@
+"""asyncio front for the engine: one background thread runs steps while requests are in
+flight; each request is an async iterator of its outputs, one per step it advanced in."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from .engine import Engine, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock = threading.Lock()          # the engine is not thread-safe: one caller at a time
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="invariant-infer-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait()
+            with self._lock:
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # noqa: BLE001  (the loop must survive; fail what is in flight)
+                    outputs = [self.engine.abort(rid) for rid in list(self._streams)]
+                    for out in outputs:
+                        if out is not None:
+                            out.finish_reason, out.error = "error", f"{type(exc).__name__}: {exc}"
+            for out in outputs:
+                if out is None:
+                    continue
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    loop, queue = stream
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request (``RequestError`` for a bad one) and yield its outputs until it finishes.
+        Leaving the iteration early (a client that went away) aborts it and frees its pages."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            request_id = self.engine.add_request(prompt, params, request_id)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                with self._lock:
+                    self.engine.abort(request_id)
+
+    def stats(self) -> dict:
+        with self._lock:
+            scheduler, blocks = self.engine.scheduler, self.engine.blocks
+            return {"waiting": len(scheduler.waiting), "running": len(scheduler.running),
+                    "kv_pages_used": blocks.num_used, "kv_pages_total": blocks.num_pages}
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)

@@ -1,0 +1,113 @@
+"""Pages of the KV cache: allocation, reference counts and prefix caching.
+
+A page holds ``page_size`` consecutive positions of one sequence, and page_size is the attention
+kernel's KV block, so a page never splits a block. A full page is identified by a hash chained
+over the token ids of its sequence up to its end: the KV of a token depends only on the tokens
+before it (and blocks are aligned to the sequence start), so two sequences with the same prefix
+may share those pages and get bitwise the same attention. Freed pages keep their hash and stay
+findable until they are reused, least recently freed first.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from .sequence import Sequence
+
+
+def page_hash(previous: bytes, tokens: list[int]) -> bytes:
+    return hashlib.sha256(previous + np.asarray(tokens, dtype="<i8").tobytes()).digest()
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        self.hash_of: list[bytes | None] = [None] * num_pages
+        self.page_of_hash: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((page, None) for page in range(num_pages))
+        self.prefix_hits = 0   # tokens served from the cache, since start
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self.free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _take_free(self) -> int:
+        page, _ = self.free.popitem(last=False)  # least recently freed
+        old = self.hash_of[page]
+        if old is not None:  # evict its cached content
+            self.hash_of[page] = None
+            if self.page_of_hash.get(old) == page:
+                del self.page_of_hash[old]
+        self.ref_counts[page] = 1
+        return page
+
+    def _hash(self, seq: Sequence, j: int) -> bytes:
+        """The hash of the sequence's page j (full), extending its chain as far as needed."""
+        while len(seq.page_hashes) <= j:
+            k = len(seq.page_hashes)
+            previous = seq.page_hashes[-1] if k else b""
+            seq.page_hashes.append(page_hash(previous, seq.tokens[k * self.page_size:(k + 1) * self.page_size]))
+        return seq.page_hashes[j]
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """For a sequence with nothing in the cache yet: take the cached pages of its longest
+        cached prefix. At least one token is left to compute, so that the step yields its logits."""
+        assert not seq.pages and seq.num_computed == 0
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+            return
+        for j in range((seq.num_tokens - 1) // self.page_size):
+            page = self.page_of_hash.get(self._hash(seq, j))
+            if page is None:
+                break
+            if self.ref_counts[page] == 0:
+                del self.free[page]
+            self.ref_counts[page] += 1
+            seq.pages.append(page)
+        seq.num_computed = seq.num_hashed_pages = len(seq.pages)
+        seq.num_computed *= self.page_size
+        self.prefix_hits += seq.num_computed
+
+    def pages_missing(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self.pages_for(seq.num_computed + num_new_tokens) - len(seq.pages))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.pages_missing(seq, num_new_tokens) <= self.num_free
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Pages for the sequence's next ``num_new_tokens`` tokens (call ``can_allocate`` first)."""
+        for _ in range(self.pages_missing(seq, num_new_tokens)):
+            seq.pages.append(self._take_free())
+
+    def register_full_pages(self, seq: Sequence) -> None:
+        """After a step: make the sequence's newly completed pages findable by their prefix."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed // self.page_size
+        if full <= seq.num_hashed_pages:
+            return
+        for j in range(seq.num_hashed_pages, full):
+            page, page_hash_ = seq.pages[j], self._hash(seq, j)
+            if self.hash_of[page] is None and page_hash_ not in self.page_of_hash:
+                self.hash_of[page] = page_hash_
+                self.page_of_hash[page_hash_] = page
+        seq.num_hashed_pages = full
+
+    def release(self, seq: Sequence) -> None:
+        """Give back the sequence's pages (finished, aborted or preempted)."""
+        for page in reversed(seq.pages):  # its last pages are the least likely to be shared
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                self.free[page] = None
+        seq.pages = []
+        seq.num_computed = seq.num_hashed_pages = 0

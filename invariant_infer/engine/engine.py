@@ -1,0 +1,314 @@
+"""The engine: requests in, tokens and logprobs out, each bitwise a function of its own request.
+
+    engine = Engine(model, tokenizer)                 # wraps the model with make_invariant
+    outputs = engine.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    scores = engine.score([[1, 2, 3, 4]])              # == score_sequences(model, ...)
+
+``add_request`` / ``step`` / ``abort`` drive it one step at a time (a server does);
+``generate`` and ``score`` run until their requests finish.
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+
+import torch
+
+from ..patch import is_invariant, make_invariant
+from ..sampling import sample_next_token
+from ..scoring import ScoreResult
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .sampling_params import RequestError, SamplingParams
+from .scheduler import ScheduledChunk, Scheduler
+from .sequence import Sequence, Status
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
+DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5   # of the free memory at start
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]                      # of each generated token, under the model's distribution
+    top_logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[float] | None        # of prompt tokens 1 .. len - 1
+    prompt_top_logprobs: list[dict[int, float]] | None
+    prompt_greedy: list[bool] | None           # whether each of those prompt tokens was the argmax
+    text: str | None
+    seed: int                                  # replays the sample: pass it back as SamplingParams.seed
+    finished: bool
+    finish_reason: str | None                  # "stop", "length", "abort" or "error"
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant"):
+        if kernels not in ("invariant", "stock"):
+            raise ValueError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if kernels == "invariant":
+            make_invariant(model)
+        elif is_invariant(model):
+            raise ValueError("kernels='stock' needs a model that make_invariant has not wrapped (restore it first)")
+        if model.get_output_embeddings() is None or not hasattr(model, "model"):
+            raise ValueError("the engine runs causal LMs (AutoModelForCausalLM), not base models")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        config = model.config
+        self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
+        dtype, device = model.get_output_embeddings().weight.dtype, model.get_output_embeddings().weight.device
+        page_size = ModelRunner.page_size_for(config, device, dtype)
+        self.page_bytes = page_bytes = ModelRunner.page_bytes(config, dtype, page_size)
+        if kv_cache_memory is None:
+            kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY if device.type != "cuda" else \
+                int(torch.cuda.mem_get_info(device)[0] * DEFAULT_CUDA_KV_CACHE_FRACTION)
+        # No more pages than max_num_seqs sequences of max_position_embeddings tokens can use.
+        num_pages = min(kv_cache_memory // page_bytes, max_num_seqs * -(-self.max_positions // page_size))
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each)")
+        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant")
+        self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.sequences: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer: Engine(model, tokenizer)")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, SequenceABC) or not all(type(t) is int for t in prompt):
+            raise RequestError("a prompt is a string or a list of token ids")
+        return list(prompt)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``RequestError`` if the request cannot run (checked before admission)."""
+        params.check()
+        if not prompt_ids:
+            raise RequestError("empty prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_positions:
+            raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} is "
+                               f"more than the model's {self.max_positions} positions")
+        if self.blocks.pages_for(total) > self.blocks.num_pages:
+            raise RequestError(f"prompt + max_tokens needs {self.blocks.pages_for(total)} KV pages; the cache has "
+                               f"{self.blocks.num_pages} in all (raise kv_cache_memory)")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)")
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ``RequestError`` for a request that cannot run."""
+        params = params or SamplingParams()
+        prompt_ids = self._encode(prompt)
+        self.check_request(prompt_ids, params)
+        arrival = next(self._arrivals)
+        request_id = str(arrival) if request_id is None else str(request_id)
+        if request_id in self.sequences:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(request_id, prompt_ids, params, seed, arrival)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages; returns its output so far (None if unknown)."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        if not seq.finished:
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of every request that advanced (finished ones last time)."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        advanced: list[Sequence] = []
+        for group, hidden in self._forward(chunks):
+            if hidden is None:  # this request's forward failed alone
+                self._finish(group[0].seq, "error", error=self._last_error)
+                advanced.append(group[0].seq)
+                continue
+            advanced += self._process(group, hidden)
+        outputs = [self._output(seq) for seq in advanced]
+        for seq in advanced:
+            if seq.finished:
+                self.sequences.pop(seq.request_id, None)
+        return outputs
+
+    def _forward(self, chunks: list[ScheduledChunk]):
+        """(chunks, hidden) pairs: the whole step at once, or, if that raises, each request alone, so
+        that an exception fails only the request that raises it."""
+        try:
+            return [(chunks, self.runner.hidden_states(chunks))]
+        except Exception as exc:  # noqa: BLE001
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            if len(chunks) == 1:
+                return [(chunks, None)]
+        results = []
+        for chunk in chunks:
+            try:
+                results.append(([chunk], self.runner.hidden_states([chunk])))
+            except Exception as exc:  # noqa: BLE001
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                results.append(([chunk], None))
+        return results
+
+    def _process(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[Sequence]:
+        """Prompt logprobs, sampling and stop checks for the chunks of one forward."""
+        rows, prompt_targets, prompt_owners, sample_rows = [], [], [], []
+        offset = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            self.blocks.register_full_pages(seq)
+            if seq.wants_prompt_logprobs:
+                last = min(chunk.start + chunk.num_tokens, len(seq.prompt_ids) - 1)
+                for position in range(max(chunk.start, len(seq.prompt_logprobs)), last):
+                    rows.append(offset + position - chunk.start)
+                    prompt_targets.append(seq.prompt_ids[position + 1])
+                    prompt_owners.append(seq)
+            if chunk.completes:
+                sample_rows.append((len(rows), seq))
+                rows.append(offset + chunk.num_tokens - 1)
+            offset += chunk.num_tokens
+        if not rows:
+            return []
+        logits = self.runner.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if prompt_targets:
+            prompt_rows = [i for i in range(len(rows)) if i not in {r for r, _ in sample_rows}]
+            self._record_prompt_logprobs(logits[prompt_rows], prompt_targets, prompt_owners)
+        advanced = []
+        for row, seq in sample_rows:
+            try:
+                self._sample(seq, logits[row])
+            except Exception as exc:  # noqa: BLE001  (one request's failure stays its own)
+                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            advanced.append(seq)
+        return advanced
+
+    def _record_prompt_logprobs(self, logits, targets, owners) -> None:
+        target_ids = torch.tensor(targets, device=logits.device)
+        values, is_argmax = self.runner.logprobs(logits, target_ids)
+        for i, (seq, value, greedy) in enumerate(zip(owners, values.tolist(), is_argmax.tolist())):
+            seq.prompt_logprobs.append(value)
+            seq.prompt_greedy.append(greedy)
+            if seq.params.prompt_logprobs:
+                seq.prompt_top_logprobs.append(self._top(logits[i], seq.params.prompt_logprobs))
+
+    def _top(self, logits_row: torch.Tensor, k: int) -> dict[int, float]:
+        """The k most likely tokens and their logprobs, from the same kernel as a sampled token's."""
+        ids = torch.topk(logits_row.float(), k).indices
+        values = self.runner.logprobs(logits_row[None].expand(k, -1), ids)[0].tolist()
+        return dict(zip(ids.tolist(), values))
+
+    def _sample(self, seq: Sequence, logits_row: torch.Tensor) -> None:
+        params = seq.params
+        if len(seq.output_ids) >= params.max_tokens:  # max_tokens = 0: prompt logprobs only
+            self._finish(seq, "length")
+            return
+        token = sample_next_token(logits_row.float(), seq.tokens, step=len(seq.output_ids), seed=seq.seed,
+                                  temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                  repetition_penalty=params.repetition_penalty)
+        seq.output_ids.append(token)
+        target = torch.tensor([token], device=logits_row.device)
+        seq.logprobs.append(self.runner.logprobs(logits_row[None], target)[0].item())
+        if params.logprobs:
+            seq.top_logprobs.append(self._top(logits_row, params.logprobs))
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            self._finish(seq, "stop")
+        elif params.stop and any(stop in seq.text for stop in params.stop):
+            cut = min(seq.text.index(stop) for stop in params.stop if stop in seq.text)
+            seq.text = seq.text[:cut]
+            self._finish(seq, "stop")
+        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_positions:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
+        self.scheduler.remove(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        params = seq.params
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=list(seq.prompt_ids), token_ids=list(seq.output_ids),
+            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs) if params.logprobs else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.wants_prompt_logprobs else None,
+            prompt_top_logprobs=list(seq.prompt_top_logprobs) if params.prompt_logprobs else None,
+            prompt_greedy=list(seq.prompt_greedy) if seq.wants_prompt_logprobs else None,
+            text=seq.text if self.tokenizer is not None else None, seed=seq.seed, finished=seq.finished,
+            finish_reason=seq.finish_reason, error=seq.error)
+
+    # ---- offline jobs --------------------------------------------------------------------------------
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run the prompts to completion; outputs in prompt order. Invalid requests raise before any runs."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self._encode(p) for p in prompts]
+        for i, (ids, p) in enumerate(zip(encoded, params_list)):
+            try:
+                self.check_request(ids, p)
+            except RequestError as exc:
+                raise RequestError(f"request {i}: {exc}") from None
+        ids = [self.add_request(prompt, p) for prompt, p in zip(encoded, params_list)]
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), unit="req")
+        wanted = set(ids)
+        while wanted - finished.keys():
+            for output in self.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def score(self, sequences, prompt_lengths: list[int] | None = None) -> list[ScoreResult]:
+        """Logprobs of every token after ``prompt_lengths[i]`` (default 1): bitwise what
+        ``score_sequences`` gives for the same model."""
+        sequences = [self._encode(s) for s in sequences]
+        prompt_lengths = prompt_lengths or [1] * len(sequences)
+        if any(not 1 <= start < len(seq) for seq, start in zip(sequences, prompt_lengths)):
+            raise RequestError("each sequence needs 1 <= prompt_length < its length")
+        outputs = self.generate(sequences, SamplingParams(max_tokens=0, prompt_logprobs=0))
+        results = []
+        for out, start in zip(outputs, prompt_lengths):
+            if out.error:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            logprobs = torch.tensor(out.prompt_logprobs[start - 1:], dtype=torch.float32)
+            results.append(ScoreResult(logprobs, all(out.prompt_greedy[start - 1:])))
+        return results

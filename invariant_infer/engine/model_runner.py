@@ -1,0 +1,154 @@
+"""Runs one engine step: packs the scheduled tokens as ``[1, T]``, runs the model's own modules
+over them with attention on the paged KV cache, and turns the rows that need them into logits.
+
+The Hugging Face modules run unchanged (one engine for every family): projections, norms and
+MLP see ``T`` packed rows, which is all they need since each row is computed alone; RoPE looks up
+each token's absolute position; attention receives a ``paged_batch`` keyword that the model's
+forward passes through to its attention function (``invariant_infer.hf_attention``), which
+writes the step's K/V into the pages and attends over each sequence's own pages.
+
+``kernels="invariant"`` (the model is wrapped by ``make_invariant``) runs the paged Triton
+attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kernels="stock"``
+(an unwrapped model) runs stock linear layers and torch SDPA per sequence, for benchmarks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from ..hf_attention import PAGED_BATCH_KWARG
+from ..kernels import attention_config, linear, paged_attention, token_logprobs, write_kv
+from ..padding import sequence_bounds
+from .scheduler import ScheduledChunk
+
+STOCK_ATTN_IMPLEMENTATION = "invariant_infer_paged_stock"
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _paged_stock_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    paged_batch = kwargs[PAGED_BATCH_KWARG]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return paged_batch.attend(module.layer_idx, query, key, value, scale), None
+
+
+@dataclass
+class PagedBatch:
+    """One step's metadata, handed to every attention call of the forward."""
+    k_caches: list[torch.Tensor]   # per layer [num_pages, page_size, Hkv, D]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor     # int64 [T]: page * page_size + offset of each packed token
+    query_starts: torch.Tensor     # int32 [S + 1]
+    seq_lens: torch.Tensor         # int32 [S]: context length including this step's tokens
+    block_tables: torch.Tensor     # int32 [S, max_pages]
+    max_query_len: int
+    host_query_starts: list[int]
+    host_seq_lens: list[int]
+    invariant: bool
+
+    def attend(self, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
+        """q [1, Hq, T, D], k/v [1, Hkv, T, D] (this step's tokens) -> [1, T, Hq, D]."""
+        q = query[0].transpose(0, 1)                  # [T, Hq, D]
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        if self.invariant:
+            out = paged_attention(q.contiguous(), k_cache, v_cache, self.query_starts, self.seq_lens,
+                                  self.block_tables, scale, max_query_len=self.max_query_len)
+            return out[None]
+        return self._stock_attend(q, k_cache, v_cache, scale)[None]
+
+    def _stock_attend(self, q, k_cache, v_cache, scale):
+        page_size = k_cache.shape[1]
+        out = torch.empty_like(q)
+        for s, seq_len in enumerate(self.host_seq_lens):
+            q0, q1 = self.host_query_starts[s], self.host_query_starts[s + 1]
+            pages = self.block_tables[s, :-(-seq_len // page_size)]
+            keys = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)   # [Hkv, L, D]
+            values = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+            positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)
+            visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+            out[q0:q1] = F.scaled_dot_product_attention(
+                q[q0:q1].transpose(0, 1), keys, values, attn_mask=visible, scale=scale, enable_gqa=True,
+            ).transpose(0, 1)
+        return out
+
+
+class ModelRunner:
+    def __init__(self, model, *, num_pages: int, page_size: int, invariant: bool):
+        self.model, self.invariant = model, invariant
+        config = model.config
+        self.base = model.model
+        self.lm_head = model.get_output_embeddings()
+        self.device, self.dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        self.page_size = page_size
+        shape = (num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if not invariant:
+            AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, _paged_stock_attention)
+            model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
+
+    @staticmethod
+    def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:
+        """The attention kernel's KV block: a page never splits one."""
+        return attention_config(device.type, dtype, _head_dim(config)).block_n
+
+    @staticmethod
+    def page_bytes(config, dtype: torch.dtype, page_size: int) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * page_size * config.num_key_value_heads * _head_dim(config) * element
+
+    def _batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
+        ids, positions, slots, starts, lens = [], [], [], [0], []
+        for chunk in chunks:
+            seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            ids += seq.tokens[chunk.start:end]
+            span = range(chunk.start, end)
+            positions += span
+            slots += [seq.pages[p // self.page_size] * self.page_size + p % self.page_size for p in span]
+            starts.append(starts[-1] + chunk.num_tokens)
+            lens.append(end)
+        width = max(len(chunk.seq.pages) for chunk in chunks)
+        tables = [chunk.seq.pages + [0] * (width - len(chunk.seq.pages)) for chunk in chunks]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        batch = PagedBatch(self.k_caches, self.v_caches, tensor(slots, torch.int64), tensor(starts, torch.int32),
+                           tensor(lens, torch.int32), tensor(tables, torch.int32),
+                           max(c.num_tokens for c in chunks), starts, lens, self.invariant)
+        return tensor(ids, torch.long)[None], tensor(positions, torch.long)[None], batch
+
+    @torch.inference_mode()
+    def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Final hidden states [T, H] of the step's packed tokens."""
+        input_ids, position_ids, batch = self._batch(chunks)
+        # A prepared 4-D mask: transformers passes it through untouched (attention ignores it here).
+        mask = sequence_bounds(None, 1, input_ids.shape[1], 0, self.device)
+        out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
+                        **{PAGED_BATCH_KWARG: batch})
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [R, V] (model dtype) of hidden rows [R, H]."""
+        if self.invariant:
+            return linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        return F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+
+    @torch.inference_mode()
+    def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 [R] log_softmax(logits)[r, targets[r]], bool [R] target is the row's first argmax)."""
+        if self.invariant:
+            return token_logprobs(logits, targets)
+        targets = targets.to(logits.device)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])[:, 0]
+        return logprobs, logits.argmax(-1) == targets

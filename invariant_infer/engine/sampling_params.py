@@ -1,0 +1,54 @@
+"""Per-request sampling parameters, checked at admission."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import InvariantInferError
+
+
+class RequestError(InvariantInferError, ValueError):
+    """A request the engine refuses at admission (its other requests keep running)."""
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0         # 0: greedy
+    top_k: int = 0                   # 0: off
+    top_p: float = 1.0
+    seed: int | None = None          # None: drawn at admission and returned with the result
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (need a tokenizer)
+    ignore_eos: bool = False
+    logprobs: int | None = None      # top alternatives per generated token (0: the sampled token's only)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+
+    def check(self) -> None:
+        """Raise ``RequestError`` for values out of range or of the wrong type."""
+        def need(ok: bool, message: str):
+            if not ok:
+                raise RequestError(message)
+
+        need(type(self.max_tokens) is int and self.max_tokens >= 0, f"max_tokens must be an integer >= 0, "
+             f"got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and value == value,
+                 f"{name} must be a number, got {value!r}")
+        need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        need(type(self.top_k) is int and self.top_k >= 0, f"top_k must be an integer >= 0 (0: off), got "
+             f"{self.top_k!r}")
+        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        need(self.seed is None or (type(self.seed) is int and 0 <= self.seed < 2 ** 63),
+             f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        need(all(type(t) is int for t in self.stop_token_ids), "stop_token_ids must be integers")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            need(value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS),
+                 f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")

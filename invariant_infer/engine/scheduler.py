@@ -1,0 +1,103 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+First come, first served. Each step has a token budget (``max_num_batched_tokens``) and a
+sequence cap (``max_num_seqs``). Running sequences go first (a decode token, or the next chunk
+of a prefill), then waiting ones are admitted while budget and pages last; a prefill longer than
+what is left of the budget runs in chunks over several steps, mixed with other sequences' decode
+tokens. When pages run out, the most recently admitted sequence is preempted: its pages are
+freed and it is recomputed later from its tokens, which gives bitwise the same KV.
+None of this can change a bit of any result: every kernel computes a token from its own
+sequence alone.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int        # first position computed in this step
+    num_tokens: int   # positions [start, start + num_tokens)
+
+    @property
+    def completes(self) -> bool:
+        """The chunk reaches the sequence's last token, so its last row yields the next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def preempt_latest(self) -> Sequence | None:
+        """Preempt the most recently admitted running sequence (also used by tests)."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=lambda s: s.arrival)
+        self._preempt(victim)
+        return victim
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted below to make room for an earlier one
+                continue
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.can_allocate(seq, count):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self.blocks.allocate(seq, count)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, count))
+            budget -= count
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.pages:
+                self.blocks.match_prefix(seq)
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.can_allocate(seq, count):
+                self.blocks.release(seq)  # give back any prefix pages it took; it retries next step
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, count)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, count))
+            budget -= count
+        return chunks
