@@ -18,6 +18,7 @@ from invariant_infer.kernels import LINEAR_CONFIGS, attention_config
 configs_mod = sys.modules["invariant_infer.kernels.configs"]
 linear_mod = sys.modules["invariant_infer.kernels.linear"]
 attention_mod = sys.modules["invariant_infer.kernels.attention"]
+paged_mod = sys.modules["invariant_infer.kernels.paged_attention"]
 rms_mod = sys.modules["invariant_infer.kernels.rms_norm"]
 silu_mod = sys.modules["invariant_infer.kernels.silu_mul"]
 logprobs_mod = sys.modules["invariant_infer.kernels.token_logprobs"]
@@ -98,6 +99,19 @@ def test_attention_compiles(arch, dtype, head_dim):
                 {"ptr": f"*{TL_DTYPE[dtype]}", "kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32",
                  "scale": "fp32"},
                 dict(GROUP=6, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim,
+                     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+                cfg.num_warps, cfg.num_stages)
+
+
+@pytest.mark.parametrize("dtype", list(TL_DTYPE), ids=str)
+def test_paged_attention_compiles(dtype):
+    """The engine's paged kernel, for sm_90 (one arch: each compile takes seconds on CPU)."""
+    head_dim = 128
+    cfg = attention_config("cuda", dtype, head_dim)
+    compile_for(paged_mod._paged_attention_kernel, 90,
+                {"ptr": f"*{TL_DTYPE[dtype]}", "query_starts_ptr": "*i32", "seq_lens_ptr": "*i32",
+                 "block_tables_ptr": "*i32", "scale": "fp32"},
+                dict(GROUP=6, PAGE_SIZE=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim,
                      DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
                 cfg.num_warps, cfg.num_stages)
 
