@@ -200,3 +200,21 @@ def test_negative_control_stock_engine_differs_at_real_widths(tmp_path):
     batched = Engine(model, kernels="stock", max_num_batched_tokens=64).generate(prompts, params)
     alone = [Engine(model, kernels="stock").generate([p], params)[0] for p in prompts]
     assert any(a.prompt_logprobs != b.prompt_logprobs or a.logprobs != b.logprobs for a, b in zip(batched, alone))
+
+
+def test_text_prompts_and_stop_strings(tmp_path):
+    from transformers import AutoTokenizer
+
+    from test_scoring_cli import train_tokenizer
+    path = save_random_checkpoint(tmp_path / "m", random_config("qwen2", "tiny"), seed=4)
+    train_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = make_invariant(load_model(path, torch.bfloat16))
+    engine = Engine(model, tokenizer)
+    free = engine.generate(["the cat runs"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert free.prompt_token_ids == tokenizer.encode("the cat runs", add_special_tokens=False)
+    assert free.text == tokenizer.decode(free.token_ids, skip_special_tokens=True) and free.text
+    stop = free.text[len(free.text) // 2:][:3]
+    stopped = engine.generate(["the cat runs"], SamplingParams(max_tokens=6, ignore_eos=True, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    assert free.text.startswith(stopped.text) and stopped.token_ids == free.token_ids[:len(stopped.token_ids)]
