@@ -1,4 +1,4 @@
-"""python -m benchmarks [--quick] [--out DIR] [--only matmul,e2e,...] [--budget-s S]"""
+"""python -m benchmarks [--quick] [--out DIR] [--only matmul,e2e,...] [--budget-s S] [--model-preset FAMILY:PRESET]"""
 from __future__ import annotations
 
 import argparse
@@ -9,12 +9,34 @@ from pathlib import Path
 
 import torch
 
+from invariant_infer.families import FAMILIES
+
 from . import SECTIONS
+from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
 from .report import metadata, summary, validate, write_all
 from .timing import Run, free_memory
 
 # Share of the time budget per section; time one section leaves unused passes to the next.
 SHARES = {"matmul": 0.27, "norm_attention": 0.14, "e2e": 0.27, "scoring": 0.1, "divergence": 0.22}
+DEFAULT_MODEL_PRESET = f"{DEFAULT_FAMILY}:{DEFAULT_PRESET}"
+
+
+def _presets() -> str:
+    return "; ".join(f"{family}:{{{','.join(adapter.presets)}}}" for family, adapter in sorted(FAMILIES.items()))
+
+
+def model_preset(value: str) -> tuple[str, str]:
+    """argparse type for --model-preset: "FAMILY:PRESET" -> (family, preset), checked against
+    invariant_infer.families.FAMILIES and each adapter's presets."""
+    family, sep, preset = value.partition(":")
+    if not sep or not family or not preset:
+        raise argparse.ArgumentTypeError(f"expected FAMILY:PRESET (e.g. llama:llama-3.1-8b), got {value!r}")
+    if family not in FAMILIES:
+        raise argparse.ArgumentTypeError(f"unknown family {family!r}; choose from {', '.join(sorted(FAMILIES))}")
+    if preset not in FAMILIES[family].presets:
+        raise argparse.ArgumentTypeError(f"unknown {family} preset {preset!r}; choose from "
+                                         f"{', '.join(FAMILIES[family].presets)}")
+    return family, preset
 
 
 def parse(argv=None):
@@ -25,6 +47,9 @@ def parse(argv=None):
     p.add_argument("--budget-s", type=float, default=None, help="stop starting new items after this many seconds")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available and not --quick)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--model-preset", type=model_preset, default=DEFAULT_MODEL_PRESET, metavar="FAMILY:PRESET",
+                   help=f"the model whose shapes every section uses (default {DEFAULT_MODEL_PRESET}; quick mode "
+                        f"scales them down). Choices: {_presets()}")
     args = p.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(args.only) - set(SECTIONS)
@@ -36,13 +61,14 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
+    family, preset = args.model_preset
     if device.type == "cpu" and not args.quick:
-        print("warning: the full suite on CPU runs real Qwen2.5-1.5B shapes through the Triton interpreter "
+        print(f"warning: the full suite on CPU runs real {family}:{preset} shapes through the Triton interpreter "
               "(hours); use --quick", file=sys.stderr)
     t0 = time.monotonic()
     end = t0 + args.budget_s if args.budget_s else None
     ctx = Run(device=device, quick=args.quick)
-    results = metadata(device, args.quick)
+    results = metadata(device, args.quick, family=family, preset=preset)
     results.update({"budget_s": args.budget_s, "sections": args.only,
                     "matmul": [], "rmsnorm": [], "attention": [], "decode_attention": [], "e2e": [], "decode": [],
                     "scoring_memory": [], "scoring_throughput": [], "divergence": []})
@@ -56,7 +82,7 @@ def main(argv=None) -> int:
         started = time.monotonic()
         try:
             section = importlib.import_module(f"{__package__}.{name}")
-            results.update(section.run(ctx))
+            results.update(section.run(ctx, family=family, preset=preset))
         except Exception as exc:  # keep the other sections' numbers
             ctx.failed(f"section {name}", exc)
         free_memory(device)

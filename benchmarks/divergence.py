@@ -1,10 +1,12 @@
 """The phenomenon: a row's logits computed in a batch vs the same row alone, stock and invariant.
 
 For each case a batch of rows (left or right padded to one length) is scored once; then each
-checked row is scored alone, unpadded, batch size 1. Compared on the row's real tokens:
-max |delta logit| and the number of rows whose logits are not bitwise equal (torch.equal).
-Both runs get position_ids = cumsum(mask) - 1 (as generate() does), so padding never shifts
-positions and any difference comes from reduction order alone."""
+checked row is scored alone, unpadded, batch size 1: the project's one batch-vs-alone measurement,
+``invariant_infer.drift.batch_drift``. Compared on the row's real tokens: max |delta logit| and the
+number of rows whose logits are not bitwise equal (torch.equal). The batch gets position_ids =
+cumsum(mask) - 1 (as generate() does), so padding never shifts positions and any difference comes
+from reduction order alone. Model: the preset (default Qwen2.5-1.5B); quick: its real widths with
+1 layer and a 2048-token vocabulary."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,10 +14,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from invariant_infer import make_invariant, positions_from_mask, restore
-from invariant_infer.random_checkpoints import qwen2_config
+from invariant_infer import make_invariant, restore
+from invariant_infer.drift import batch_drift
 
-from .e2e import build_model
+from .e2e import build_model, preset_config
+from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
 from .timing import Run, free_memory
 
 
@@ -41,9 +44,9 @@ CASES = (
     Case("decode-shaped B=64 L=1", (1,) * 64),
     Case("left-pad B=32 lens 1..512", _random_lengths(3, 32, 512)),
 )
-# Quick mode: stock HF at Qwen2.5-1.5B's real widths (1 layer, vocab 2048) is cheap on CPU; the
-# invariant path runs there through the interpreter (about 2-8 s a forward), so it checks every
-# row of the small cases and 2-4 rows spread over the others.
+# Quick mode: stock HF at the preset's real widths (1 layer, vocab 2048) is cheap on CPU; the
+# invariant path runs there through the interpreter (about 2-8 s a forward at Qwen2.5-1.5B's
+# widths), so it checks every row of the small cases and 2-4 rows spread over the others.
 QUICK_CASES = (
     Case("left-pad B=4 lens 7/5/3/1", (7, 5, 3, 1)),
     Case("decode-shaped B=16 L=1", (1,) * 16, invariant_rows=4),
@@ -53,20 +56,16 @@ QUICK_CASES = (
 )
 
 
-def quick_config():
-    return qwen2_config("qwen2.5-1.5b", num_hidden_layers=1, vocab_size=2048)
+QUICK_OVERRIDES = dict(num_hidden_layers=1, vocab_size=2048)
 
 
-def _batch(case: Case, vocab: int, gen: torch.Generator):
-    length = max(case.lengths)
-    ids = torch.randint(0, vocab, (len(case.lengths), length), generator=gen)
-    mask = torch.zeros_like(ids)
-    spans = []
-    for i, n in enumerate(case.lengths):
-        span = slice(length - n, length) if case.side == "left" else slice(0, n)
-        mask[i, span] = 1
-        spans.append(span)
-    return ids, mask, spans
+def quick_config(family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET):
+    return preset_config(family, preset, **QUICK_OVERRIDES)[0]
+
+
+def _samples(case: Case, vocab: int, gen: torch.Generator) -> list:
+    """One row of random token ids per length (unpadded; batch_drift pads them)."""
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in case.lengths]
 
 
 def _checked_rows(n_rows: int, limit: int | None) -> list:
@@ -78,46 +77,35 @@ def _checked_rows(n_rows: int, limit: int | None) -> list:
     return sorted({round(i * (n_rows - 1) / (limit - 1)) for i in range(limit)})
 
 
-def _compare(model, ids, mask, spans, rows) -> dict:
-    dev = next(model.parameters()).device
-    ids, mask = ids.to(dev), mask.to(dev)
-    batch = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask, ids.shape[1])).logits
-    worst, unequal = 0.0, 0
-    for i in rows:
-        row_ids = ids[i:i + 1, spans[i]]
-        alone = model(input_ids=row_ids, attention_mask=torch.ones_like(row_ids)).logits[0]
-        in_batch = batch[i, spans[i]]
-        worst = max(worst, (alone.float() - in_batch.float()).abs().max().item())
-        unequal += not torch.equal(alone, in_batch)
-    return {"max_abs_diff": worst, "rows_unequal": unequal, "rows_checked": len(rows)}
-
-
-def run(ctx: Run, config=None, cases=None, dtype=torch.bfloat16) -> dict:
-    config = config or (quick_config() if ctx.quick else qwen2_config("qwen2.5-1.5b"))
+def run(ctx: Run, config=None, cases=None, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY,
+        preset: str = DEFAULT_PRESET) -> dict:
+    config, name = preset_config(family, preset, config, **(QUICK_OVERRIDES if ctx.quick else {}))
     cases = cases or (QUICK_CASES if ctx.quick else CASES)
     model = build_model(ctx, config, dtype)
     gen = torch.Generator().manual_seed(4)
-    batches = [_batch(case, config.vocab_size, gen) for case in cases]
+    samples_per_case = [_samples(case, config.vocab_size, gen) for case in cases]
     results = {case.name: {"case": case.name, "batch": len(case.lengths), "lengths": list(case.lengths),
-                           "padding": case.side, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
-                           "intermediate": config.intermediate_size, "vocab": config.vocab_size,
-                           "dtype": str(dtype)[6:]} for case in cases}
+                           "padding": case.side, "preset": name, "layers": config.num_hidden_layers,
+                           "hidden": config.hidden_size, "intermediate": config.intermediate_size,
+                           "vocab": config.vocab_size, "dtype": str(dtype)[6:]} for case in cases}
     with torch.inference_mode():
         for mode in ("stock", "invariant"):
             if mode == "invariant":
                 make_invariant(model)
             try:
-                for case, (ids, mask, spans) in tqdm(list(zip(cases, batches)), desc=f"divergence {mode}", leave=False):
+                for case, samples in tqdm(list(zip(cases, samples_per_case)), desc=f"divergence {mode}", leave=False):
                     limit = case.invariant_rows if mode == "invariant" else None
                     rows = _checked_rows(len(case.lengths), limit)
                     if not rows or ctx.out_of_time(f"divergence {mode} {case.name}"):
                         continue
                     try:
-                        found = _compare(model, ids, mask, spans, rows)
+                        drift = batch_drift(model, samples, side=case.side, checked=rows)
                     except Exception as exc:
                         ctx.failed(f"divergence {mode} {case.name}", exc)
                         continue
-                    results[case.name].update({f"{mode}_{key}": value for key, value in found.items()})
+                    results[case.name].update({f"{mode}_max_abs_diff": drift.max_abs_diff,
+                                               f"{mode}_rows_unequal": drift.rows_unequal,
+                                               f"{mode}_rows_checked": drift.rows})
             finally:
                 restore(model)
     del model

@@ -1,18 +1,28 @@
-"""End to end: one random-init Qwen2 model, stock (HF "sdpa", no patch) then ``make_invariant``,
-then ``restore``: scoring tokens/s, decode tokens/s and peak memory on the same weights."""
+"""End to end: one random-init model of the preset (default Qwen2.5-1.5B; quick: the family's
+``tiny`` preset), stock (HF "sdpa", no patch) then ``make_invariant``, then ``restore``: scoring
+tokens/s, decode tokens/s and peak memory on the same weights."""
 from __future__ import annotations
 
 import torch
 from tqdm import tqdm
 
 from invariant_infer import make_invariant, restore
-from invariant_infer.random_checkpoints import qwen2_config, random_model
+from invariant_infer.random_checkpoints import random_config, random_model
 
+from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
 from .timing import Run, free_memory, peak_gb, reset_peak, time_ms
 
 SCORE_SHAPES, QUICK_SCORE_SHAPES = ((1, 512), (8, 512), (32, 512), (8, 2048)), ((1, 16), (4, 16))
 # (batch, prompt length, new tokens)
 DECODE_SHAPES, QUICK_DECODE_SHAPES = ((1, 128, 32), (8, 128, 32), (32, 128, 32)), ((1, 8, 4), (2, 8, 4))
+
+
+def preset_config(family: str, preset: str, config=None, **overrides):
+    """(config, name): ``config`` itself when given (named "<model_type>:custom"), else the preset's
+    config with ``overrides`` (named "family:preset")."""
+    if config is not None:
+        return config, f"{config.model_type}:custom"
+    return random_config(family, preset, **overrides), f"{family}:{preset}"
 
 
 def build_model(ctx: Run, config, dtype=torch.bfloat16):
@@ -62,8 +72,9 @@ def _measure(ctx: Run, model, mode: str, inputs: dict, rows: dict, decode_rows: 
             ctx.failed(f"decode {mode} {batch}x{prompt}+{new}", exc)
 
 
-def run(ctx: Run, config=None, score_shapes=None, decode_shapes=None, dtype=torch.bfloat16) -> dict:
-    config = config or (qwen2_config("tiny") if ctx.quick else qwen2_config("qwen2.5-1.5b"))
+def run(ctx: Run, config=None, score_shapes=None, decode_shapes=None, dtype=torch.bfloat16,
+        family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET) -> dict:
+    config, name = preset_config(family, "tiny" if ctx.quick else preset, config)
     score_shapes = score_shapes or (QUICK_SCORE_SHAPES if ctx.quick else SCORE_SHAPES)
     decode_shapes = decode_shapes or (QUICK_DECODE_SHAPES if ctx.quick else DECODE_SHAPES)
     model = build_model(ctx, config, dtype)
@@ -79,7 +90,7 @@ def run(ctx: Run, config=None, score_shapes=None, decode_shapes=None, dtype=torc
             _measure(ctx, model, "invariant", inputs, rows, decode_rows)
         finally:
             restore(model)
-    model_info = {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
+    model_info = {"preset": name, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
                   "intermediate": config.intermediate_size, "vocab": config.vocab_size, "dtype": str(dtype)[6:],
                   "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
     del model

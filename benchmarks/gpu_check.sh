@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# One-shot GPU check: GPU-marked tests, then the full benchmark suite under a time budget.
-# Everything lands in one folder: $OUT if set, else benchmarks/results/<date>-<gpu>/.
+# One-shot GPU check: GPU-marked tests, then the full benchmark suite (Qwen2.5-1.5B) under a time
+# budget, then the matmul section at other families' shapes (Qwen3-8B, Llama-3.1-8B).
+# Everything lands in one folder: $OUT if set, else benchmarks/results/<date>-<gpu>/; the extra
+# presets in sub-folders of it, one per preset (qwen3-8b/, llama-3.1-8b/).
 # Sized for < 8 minutes on one H200. Env overrides: PYTHON, TOTAL_S (default 450),
 # TEST_TIMEOUT_S (180), SUITE_MAX_S (300), BENCH_COMMIT (commit id when .git is absent),
-# SUITE_ARGS (extra arguments for python -m benchmarks, e.g. "--quick" for a dry run on CPU).
+# SUITE_ARGS (extra arguments for python -m benchmarks, e.g. "--quick" for a dry run on CPU),
+# EXTRA_PRESETS ("qwen3:qwen3-8b llama:llama-3.1-8b"; empty to skip), EXTRA_SECTIONS (matmul),
+# EXTRA_S (100: seconds of TOTAL_S kept from the suite for the extra presets), EXTRA_MAX_S (60: the
+# most budget one extra preset gets).
 set -u -o pipefail
 START=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -12,6 +17,11 @@ PY=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-450}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-180}
 SUITE_MAX_S=${SUITE_MAX_S:-300}
+EXTRA_PRESETS=${EXTRA_PRESETS-qwen3:qwen3-8b llama:llama-3.1-8b}
+EXTRA_SECTIONS=${EXTRA_SECTIONS:-matmul}
+EXTRA_S=${EXTRA_S:-100}
+EXTRA_MAX_S=${EXTRA_MAX_S:-60}
+[ -z "$EXTRA_PRESETS" ] && EXTRA_S=0
 export TQDM_DISABLE=1 PYTHONUNBUFFERED=1
 
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9.\n-' '-')
@@ -68,25 +78,56 @@ echo "[gpu_check] pytest -m gpu (timeout ${TEST_TIMEOUT_S}s)"
 timeout -k 10 "$TEST_TIMEOUT_S" $PY -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$DEST/pytest.log"
 TESTS_RC=$?
 
-# -- 2. full suite, with what is left of the time budget ------------------------------------------
+# -- 2. full suite, with what is left of the time budget (less EXTRA_S for step 3) -----------------
 ELAPSED=$(( $(date +%s) - START ))
-BUDGET=$(( TOTAL_S - ELAPSED - 60 ))
+BUDGET=$(( TOTAL_S - ELAPSED - 60 - EXTRA_S ))
 (( BUDGET > SUITE_MAX_S )) && BUDGET=$SUITE_MAX_S
 (( BUDGET < 60 )) && BUDGET=60
 echo "[gpu_check] benchmark suite, budget ${BUDGET}s (${ELAPSED}s elapsed)"
 timeout -k 10 $(( BUDGET + 60 )) $PY -m benchmarks --out "$DEST" --budget-s "$BUDGET" ${SUITE_ARGS:-} 2>&1 | tee "$DEST/suite.log"
 SUITE_RC=$?
 
-# -- 3. exit codes and the summary, last -------------------------------------------------------------
+# -- 3. other families' shapes: EXTRA_SECTIONS per preset, sharing what is left of TOTAL_S ----------
+# Each run gets an equal share of the time left: --budget-s of the share less 35 s (at most
+# EXTRA_MAX_S), killed 30 s after its budget (imports, the item running when the budget ends, the
+# report and plots; a killed run writes nothing, as its one section never ends). A preset whose
+# share is under 50 s is skipped. Results: $DEST/<preset>/ (results.json, RESULTS.md, PNGs, suite.log).
+EXTRA_RC=0
+EXTRA_DIRS=()
+read -r -a PRESETS <<<"$EXTRA_PRESETS"
+N_PRESETS=${#PRESETS[@]}
+for (( i = 0; i < N_PRESETS; i++ )); do
+  P=${PRESETS[$i]}
+  SUB="$DEST/${P#*:}"
+  LEFT=$(( TOTAL_S - ($(date +%s) - START) ))
+  SHARE=$(( LEFT / (N_PRESETS - i) ))
+  if (( SHARE < 50 )); then
+    echo "[gpu_check] $P: skipped, ${SHARE}s left for it (under 50s)"
+    continue
+  fi
+  EXTRA_BUDGET=$(( SHARE - 35 ))
+  (( EXTRA_BUDGET > EXTRA_MAX_S )) && EXTRA_BUDGET=$EXTRA_MAX_S
+  mkdir -p "$SUB"
+  echo "[gpu_check] $P: --only $EXTRA_SECTIONS, budget ${EXTRA_BUDGET}s -> $SUB"
+  timeout -k 5 $(( EXTRA_BUDGET + 30 )) $PY -m benchmarks --model-preset "$P" --only "$EXTRA_SECTIONS" \
+    --out "$SUB" --budget-s "$EXTRA_BUDGET" ${SUITE_ARGS:-} 2>&1 | tee "$SUB/suite.log"
+  RC=$?
+  (( RC != 0 )) && EXTRA_RC=$RC
+  EXTRA_DIRS+=("$SUB")
+done
+
+# -- 4. exit codes and the summary, last -------------------------------------------------------------
 TOTAL=$(( $(date +%s) - START ))
-printf 'install_rc=%s\ntests_rc=%s\nsuite_rc=%s\ntotal_s=%s\n' "$INSTALL_RC" "$TESTS_RC" "$SUITE_RC" "$TOTAL" \
-  | tee "$DEST/exit_codes.txt"
+printf 'install_rc=%s\ntests_rc=%s\nsuite_rc=%s\nextra_rc=%s\ntotal_s=%s\n' "$INSTALL_RC" "$TESTS_RC" "$SUITE_RC" \
+  "$EXTRA_RC" "$TOTAL" | tee "$DEST/exit_codes.txt"
 echo "================ summary ($DEST) ================"
 grep -E "passed|failed|error|skipped" "$DEST/pytest.log" | tail -1
-if [ -f "$DEST/results.json" ]; then
-  $PY -m benchmarks.report --summary "$DEST/results.json"
-else
-  echo "no results.json (suite rc $SUITE_RC); see $DEST/suite.log"
-fi
-echo "tests rc $TESTS_RC, suite rc $SUITE_RC, ${TOTAL}s"
-exit $(( TESTS_RC != 0 || SUITE_RC != 0 ))
+for D in "$DEST" ${EXTRA_DIRS[@]+"${EXTRA_DIRS[@]}"}; do
+  if [ -f "$D/results.json" ]; then
+    $PY -m benchmarks.report --summary "$D/results.json"
+  else
+    echo "no results.json in $D; see $D/suite.log"
+  fi
+done
+echo "tests rc $TESTS_RC, suite rc $SUITE_RC, extra presets rc $EXTRA_RC, ${TOTAL}s"
+exit $(( TESTS_RC != 0 || SUITE_RC != 0 || EXTRA_RC != 0 ))

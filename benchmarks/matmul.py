@@ -1,27 +1,46 @@
-"""Linear layers at Qwen2.5-1.5B's shapes: torch.nn.functional.linear (cuBLAS) vs invariant_infer.kernels.linear."""
+"""Linear layers at a model preset's shapes (default Qwen2.5-1.5B): torch.nn.functional.linear
+(cuBLAS) vs invariant_infer.kernels.linear."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
+from invariant_infer.families import FAMILIES
 from invariant_infer.kernels import linear
+from invariant_infer.random_checkpoints import random_config
 
 from .timing import Run, time_ms
 
-# name -> (N, K, bias): y[M, N] = x[M, K] @ W[N, K]^T (+ b)
-SHAPES = {
-    "q": (1536, 1536, True),
-    "k/v": (256, 1536, True),
-    "o": (1536, 1536, False),
-    "gate/up": (8960, 1536, False),
-    "down": (1536, 8960, False),
-    "lm_head": (151936, 1536, False),
-}
+DEFAULT_FAMILY, DEFAULT_PRESET = "qwen2", "qwen2.5-1.5b"
+# Shape name -> the projections it stands for (k and v, gate and up have one shape each).
+PROJECTIONS = {"q": "self_attn.q_proj", "k/v": "self_attn.k_proj", "o": "self_attn.o_proj",
+               "gate/up": "mlp.gate_proj", "down": "mlp.down_proj"}
 MS = (1, 8, 32, 128, 512, 2048, 8192)
-# Quick (CPU interpreter): N and K divided by 16, small M.
-QUICK_SHAPES = {name: (max(16, n // 16), max(16, k // 16), bias) for name, (n, k, bias) in SHAPES.items()}
 QUICK_MS = (1, 8, 32)
+
+
+def model_shapes(family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET) -> dict:
+    """name -> (N, K, bias) of the preset's projections, y[M, N] = x[M, K] @ W[N, K]^T (+ b).
+
+    Read off one decoder layer built on the meta device (no memory), so head_dim, q/k/v bias
+    (Qwen2), attention_bias / mlp_bias (Llama) and the like are what the family's own modules use."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(random_config(family, preset, num_hidden_layers=1))
+    found = FAMILIES[family].projections(model.model.layers[0])
+    shapes = {}
+    for name, path in PROJECTIONS.items():
+        module = found[path]
+        shapes[name] = (module.out_features, module.in_features, module.bias is not None)
+    head = model.get_output_embeddings()
+    shapes["lm_head"] = (head.out_features, head.in_features, head.bias is not None)
+    return shapes
+
+
+def quick_shapes(shapes: dict) -> dict:
+    """Quick (CPU interpreter): N and K divided by 16 (at least 16)."""
+    return {name: (max(16, n // 16), max(16, k // 16), bias) for name, (n, k, bias) in shapes.items()}
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor, chunk: int = 1024) -> float:
@@ -33,8 +52,11 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, chunk: int = 1024) -> float:
     return best
 
 
-def run(ctx: Run, shapes: dict | None = None, ms=None, dtype=torch.bfloat16) -> dict:
-    shapes = shapes or (QUICK_SHAPES if ctx.quick else SHAPES)
+def run(ctx: Run, shapes: dict | None = None, ms=None, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY,
+        preset: str = DEFAULT_PRESET) -> dict:
+    if shapes is None:
+        shapes = model_shapes(family, preset)
+        shapes = quick_shapes(shapes) if ctx.quick else shapes
     ms = tuple(ms or (QUICK_MS if ctx.quick else MS))
     rows = []
     items = [(name, m) for name in shapes for m in ms]

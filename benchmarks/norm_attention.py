@@ -1,23 +1,49 @@
-"""RMSNorm (vs HF Qwen2RMSNorm) and attention (vs torch SDPA, called as HF's "sdpa" calls it)."""
+"""RMSNorm (vs the family's own HF RMSNorm class, e.g. Qwen2RMSNorm) and attention (vs torch SDPA,
+called as HF's "sdpa" calls it), at a model preset's widths (default Qwen2.5-1.5B)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
+from invariant_infer.families import FAMILIES
 from invariant_infer.kernels import attention, rms_norm
+from invariant_infer.random_checkpoints import random_config
 
-from .matmul import max_abs_diff
+from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET, max_abs_diff
 from .timing import Run, time_ms
 
-HIDDEN, EPS = 1536, 1e-6
 NORM_MS, QUICK_NORM_MS = (1, 32, 512, 2048, 8192, 32768), (1, 32)
-# Qwen2.5-1.5B attention: 12 query heads, 2 KV heads, head_dim 128.
-HEADS, QUICK_HEADS = (12, 2, 128), (4, 2, 64)
 PREFILL_GRID, QUICK_PREFILL_GRID = [(b, s) for b in (1, 8, 32) for s in (512, 2048)], [(1, 16), (3, 48)]
 DECODE_GRID = [(b, c) for b in (1, 16) for c in (512, 1024, 2048, 4096, 8192)]
 QUICK_DECODE_GRID = [(2, 64), (2, 128)]
+
+
+@dataclass(frozen=True)
+class Widths:
+    """What the section needs of a preset: the RMSNorm (class, hidden size, eps) and the attention
+    heads (query heads, KV heads, head_dim)."""
+    rms_norm: type
+    hidden: int
+    eps: float
+    heads: tuple
+
+
+def widths(family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET) -> Widths:
+    config = random_config(family, preset)
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
+    return Widths(FAMILIES[family].rms_norm, config.hidden_size, config.rms_norm_eps, (hq, hkv, head_dim))
+
+
+def quick_heads(heads: tuple) -> tuple:
+    """Quick (CPU interpreter): at most 2 KV heads, at most 2 query heads per KV head, head_dim at
+    most 64 (Qwen2.5-1.5B's 12/2/128 -> 4/2/64). RMSNorm keeps the real hidden size (it is cheap)."""
+    hq, hkv, d = heads
+    kv = min(hkv, 2)
+    return (kv * min(hq // hkv, 2), kv, min(d, 64))
 
 
 def padding_mask(pads, lq: int, lk: int, device):
@@ -49,24 +75,26 @@ def stock_attention(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _rmsnorm(ctx: Run, dtype) -> list:
+def _rmsnorm(ctx: Run, dtype, w: Widths) -> list:
     rows = []
     gen = torch.Generator(device=ctx.device).manual_seed(1)
-    module = Qwen2RMSNorm(HIDDEN, eps=EPS).to(device=ctx.device, dtype=dtype)
+    hidden, eps = w.hidden, w.eps
+    module = w.rms_norm(hidden, eps=eps).to(device=ctx.device, dtype=dtype)
     with torch.no_grad():
-        module.weight.copy_(1 + 0.1 * torch.randn(HIDDEN, generator=gen, device=ctx.device))
+        module.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen, device=ctx.device))
     for m in tqdm(QUICK_NORM_MS if ctx.quick else NORM_MS, desc="rmsnorm", leave=False):
         if ctx.out_of_time(f"rmsnorm M={m}"):
             continue
         try:
-            x = torch.randn(m, HIDDEN, generator=gen, device=ctx.device, dtype=dtype)
-            stock_fn, inv_fn = (lambda: module(x)), (lambda: rms_norm(x, module.weight, EPS))
+            x = torch.randn(m, hidden, generator=gen, device=ctx.device, dtype=dtype)
+            stock_fn, inv_fn = (lambda: module(x)), (lambda: rms_norm(x, module.weight, eps))
             with torch.no_grad():
                 y_stock, y_inv = stock_fn(), inv_fn()
                 stock_ms = time_ms(stock_fn, ctx.device, flush_l2=True)
                 inv_ms = time_ms(inv_fn, ctx.device, reps=3 if ctx.on_gpu else 1, warmup=0, flush_l2=True)
-            nbytes = 2 * m * HIDDEN * x.element_size() + HIDDEN * x.element_size()
-            rows.append({"M": m, "N": HIDDEN, "stock_ms": stock_ms, "invariant_ms": inv_ms, "ratio": inv_ms / stock_ms,
+            nbytes = 2 * m * hidden * x.element_size() + hidden * x.element_size()
+            rows.append({"M": m, "N": hidden, "eps": eps, "stock_class": w.rms_norm.__name__,
+                         "stock_ms": stock_ms, "invariant_ms": inv_ms, "ratio": inv_ms / stock_ms,
                          "stock_gbps": nbytes / (stock_ms * 1e-3) / 1e9, "invariant_gbps": nbytes / (inv_ms * 1e-3) / 1e9,
                          "max_abs_diff": max_abs_diff(y_inv, y_stock), "bitwise_equal_to_stock": bool(torch.equal(y_inv, y_stock))})
         except Exception as exc:
@@ -74,8 +102,8 @@ def _rmsnorm(ctx: Run, dtype) -> list:
     return rows
 
 
-def _attention_case(ctx: Run, gen, dtype, batch: int, lq: int, lk: int, pads: list) -> dict:
-    hq, hkv, d = QUICK_HEADS if ctx.quick else HEADS
+def _attention_case(ctx: Run, gen, dtype, heads: tuple, batch: int, lq: int, lk: int, pads: list) -> dict:
+    hq, hkv, d = heads
     q = torch.randn(batch, hq, lq, d, generator=gen, device=ctx.device, dtype=dtype)
     k = torch.randn(batch, hkv, lk, d, generator=gen, device=ctx.device, dtype=dtype)
     v = torch.randn(batch, hkv, lk, d, generator=gen, device=ctx.device, dtype=dtype)
@@ -101,22 +129,24 @@ def _pads(batch: int, seq: int) -> list:
     return [0] + [(37 * i) % (seq // 4 + 1) for i in range(1, batch)]
 
 
-def run(ctx: Run, dtype=torch.bfloat16) -> dict:
-    out = {"rmsnorm": _rmsnorm(ctx, dtype), "attention": [], "decode_attention": []}
+def run(ctx: Run, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET) -> dict:
+    w = widths(family, preset)
+    heads = quick_heads(w.heads) if ctx.quick else w.heads
+    out = {"rmsnorm": _rmsnorm(ctx, dtype, w), "attention": [], "decode_attention": []}
     gen = torch.Generator(device=ctx.device).manual_seed(2)
     with torch.no_grad():
         for batch, seq in tqdm(QUICK_PREFILL_GRID if ctx.quick else PREFILL_GRID, desc="attention", leave=False):
             if ctx.out_of_time(f"attention {batch}x{seq}"):
                 continue
             try:
-                out["attention"].append(_attention_case(ctx, gen, dtype, batch, seq, seq, _pads(batch, seq)))
+                out["attention"].append(_attention_case(ctx, gen, dtype, heads, batch, seq, seq, _pads(batch, seq)))
             except Exception as exc:
                 ctx.failed(f"attention {batch}x{seq}", exc)
         for batch, context in tqdm(QUICK_DECODE_GRID if ctx.quick else DECODE_GRID, desc="decode attn", leave=False):
             if ctx.out_of_time(f"decode attention {batch}x{context}"):
                 continue
             try:
-                out["decode_attention"].append(_attention_case(ctx, gen, dtype, batch, 1, context, [0] * batch))
+                out["decode_attention"].append(_attention_case(ctx, gen, dtype, heads, batch, 1, context, [0] * batch))
             except Exception as exc:
                 ctx.failed(f"decode attention {batch}x{context}", exc)
     return out

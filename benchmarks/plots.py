@@ -10,12 +10,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
+from .report import model_name  # noqa: E402
+
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 STOCK, INVARIANT = "#1f77b4", "#d62728"
 
 
 def _finish(fig, results: dict, path: Path, timed: bool = True) -> str:
     device = results.get("device", "?")
+    quick = " (quick mode: scaled-down shapes)" if results.get("quick") else ""
+    fig.suptitle(f"Model preset {model_name(results)}{quick}", fontsize=11, weight="bold")
     fig.text(0.01, 0.005, f"{device} · commit {str(results.get('commit'))[:12]} · torch {results.get('torch')} · "
              f"triton {results.get('triton')}", fontsize=7, color="gray", ha="left", va="bottom")
     if timed and not results.get("timings_meaningful"):
@@ -38,6 +42,10 @@ def _log_ticks(ax, xs) -> None:
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 3 else (1.0,)))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _row_preset(row: dict) -> str:
+    return f"{row['preset']}: " if row.get("preset") else ""
 
 
 def _suffix(results: dict) -> str:
@@ -98,7 +106,7 @@ def throughput_vs_batch(results: dict, out: Path) -> str | None:
     if not e2e and not decode:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    model = f"{e2e[0]['layers']} layers, hidden {e2e[0]['hidden']}" if e2e else ""
+    model = f"{_row_preset(e2e[0])}{e2e[0]['layers']} layers, hidden {e2e[0]['hidden']}" if e2e else ""
     _grouped_bars(ax1, [f"{r['batch']}×{r['seq']}" for r in e2e], [r.get("stock_tokens_per_s") for r in e2e],
                   [r.get("invariant_tokens_per_s") for r in e2e], "tokens / s (higher is better)",
                   f"Scoring throughput ({model})\n(label = invariant/stock tokens/s)" + _suffix(results))
@@ -132,7 +140,8 @@ def divergence(results: dict, out: Path) -> str | None:
             ax2.annotate(text, (100 * (r.get(f"{mode}_frac_unequal") or 0), y + offset), xytext=(3, 0),
                          textcoords="offset points", va="center", fontsize=7, color=color)
     first = rows[0]
-    model = f"{first['layers']} layer(s), hidden {first['hidden']}, MLP {first['intermediate']}, {first['dtype']}"
+    model = (f"{_row_preset(first)}{first['layers']} layer(s), hidden {first['hidden']}, MLP {first['intermediate']}, "
+             f"{first['dtype']}")
     ax1.set_yticks(ys, [r["case"] for r in rows], fontsize=8)
     ax1.set(xlabel="max |Δ logit|, batch vs alone (logit units)", title=f"Logit drift, batch vs alone\n({model})")
     ax2.set(xlabel="rows not bitwise equal (%)", xlim=(0, 115), title="Rows whose logits change with the batch")
@@ -149,8 +158,11 @@ def kernels(results: dict, out: Path) -> str | None:
     if not (norm or attn or dec):
         return None
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    hidden = f", hidden {norm[0]['N']}" if norm else ""
+    stock_norm = ((norm[0].get("stock_class") if norm else None)
+                  or (results.get("model") or {}).get("rms_norm", "RMSNorm"))
     for ax, rows, key, xlabel, title in (
-            (axes[0], norm, "M", "rows (M), hidden 1536", "RMSNorm: HF Qwen2RMSNorm vs invariant"),
+            (axes[0], norm, "M", f"rows (M){hidden}", f"RMSNorm: HF {stock_norm} vs invariant"),
             (axes[2], dec, "kv_len", "context length (keys)", "Decode attention (Lq=1): SDPA vs invariant")):
         for batch in dict.fromkeys(r.get("batch", "") for r in rows):
             sel = [r for r in rows if r.get("batch", "") == batch]
@@ -167,7 +179,8 @@ def kernels(results: dict, out: Path) -> str | None:
     _grouped_bars(axes[1], [f"{r['batch']}×{r['q_len']}" for r in attn], [r["stock_ms"] for r in attn],
                   [r["invariant_ms"] for r in attn], "time (ms, lower is better)",
                   "Prefill attention, left-padded: SDPA vs invariant\n(label = invariant/stock time)" + _suffix(results))
-    axes[1].set_xlabel("batch × sequence length")
+    heads = f" (heads q/kv/d {attn[0]['heads']}/{attn[0]['kv_heads']}/{attn[0]['head_dim']})" if attn else ""
+    axes[1].set_xlabel(f"batch × sequence length{heads}")
     return _finish(fig, results, out / "kernels.png")
 
 

@@ -42,7 +42,26 @@ def git_commit(repo: Path) -> str:
         return os.environ.get("BENCH_COMMIT", "unknown")
 
 
-def metadata(device: torch.device, quick: bool) -> dict:
+def model_metadata(family: str, preset: str) -> dict:
+    """The preset the sections take their shapes from: names and its real (full-suite) widths."""
+    from invariant_infer.families import FAMILIES
+    from invariant_infer.random_checkpoints import random_config
+    config = random_config(family, preset)
+    heads = config.num_attention_heads
+    return {"name": f"{family}:{preset}", "family": family, "preset": preset, "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size, "num_attention_heads": heads,
+            "num_key_value_heads": config.num_key_value_heads or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
+            "tie_word_embeddings": config.tie_word_embeddings, "rms_norm": FAMILIES[family].rms_norm.__name__}
+
+
+def model_name(results: dict) -> str:
+    """ "family:preset" of a results dict ("qwen2:qwen2.5-1.5b" for results written before the field)."""
+    return (results.get("model") or {}).get("name", "qwen2:qwen2.5-1.5b")
+
+
+def metadata(device: torch.device, quick: bool, family: str = "qwen2", preset: str = "qwen2.5-1.5b") -> dict:
     import transformers
     import triton
     gpu = device.type == "cuda"
@@ -52,7 +71,7 @@ def metadata(device: torch.device, quick: bool) -> dict:
         "device": name, "device_type": device.type, "commit": git_commit(Path(__file__).resolve().parents[1]),
         "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "quick": quick, "timings_meaningful": gpu,
+        "quick": quick, "timings_meaningful": gpu, "model": model_metadata(family, preset),
         "timing_note": ("CUDA: triton.testing.do_bench medians with L2 flushed (kernels); CUDA-event medians (e2e)"
                         if gpu else NOT_MEANINGFUL + ": invariant kernels run in Python; quick mode checks "
                                                      "correctness and divergence only"),
@@ -100,10 +119,19 @@ def table(rows: list, columns: list) -> str:
 
 def markdown(results: dict) -> str:
     meaningful = results.get("timings_meaningful")
-    out = [f"# Benchmark results: {results['device']}\n",
+    model, name = results.get("model") or {}, model_name(results)
+    out = [f"# Benchmark results: {results['device']} · {name}\n",
            f"commit `{results['commit']}` · torch {results['torch']} · triton {results['triton']} · "
            f"transformers {results['transformers']} · {'quick' if results.get('quick') else 'full'} mode · "
            f"{results.get('created', '')} · {results.get('duration_s', 0):.0f} s\n"]
+    if model:
+        out.append(f"Model preset **`{name}`** (`--model-preset`): hidden {model['hidden_size']}, MLP "
+                   f"{model['intermediate_size']}, heads {model['num_attention_heads']}/{model['num_key_value_heads']}"
+                   f"/{model['head_dim']} (q/kv/d), {model['num_hidden_layers']} layers, vocab {model['vocab_size']}, "
+                   f"RMSNorm `{model['rms_norm']}`."
+                   + (f" Quick mode scales it down: matmul N, K ÷ 16; attention at most 4/2 heads, d 64; e2e and "
+                      f"scoring use `{model['family']}:tiny`; divergence keeps the widths with 1 layer, vocab 2048."
+                      if results.get("quick") else "") + "\n")
     if not meaningful:
         out.append(f"> **{NOT_MEANINGFUL}.** The invariant kernels run in Triton's Python interpreter here; the "
                    "numbers below check that everything runs and how far logits drift, not speed.\n")
@@ -114,7 +142,8 @@ def markdown(results: dict) -> str:
         ("case", "case"), ("model", "_model"), ("stock max abs Δ", "stock_max_abs_diff"),
         ("stock rows unequal", "_stock_rows"), ("invariant max abs Δ", "invariant_max_abs_diff"),
         ("invariant rows unequal", "_invariant_rows")]))
-    out.append("\n## Matmul (bf16): `F.linear` vs `invariant_infer.kernels.linear`\n\nratio = invariant time / "
+    out.append(f"\n## Matmul (bf16, {name} shapes{', N and K ÷ 16' if results.get('quick') else ''}): "
+               "`F.linear` vs `invariant_infer.kernels.linear`\n\nratio = invariant time / "
                "stock time (above 1 = invariant slower). row0 equal: row 0 of the M-row product is bitwise "
                "equal to the M=1 product.\n")
     out.append(table(results.get("matmul"), [
@@ -133,7 +162,7 @@ def markdown(results: dict) -> str:
         ("stock tok/s", "stock_decode_tokens_per_s"), ("invariant tok/s", "invariant_decode_tokens_per_s"),
         ("stock/invariant", "ratio")]))
     out.append(scoring_markdown(results))
-    out.append("\n## RMSNorm: HF `Qwen2RMSNorm` vs `invariant_infer.kernels.rms_norm`\n")
+    out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
         ("stock GB/s", "stock_gbps"), ("invariant GB/s", "invariant_gbps"), ("bitwise = stock", "bitwise_equal_to_stock")]))
@@ -184,15 +213,20 @@ def scoring_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+def _preset(row: dict) -> str:
+    return f"{row['preset']} " if row.get("preset") else ""
+
+
 def _decorate(results: dict) -> None:
     """Display-only helper keys (prefixed with _), used by the markdown tables."""
     for row in results.get("divergence") or []:
-        row["_model"] = f"{row.get('layers')}L h{row.get('hidden')}/{row.get('intermediate')} v{row.get('vocab')}"
+        row["_model"] = (_preset(row) + f"{row.get('layers')}L h{row.get('hidden')}/{row.get('intermediate')} "
+                         f"v{row.get('vocab')}")
         for mode in ("stock", "invariant"):
             checked = row.get(f"{mode}_rows_checked")
             row[f"_{mode}_rows"] = f"{row[f'{mode}_rows_unequal']}/{checked}" if checked else "not run"
     for row in results.get("e2e") or []:
-        row["_model"] = f"{row.get('layers')}L h{row.get('hidden')}"
+        row["_model"] = _preset(row) + f"{row.get('layers')}L h{row.get('hidden')}"
     for row in results.get("scoring_memory") or []:
         for name in ("naive", "ours"):
             gb = row.get(f"{name}_peak_gb")
@@ -201,7 +235,7 @@ def _decorate(results: dict) -> None:
         row["_argmax"] = (None if mismatches is None else
                           "yes" if mismatches == 0 else f"**no** ({mismatches}/{row.get('tokens')} rows)")
     for row in results.get("scoring_throughput") or []:
-        row["_model"] = f"{row.get('layers')}L h{row.get('hidden')} v{row.get('vocab')}"
+        row["_model"] = _preset(row) + f"{row.get('layers')}L h{row.get('hidden')} v{row.get('vocab')}"
         row["_lengths"] = f"{row.get('min_len')}–{row.get('max_len')}"
         row["_budget"] = f"{row.get('max_batch_tokens')} ({row.get('batches')})"
         row["_alt_budget"] = f"{row.get('alt_max_batch_tokens')} ({row.get('alt_batches')})"
@@ -233,8 +267,8 @@ def _geomean(values):
 
 
 def summary(results: dict) -> str:
-    lines = [f"{results['device']} | commit {results['commit']} | torch {results['torch']} triton "
-             f"{results['triton']} transformers {results['transformers']}"
+    lines = [f"{results['device']} | {model_name(results)} | commit {results['commit']} | torch {results['torch']} "
+             f"triton {results['triton']} transformers {results['transformers']}"
              + ("" if results.get("timings_meaningful") else f" | {NOT_MEANINGFUL}")]
     shapes = list(dict.fromkeys(r["shape"] for r in results.get("matmul") or []))
     for shape in shapes:

@@ -1,23 +1,26 @@
 """Scoring: (1) logprobs from final hidden states, the naive way (full fp32 [T x V] logits,
 ``torch.log_softmax``, gather) vs ``token_logprobs_from_hidden`` (lm_head on row chunks through the
 invariant linear, each chunk reduced at once by the ``token_logprobs`` kernel): peak memory, time,
-max |Δ logprob|, is-argmax agreement; (2) ``score_sequences`` tokens/s on the e2e model vs the stock
-way (HF forward on padded batches, log_softmax over the full logits, gather), and whether its
-digests are equal for two different ``max_batch_tokens``."""
+max |Δ logprob|, is-argmax agreement, at the preset's hidden size and vocabulary; (2)
+``score_sequences`` tokens/s on the e2e model (the preset; quick: the family's ``tiny`` preset) vs
+the stock way (HF forward on right-padded batches, log_softmax over the full logits, gather), and
+whether its digests are equal for two different ``max_batch_tokens``."""
 from __future__ import annotations
 
 import torch
 
 from invariant_infer import make_invariant, restore
-from invariant_infer.random_checkpoints import qwen2_config
+from invariant_infer.padding import pad_sequences
 from invariant_infer.scoring import (LOGITS_CHUNK_ELEMENTS, naive_token_logprobs, plan_batches, score_sequences,
                                      token_logprobs_from_hidden)
 
-from .e2e import build_model
+from .e2e import build_model, preset_config
+from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
 from .timing import Run, free_memory, peak_gb, reset_peak, time_ms
 
-# Logprob memory: final hidden [T, H] and lm_head [V, H].
-MEMORY_SHAPE, QUICK_MEMORY_SHAPE = (1536, 151936), (64, 2048)  # (H, V): Qwen2.5-1.5B; tiny
+# Logprob memory: final hidden [T, H] and lm_head [V, H]: the preset's (H, V); quick: the family's
+# tiny hidden size and this vocabulary.
+QUICK_MEMORY_VOCAB = 2048
 MEMORY_TOKENS, QUICK_MEMORY_TOKENS = (512, 4096, 16384), (64, 256)
 QUICK_CHUNK_ROWS = 64  # the default chunk (32 Mi elements) would hold a whole tiny batch: force several chunks
 MAX_FREE_FRACTION = 0.6  # skip a path whose estimated peak exceeds this share of free GPU memory
@@ -128,13 +131,7 @@ def stock_score(model, sequences, max_batch_tokens: int) -> list:
     device = model.get_output_embeddings().weight.device
     out = [None] * len(sequences)
     for batch in plan_batches([len(s) for s in sequences], max_batch_tokens):
-        longest = max(len(sequences[i]) for i in batch)
-        ids = torch.zeros((len(batch), longest), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(batch):
-            ids[r, :len(sequences[i])] = torch.tensor(sequences[i])
-            mask[r, :len(sequences[i])] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = pad_sequences([sequences[i] for i in batch], side="right", pad_token_id=0, device=device)
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         del logits
@@ -159,7 +156,7 @@ def _timed(ctx: Run, fn, reps: int):
     return box[-1], None, ms
 
 
-def _throughput(ctx: Run, config, spec, dtype) -> list:
+def _throughput(ctx: Run, config, name: str, spec, dtype) -> list:
     n_seq, lo, hi, budget, alt_budget = spec
     item = f"score_sequences {n_seq} seqs {lo}-{hi} tokens"
     if ctx.out_of_time(item):
@@ -171,7 +168,7 @@ def _throughput(ctx: Run, config, spec, dtype) -> list:
     model = build_model(ctx, config, dtype)
     row = {"sequences": n_seq, "min_len": min(lengths), "max_len": max(lengths), "tokens": tokens,
            "scored_tokens": tokens - n_seq, "max_batch_tokens": budget, "alt_max_batch_tokens": alt_budget,
-           "batches": len(plan_batches(lengths, budget)), "layers": config.num_hidden_layers,
+           "batches": len(plan_batches(lengths, budget)), "preset": name, "layers": config.num_hidden_layers,
            "hidden": config.hidden_size, "vocab": config.vocab_size, "dtype": str(dtype)[6:],
            "stock_ms": None, "invariant_ms": None, "stock_tokens_per_s": None, "invariant_tokens_per_s": None,
            "stock_peak_gb": None, "invariant_peak_gb": None, "stock_skipped": None}
@@ -218,14 +215,16 @@ def _throughput(ctx: Run, config, spec, dtype) -> list:
 
 
 def run(ctx: Run, config=None, memory_shape=None, memory_tokens=None, throughput=None,
-        dtype=torch.bfloat16) -> dict:
-    hidden_size, vocab = memory_shape or (QUICK_MEMORY_SHAPE if ctx.quick else MEMORY_SHAPE)
+        dtype=torch.bfloat16, family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET) -> dict:
+    config, name = preset_config(family, "tiny" if ctx.quick else preset, config)
+    if memory_shape is None:
+        memory_shape = (config.hidden_size, QUICK_MEMORY_VOCAB if ctx.quick else config.vocab_size)
+    hidden_size, vocab = memory_shape
     memory_tokens = memory_tokens or (QUICK_MEMORY_TOKENS if ctx.quick else MEMORY_TOKENS)
     chunk_rows = QUICK_CHUNK_ROWS if ctx.quick else None
-    config = config or (qwen2_config("tiny") if ctx.quick else qwen2_config("qwen2.5-1.5b"))
     memory = _memory(ctx, hidden_size, vocab, memory_tokens, dtype, chunk_rows)
     try:  # a failure here (e.g. building the model) keeps the memory rows
-        rows = _throughput(ctx, config, throughput or (QUICK_THROUGHPUT if ctx.quick else THROUGHPUT), dtype)
+        rows = _throughput(ctx, config, name, throughput or (QUICK_THROUGHPUT if ctx.quick else THROUGHPUT), dtype)
     except Exception as exc:
         ctx.failed("score_sequences throughput", exc)
         rows = []

@@ -1,6 +1,7 @@
 """A minimal in-process slice of the benchmark harness (the full ``python -m benchmarks --quick``
 runs in CI on its own): one matmul shape, one divergence case, a small scoring section, the report
-files and their schema."""
+files and their schema; ``--model-preset`` (validation, shapes per family, and the cheap sections
+in quick mode for a Llama preset)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ import torch
 # benchmarks/ is a folder of the repository, not part of the installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import divergence, matmul, scoring  # noqa: E402
+from benchmarks.__main__ import main as bench_main  # noqa: E402
+from benchmarks.__main__ import parse  # noqa: E402
 from benchmarks.report import metadata, validate, write_all  # noqa: E402
 from benchmarks.timing import Run  # noqa: E402
 from invariant_infer.random_checkpoints import qwen2_config  # noqa: E402
@@ -46,6 +49,7 @@ def test_sections_ran(results):
 def test_schema_fields(results):
     assert validate(results) == []
     assert results["timings_meaningful"] is False and results["quick"] is True
+    assert results["model"]["name"] == "qwen2:qwen2.5-1.5b" and results["model"]["rms_norm"] == "Qwen2RMSNorm"
     for row in results["matmul"]:
         assert row["stock_tflops"] > 0 and row["invariant_tflops"] > 0
         assert row["max_abs_diff"] < 0.1
@@ -87,3 +91,63 @@ def test_report_files(results, tmp_path):
     assert not any(key.startswith("_") for key in on_disk["scoring_memory"][0])
     for name in ("overhead_vs_m.png", "divergence.png"):
         assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_model_preset_default_and_validation(capsys):
+    assert parse([]).model_preset == ("qwen2", "qwen2.5-1.5b")
+    assert parse(["--model-preset", "qwen3:qwen3-8b"]).model_preset == ("qwen3", "qwen3-8b")
+    for value in ("llama", "llama:nope", "gpt2:tiny", ":tiny"):
+        with pytest.raises(SystemExit) as exc:
+            parse(["--model-preset", value])
+        assert exc.value.code == 2
+        assert "argument --model-preset" in capsys.readouterr().err
+
+
+def test_matmul_shapes_follow_the_preset():
+    # Qwen2.5-1.5B: the shapes the suite always measured (q/k/v bias).
+    assert matmul.model_shapes("qwen2", "qwen2.5-1.5b") == {
+        "q": (1536, 1536, True), "k/v": (256, 1536, True), "o": (1536, 1536, False),
+        "gate/up": (8960, 1536, False), "down": (1536, 8960, False), "lm_head": (151936, 1536, False)}
+    # Llama tiny sets attention_bias and mlp_bias; Qwen3-0.6B's head_dim 128 != 1024 / 16.
+    assert all(bias for name, (_, _, bias) in matmul.model_shapes("llama", "tiny").items() if name != "lm_head")
+    qwen3 = matmul.model_shapes("qwen3", "qwen3-0.6b")
+    assert (qwen3["q"], qwen3["k/v"], qwen3["o"]) == ((2048, 1024, False), (1024, 1024, False), (1024, 2048, False))
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    """python -m benchmarks --quick --model-preset llama:llama-3.2-1b, the cheap sections, in-process."""
+    out = tmp_path_factory.mktemp("llama")
+    rc = bench_main(["--quick", "--model-preset", "llama:llama-3.2-1b", "--only", "matmul,norm_attention",
+                     "--out", str(out), "--no-plots"])
+    return rc, json.loads((out / "results.json").read_text()), (out / "RESULTS.md").read_text()
+
+
+def test_quick_run_for_a_llama_preset(llama_run):
+    rc, results, text = llama_run
+    assert rc == 0 and results["skipped"] == [] and results["quick"] is True
+    model = results["model"]
+    assert (model["name"], model["family"], model["preset"]) == ("llama:llama-3.2-1b", "llama", "llama-3.2-1b")
+    assert (model["hidden_size"], model["head_dim"], model["rms_norm"]) == (2048, 64, "LlamaRMSNorm")
+    # Quick: Llama-3.2-1B's projections with N and K divided by 16 (no biases in this preset).
+    assert {r["shape"]: (r["N"], r["K"], r["bias"]) for r in results["matmul"] if r["M"] == 1} == {
+        "q": (128, 128, False), "k/v": (32, 128, False), "o": (128, 128, False), "gate/up": (512, 128, False),
+        "down": (128, 512, False), "lm_head": (8016, 128, False)}
+    assert all(r["invariant_row0_equal"] for r in results["matmul"])
+    assert {(r["N"], r["stock_class"]) for r in results["rmsnorm"]} == {(2048, "LlamaRMSNorm")}
+    assert {(r["heads"], r["kv_heads"], r["head_dim"]) for r in results["attention"]} == {(4, 2, 64)}
+    assert "llama:llama-3.2-1b" in text.splitlines()[0] and "HF `LlamaRMSNorm`" in text
+
+
+def test_divergence_for_a_llama_preset():
+    """Quick divergence builds the preset with 1 layer and vocab 2048 (here Llama tiny: both bias flags, llama3
+    RoPE scaling); right padding through batch_drift; invariant rows bitwise equal."""
+    ctx = Run(device=torch.device("cpu"), quick=True)
+    ctx.section = "divergence"
+    case = divergence.Case("right-pad B=3 lens 5/2/1", (5, 2, 1), side="right")
+    (row,) = divergence.run(ctx, cases=[case], family="llama", preset="tiny")["divergence"]
+    assert ctx.skipped == []
+    assert (row["preset"], row["layers"], row["vocab"], row["padding"]) == ("llama:tiny", 1, 2048, "right")
+    assert row["stock_rows_checked"] == 3 == row["invariant_rows_checked"]
+    assert row["invariant_rows_unequal"] == 0 and row["invariant_max_abs_diff"] == 0.0
+    assert row["invariant_frac_unequal"] == 0.0
