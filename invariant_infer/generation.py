@@ -8,6 +8,12 @@
   and greedy decoding takes the argmax, which is an exact draw from the filtered softmax.
 * ``generate_invariant(model, prompts, ...)`` left-pads prompts and calls ``generate``.
 
+``max_length`` is accepted with padded prompts, as transformers treats it: it counts the padded
+width, so it sets how many new tokens every row of the batch gets (all rows share one width), never
+which tokens; each row's tokens are a prefix of what it generates alone. lm-evaluation-harness
+passes ``max_length = padded width + max_gen_toks``, so every row gets ``max_gen_toks``. Use
+``max_new_tokens`` for a count independent of the padding.
+
 Why decode equals prefill: every kernel computes a row from that row alone, and attention walks
 the same fixed-size KV blocks from each row's first real key whether it serves 1 query or many
 (see ``invariant_infer.kernels.attention``).
@@ -191,13 +197,13 @@ def _unsupported(options: dict, generation_config) -> str | None:
     return None
 
 
-# Options that read the padded prompt length or the pad tokens themselves.
+# Options that read the padded prompt length or the pad tokens themselves and so change which tokens
+# a row gets. max_length is not one: it counts the padded width, which every row of a batch shares,
+# so it only sets how many tokens all rows get (a prefix of each row's tokens alone).
 def _unsupported_with_padding(options: dict, generation_config) -> str | None:
     def get(name):
         return _option(options, generation_config, name)
 
-    if get("max_new_tokens") is None:
-        return "pass max_new_tokens: max_length counts left padding, so padded rows would stop earlier"
     if (get("min_length") or 0) > 0:
         return "min_length counts left padding; use min_new_tokens"
     if get("no_repeat_ngram_size"):

@@ -172,6 +172,22 @@ def test_row_repetition_penalty_matches_hf_on_unpadded_rows():
                        RepetitionPenaltyLogitsProcessor(1.3)(ids, scores))
 
 
+def test_max_length_with_padding_equals_alone(model, prompts, alone):
+    """max_length counts the padded width, shared by every row: each row gets max_length - width new
+    tokens, bitwise those it gets alone (lm-eval's generate_until passes width + max_gen_toks)."""
+    cache, reference = alone
+    input_ids, attention_mask = left_pad(prompts)
+    width = input_ids.shape[1]
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_length=width + NEW_TOKENS,
+                         do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                         **({"cache_implementation": cache} if cache else {}))
+    assert out.sequences.shape[1] == width + NEW_TOKENS
+    logits = torch.stack(out.logits, dim=1)
+    for row in range(len(prompts)):
+        assert torch.equal(out.sequences[row, width:], reference[row][0]), f"prompt {row}: tokens ({cache})"
+        assert torch.equal(logits[row], reference[row][1]), f"prompt {row}: logits ({cache})"
+
+
 # ---- clear errors ------------------------------------------------------------------------------------
 
 def test_right_padding_is_rejected_before_decoding(model, prompts, monkeypatch):
@@ -186,7 +202,7 @@ def test_right_padding_is_rejected_before_decoding(model, prompts, monkeypatch):
 @pytest.mark.parametrize("options, match", [
     (dict(do_sample=True), "seeded_sampling"),
     (dict(num_beams=2), "beam search"),
-    (dict(max_new_tokens=None, max_length=30), "max_new_tokens"),
+    (dict(min_length=20), "min_length"),
     (dict(cache_implementation="offloaded"), "cache_implementation"),
     (dict(do_sample=True, logits_processor=seeded_sampling([1, 2])), "do_sample=False"),
     (dict(logits_processor=seeded_sampling([1, 2, 3])), "3 seeds for 2"),
