@@ -154,7 +154,12 @@ class Engine:
                 self._finish(group[0].seq, "error", error=self._last_error)
                 advanced.append(group[0].seq)
                 continue
-            advanced += self._process(group, hidden)
+            try:
+                advanced += self._process(group, hidden)
+            except Exception as exc:  # noqa: BLE001  (logits of the group failed: fail its requests, go on)
+                for chunk in group:
+                    self._finish(chunk.seq, "error", error=f"{type(exc).__name__}: {exc}")
+                    advanced.append(chunk.seq)
         outputs = [self._output(seq) for seq in advanced]
         for seq in advanced:
             if seq.finished:
@@ -201,15 +206,24 @@ class Engine:
             return []
         logits = self.runner.logits(hidden[torch.tensor(rows, device=hidden.device)])
         if prompt_targets:
-            prompt_rows = [i for i in range(len(rows)) if i not in {r for r, _ in sample_rows}]
+            sampled = {r for r, _ in sample_rows}
+            prompt_rows = [i for i in range(len(rows)) if i not in sampled]
             self._record_prompt_logprobs(logits[prompt_rows], prompt_targets, prompt_owners)
-        advanced = []
+        advanced, picked = [], []
         for row, seq in sample_rows:
+            advanced.append(seq)
             try:
-                self._sample(seq, logits[row])
+                token = self._pick(seq, logits[row])
             except Exception as exc:  # noqa: BLE001  (one request's failure stays its own)
                 self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-            advanced.append(seq)
+                continue
+            if token is not None:
+                picked.append((row, seq, token))
+        if picked:  # the sampled tokens' logprobs, in one launch (each row is reduced alone)
+            tokens = torch.tensor([token for _, _, token in picked], device=logits.device)
+            values = self.runner.logprobs(logits[[row for row, _, _ in picked]], tokens)[0].tolist()
+            for (row, seq, token), value in zip(picked, values):
+                self._append(seq, token, value, logits[row])
         return advanced
 
     def _record_prompt_logprobs(self, logits, targets, owners) -> None:
@@ -227,17 +241,21 @@ class Engine:
         values = self.runner.logprobs(logits_row[None].expand(k, -1), ids)[0].tolist()
         return dict(zip(ids.tolist(), values))
 
-    def _sample(self, seq: Sequence, logits_row: torch.Tensor) -> None:
+    def _pick(self, seq: Sequence, logits_row: torch.Tensor) -> int | None:
+        """The sequence's next token, or None when it has all it asked for (max_tokens = 0)."""
         params = seq.params
-        if len(seq.output_ids) >= params.max_tokens:  # max_tokens = 0: prompt logprobs only
+        if len(seq.output_ids) >= params.max_tokens:
             self._finish(seq, "length")
-            return
-        token = sample_next_token(logits_row.float(), seq.tokens, step=len(seq.output_ids), seed=seq.seed,
-                                  temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                  repetition_penalty=params.repetition_penalty)
+            return None
+        return sample_next_token(logits_row.float(), seq.tokens, step=len(seq.output_ids), seed=seq.seed,
+                                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                 repetition_penalty=params.repetition_penalty)
+
+    def _append(self, seq: Sequence, token: int, logprob: float, logits_row: torch.Tensor) -> None:
+        """Record a sampled token and finish the sequence if it stops here."""
+        params = seq.params
         seq.output_ids.append(token)
-        target = torch.tensor([token], device=logits_row.device)
-        seq.logprobs.append(self.runner.logprobs(logits_row[None], target)[0].item())
+        seq.logprobs.append(logprob)
         if params.logprobs:
             seq.top_logprobs.append(self._top(logits_row, params.logprobs))
         if self.tokenizer is not None:
