@@ -184,9 +184,55 @@ def kernels(results: dict, out: Path) -> str | None:
     return _finish(fig, results, out / "kernels.png")
 
 
+ENGINE_LINES = (("invariant_engine", "engine, invariant kernels", INVARIANT, "o-"),
+                ("stock_engine", "engine, stock kernels", STOCK, "s--"),
+                ("hf_generate", "HF generate (stock, left-padded batches)", "#7f7f7f", "^:"))
+
+
+def engine(results: dict, out: Path) -> str | None:
+    rows = results.get("engine") or []
+    if not rows:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    first = rows[0]
+    model = f"{_row_preset(first)}{first['layers']} layers, hidden {first['hidden']}"
+    for mode, label, color, style in ENGINE_LINES:
+        sel = sorted((r for r in rows if r["mode"] == mode and r.get("tokens_per_s")), key=lambda r: r["concurrency"])
+        if not sel:
+            continue
+        xs = [r["concurrency"] for r in sel]
+        ax1.plot(xs, [r["tokens_per_s"] for r in sel], style, color=color, label=label)
+        tpot = [(r["concurrency"], r["tpot_ms"]) for r in sel if r.get("tpot_ms")]
+        ax2.plot([x for x, _ in tpot], [y for _, y in tpot], style, color=color, label=label)
+        if mode == "invariant_engine":
+            for r in sel:
+                ratio = r.get("invariant_to_stock_engine")
+                parts = [f"{ratio:.2f}× stock engine"] if ratio else []
+                if r.get("invariant_rows_checked"):
+                    parts.append(f"{r['invariant_rows_equal']}/{r['invariant_rows_checked']} = alone")
+                if parts:  # the right-most label to the left of its point, inside the axes
+                    last = r is sel[-1] and len(sel) > 1
+                    ax1.annotate("\n".join(parts), (r["concurrency"], r["tokens_per_s"]),
+                                 xytext=(-4 if last else 4, -4), textcoords="offset points", fontsize=7, color=INVARIANT, va="top",
+                                 ha="right" if last else "left")
+    new = f", {first.get('max_tokens')} new tokens per request" if first.get("max_tokens") else ""
+    ax1.set(xscale="log", yscale="log", xlabel="concurrency (requests in flight)",
+            ylabel="output tokens / s (higher is better)",
+            title=f"Serving throughput ({model}{new})" + _suffix(results))
+    ax2.set(xscale="log", yscale="log", xlabel="concurrency (requests in flight)",
+            ylabel="time per output token, ms (lower is better)",
+            title="Time per output token (TPOT)" + _suffix(results))
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.margins(x=0.15)
+        _log_ticks(ax, [r["concurrency"] for r in rows])
+    return _finish(fig, results, out / "engine.png")
+
+
 def make_plots(results: dict, out: Path) -> list:
     made = []
-    for fn in (overhead_vs_m, throughput_vs_batch, divergence, kernels):
+    for fn in (overhead_vs_m, throughput_vs_batch, divergence, kernels, engine):
         try:
             name = fn(results, out)
         except Exception as exc:  # a plot must never lose the numbers

@@ -24,6 +24,9 @@ REQUIRED = {
                        "naive_ms", "ours_ms", "max_abs_diff", "is_argmax_agree"),
     "scoring_throughput": ("sequences", "tokens", "max_batch_tokens", "stock_tokens_per_s", "invariant_tokens_per_s",
                            "max_abs_diff", "digests_equal_across_budgets"),
+    "engine": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "tpot_ms", "ttft_ms",
+               "invariant_to_stock_engine", "invariant_to_hf_generate", "invariant_rows_checked",
+               "invariant_rows_equal"),
 }
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 
@@ -84,7 +87,7 @@ def metadata(device: torch.device, quick: bool, family: str = "qwen2", preset: s
 def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
-    for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput"):
+    for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing
@@ -162,6 +165,7 @@ def markdown(results: dict) -> str:
         ("stock tok/s", "stock_decode_tokens_per_s"), ("invariant tok/s", "invariant_decode_tokens_per_s"),
         ("stock/invariant", "ratio")]))
     out.append(scoring_markdown(results))
+    out.append(engine_markdown(results))
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
@@ -213,6 +217,32 @@ def scoring_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+ENGINE_MODES = {"invariant_engine": "engine, invariant kernels", "stock_engine": "engine, stock kernels",
+                "hf_generate": "HF generate (stock)"}
+
+
+def engine_markdown(results: dict) -> str:
+    rows = results.get("engine") or []
+    first = rows[0] if rows else {}
+    model = (f" ({first.get('preset')}, {first.get('layers')} layers, hidden {first.get('hidden')}, "
+             f"{first.get('dtype')})" if rows else "")
+    shape = (f" Prompts of {first.get('min_prompt')}–{first.get('max_prompt')} random tokens, "
+             f"{first.get('max_tokens')} greedy new tokens each (`ignore_eos`)." if rows else "")
+    out = [f"\n## Serving engine{model}: invariant vs stock kernels vs HF generate\n\n"
+           "Concurrency = requests in flight: the engine keeps that many in a closed loop (`max_num_seqs` = "
+           "concurrency); HF `generate` runs left-padded batches of that many, one after the other. tok/s = "
+           "output tokens / wall time; TPOT = mean over requests of (finish − first token) / (tokens − 1); "
+           "TTFT = mean of first token − submission. ÷ stock engine, ÷ HF generate: invariant engine tok/s over "
+           "theirs (below 1 = invariant slower). Equal alone: requests whose tokens and logprobs are bitwise "
+           f"those of the same request alone, of those checked (at concurrency 1 every request runs alone).{shape}\n"]
+    out.append(table(rows, [
+        ("mode", "_mode"), ("concurrency", "concurrency"), ("requests", "requests"), ("output tokens", "output_tokens"),
+        ("tok/s", "tokens_per_s"), ("TPOT ms", "tpot_ms"), ("TTFT ms", "ttft_ms"),
+        ("÷ stock engine", "invariant_to_stock_engine"), ("÷ HF generate", "invariant_to_hf_generate"),
+        ("equal alone", "_alone"), ("preemptions", "preemptions")]))
+    return "\n".join(out)
+
+
 def _preset(row: dict) -> str:
     return f"{row['preset']} " if row.get("preset") else ""
 
@@ -239,6 +269,12 @@ def _decorate(results: dict) -> None:
         row["_lengths"] = f"{row.get('min_len')}–{row.get('max_len')}"
         row["_budget"] = f"{row.get('max_batch_tokens')} ({row.get('batches')})"
         row["_alt_budget"] = f"{row.get('alt_max_batch_tokens')} ({row.get('alt_batches')})"
+    for row in results.get("engine") or []:
+        row["_mode"] = ENGINE_MODES.get(row.get("mode"), row.get("mode"))
+        checked = row.get("invariant_rows_checked")
+        row["_alone"] = (f"{row.get('invariant_rows_equal')}/{checked}" if checked else
+                         "alone by construction" if row.get("mode") == "invariant_engine" and
+                         row.get("concurrency") == 1 else None)
     for row in (results.get("attention") or []) + (results.get("decode_attention") or []):
         row["_heads"] = f"{row.get('heads')}/{row.get('kv_heads')}/{row.get('head_dim')}"
 
@@ -290,6 +326,13 @@ def summary(results: dict) -> str:
         lines.append(f"score_sequences {r['sequences']} seqs / {r['tokens']} tokens: stock "
                      f"{fmt(r['stock_tokens_per_s'])} tok/s, invariant {fmt(r['invariant_tokens_per_s'])} tok/s, "
                      f"digests equal across budgets {fmt(r['digests_equal_across_budgets'])}")
+    for r in results.get("engine") or []:
+        if r["mode"] == "invariant_engine":
+            checked = r.get("invariant_rows_checked")
+            lines.append(f"engine c={r['concurrency']}: invariant {fmt(r['tokens_per_s'])} tok/s, TPOT "
+                         f"{fmt(r['tpot_ms'])} ms; ÷ stock engine {fmt(r['invariant_to_stock_engine'])}, "
+                         f"÷ HF generate {fmt(r['invariant_to_hf_generate'])}"
+                         + (f"; equal alone {r['invariant_rows_equal']}/{checked}" if checked else ""))
     for r in results.get("divergence") or []:
         lines.append(f"divergence {r['case']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
                      f"({fmt(r['stock_rows_unequal'])}/{fmt(r.get('stock_rows_checked'))} rows differ); invariant "

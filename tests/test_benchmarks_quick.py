@@ -1,7 +1,7 @@
 """A minimal in-process slice of the benchmark harness (the full ``python -m benchmarks --quick``
 runs in CI on its own): one matmul shape, one divergence case, a small scoring section, the report
 files and their schema; ``--model-preset`` (validation, shapes per family, and the cheap sections
-in quick mode for a Llama preset)."""
+in quick mode for a Llama preset); the serving-engine section in quick mode."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,7 @@ import torch
 # benchmarks/ is a folder of the repository, not part of the installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import divergence, matmul, scoring  # noqa: E402
+from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks.__main__ import main as bench_main  # noqa: E402
 from benchmarks.__main__ import parse  # noqa: E402
 from benchmarks.report import metadata, validate, write_all  # noqa: E402
@@ -151,3 +152,51 @@ def test_divergence_for_a_llama_preset():
     assert row["stock_rows_checked"] == 3 == row["invariant_rows_checked"]
     assert row["invariant_rows_unequal"] == 0 and row["invariant_max_abs_diff"] == 0.0
     assert row["invariant_frac_unequal"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def engine_rows():
+    """The engine section as quick mode runs it: qwen2 tiny, concurrency 1 and 4 (2 and 4 requests), 4 tokens."""
+    ctx = Run(device=torch.device("cpu"), quick=True)
+    ctx.section = "engine"
+    out = engine_bench.run(ctx)
+    assert ctx.skipped == []
+    return out["engine"]
+
+
+def test_engine_rows_three_modes(engine_rows):
+    assert [(r["mode"], r["concurrency"]) for r in engine_rows] == [
+        (mode, conc) for conc in engine_bench.QUICK_CONCURRENCY for mode in engine_bench.MODES]
+    for row in engine_rows:
+        assert row["preset"] == "qwen2:tiny" and row["max_tokens"] == engine_bench.QUICK_MAX_TOKENS
+        assert row["requests"] == dict(zip(engine_bench.QUICK_CONCURRENCY, engine_bench.QUICK_REQUESTS))[
+            row["concurrency"]]
+        assert row["output_tokens"] == row["requests"] * row["max_tokens"] > 0  # ignore_eos / min_new_tokens
+        assert row["tokens_per_s"] > 0 and row["tpot_ms"] > 0 and row["ttft_ms"] > 0 and row["elapsed_s"] > 0
+        engine_mode = row["mode"] != "hf_generate"
+        assert (row["preemptions"] == 0) if engine_mode else (row["preemptions"] is None)
+        if row["mode"] == "invariant_engine":
+            assert row["invariant_to_stock_engine"] > 0 and row["invariant_to_hf_generate"] > 0
+        else:
+            assert row["invariant_to_stock_engine"] is None is row["invariant_to_hf_generate"]
+            assert row["invariant_rows_checked"] is None is row["invariant_rows_equal"]
+
+
+def test_engine_invariant_requests_equal_alone(engine_rows):
+    checked = [r for r in engine_rows if r["mode"] == "invariant_engine" and r["concurrency"] > 1]
+    assert checked
+    for row in checked:
+        assert row["invariant_rows_checked"] == 2 == row["invariant_rows_equal"]
+
+
+def test_engine_report(engine_rows, tmp_path):
+    results = metadata(torch.device("cpu"), quick=True)
+    results.update({"matmul": [], "e2e": [], "divergence": [], "engine": engine_rows})
+    assert validate(results) == []
+    write_all(results, tmp_path)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert validate(on_disk) == [] and len(on_disk["engine"]) == len(engine_rows)
+    assert not any(key.startswith("_") for row in on_disk["engine"] for key in row)
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "## Serving engine (qwen2:tiny" in text and "÷ stock engine" in text and "| 2/2 |" in text
+    assert on_disk["plots"] == ["engine.png"] and (tmp_path / "engine.png").stat().st_size > 10_000
