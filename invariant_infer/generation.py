@@ -30,69 +30,13 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Sta
 from .errors import NonInvariantInputError
 from .padding import check_left_padded, left_pad
 from .patch import make_invariant, register_instance_extension
+from .sampling import _MASK64, penalize_repetitions, seeded_scores
 
 _SEEDED_SAMPLING_HINT = ("use invariant_infer.generation.seeded_sampling(seeds=[...], temperature=, top_k=, top_p=) "
                          "as generate(do_sample=False, logits_processor=...)")
 
 
 # ---- seeded sampling -------------------------------------------------------------------------------
-
-_MASK64 = (1 << 64) - 1
-
-
-def _signed64(value: int) -> int:
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _signed64(0x9E3779B97F4A7C15)
-_MIX1 = _signed64(0xBF58476D1CE4E5B9)
-_MIX2 = _signed64(0x94D049BB133111EB)
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shift_right(z, 30)) * _MIX1  # int64 products wrap mod 2**64 on CPU and CUDA
-    z = (z ^ _shift_right(z, 27)) * _MIX2
-    return z ^ _shift_right(z, 31)
-
-
-def _splitmix64_int(value: int) -> int:
-    z = (value + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def uniform_noise(seed: int, step: int, size: int, device) -> torch.Tensor:
-    """float64 [size] in (0, 1), a pure function of (seed, step, index): counter-based, no generator
-    state, identical on CPU and CUDA, and independent of how many other rows there are."""
-    key = _signed64(_splitmix64_int(_splitmix64_int(seed) ^ step))
-    counter = torch.arange(size, device=device, dtype=torch.int64) * _GOLDEN + key
-    bits = _shift_right(_splitmix64(counter), 11)  # top 53 bits
-    return (bits.to(torch.float64) + 0.5) * 2.0 ** -53
-
-
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """One row [V]: -inf outside the top-k, then outside the smallest set whose probability reaches
-    top_p. Exact and row-local: a stable sort of this row alone, ties at the k-th value kept."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
-        probs = sorted_logits.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop_sorted[0] = False  # always keep the most likely token
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
 
 class SeededSampling(LogitsProcessor):
     """Temperature / top-k / top-p sampling as Gumbel-max, with one seed per row.
@@ -126,9 +70,7 @@ class SeededSampling(LogitsProcessor):
         step = input_ids.shape[1] - self._first_length
         out = torch.empty_like(scores)
         for row, seed in enumerate(self.seeds):
-            logits = filter_logits(scores[row].float() / self.temperature, self.top_k, self.top_p)
-            gumbel = -torch.log(-torch.log(uniform_noise(seed, step, logits.shape[-1], logits.device)))
-            out[row] = (logits.double() + gumbel).to(out.dtype)
+            out[row] = seeded_scores(scores[row], seed, step, self.temperature, self.top_k, self.top_p)
         return out
 
 
@@ -145,9 +87,7 @@ class RowRepetitionPenalty(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         out = scores.clone()
         for row, pads in enumerate(self.pad_counts):
-            tokens = input_ids[row, pads:]
-            seen = out[row].gather(0, tokens)
-            out[row] = out[row].scatter(0, tokens, torch.where(seen < 0, seen * self.penalty, seen / self.penalty))
+            out[row] = penalize_repetitions(out[row], input_ids[row, pads:], self.penalty)
         return out
 
 

@@ -11,9 +11,9 @@ import torch
 from conftest import load_model
 from invariant_infer import NonInvariantInputError, left_pad, make_invariant, restore
 from invariant_infer import hf_attention
-from invariant_infer.generation import (filter_logits, generate_invariant, seeded_sampling,
-                                        uniform_noise)
-from invariant_infer.kernels.attention import AttentionConfig, attention_config
+from invariant_infer.generation import generate_invariant, seeded_sampling
+from invariant_infer.kernels import AttentionConfig, attention_config
+from invariant_infer.sampling import filter_logits, uniform_noise
 from invariant_infer.random_checkpoints import qwen2_config, random_model
 
 NEW_TOKENS = 4
