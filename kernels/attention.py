@@ -30,6 +30,23 @@ from .configs import AttentionConfig, attention_config
 from .launch import launch
 
 
+@triton.jit
+def online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: tl.constexpr):
+    """One KV block of the online softmax, each query row of the tile updated from its own scores.
+    q [BM, D], k [D, BN], v [BN, D], visible [BM, BN]; returns the new (m, l, acc). The padded and
+    the paged kernel both call this, so they reduce in exactly the same order. A block with no
+    visible key for a row leaves that row's m, l, acc bit-for-bit unchanged (alpha = 1, p = 0)."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m_new > m_i, tl.exp(m_i - m_safe), 1.0)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["Lq", "Lk"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
@@ -69,18 +86,10 @@ def _attention_kernel(
         in_seq = offs_n < kv_end
         k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                     mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
-        visible = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.where(m_new > m_i, tl.exp(m_i - m_safe), 1.0)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
-        acc = tl.dot(p.to(v_ptr.dtype.element_ty), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        visible = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
     # Rows with no visible key (left-pad queries) give 0, never NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + b * stride_ob + offs_m[:, None] * stride_om + h * stride_oh + offs_d[None, :] * stride_od,

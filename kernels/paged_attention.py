@@ -14,10 +14,9 @@ gets the logits ``model(...)`` gets. What makes it so:
   [j*BLOCK_N, (j+1)*BLOCK_N): aligned to the sequence's first token exactly as the padded kernel
   aligns its blocks to kv_start. A page holds a whole number of blocks (page_size is a multiple
   of BLOCK_N; the engine uses page_size == BLOCK_N), so a page never splits a block.
-* Same arithmetic in the same order. The loop body is the padded kernel's, operation for
-  operation: scores ``tl.dot(q, k) * scale``, masking with -inf, m_new, m_safe, alpha in the
-  ``tl.where(m_new > m_i, ...)`` form, p, the l_i update, ``acc = tl.dot(p.to(v dtype), v,
-  acc * alpha[:, None])``, and finally ``acc / where(l_i > 0, l_i, 1)``. The online softmax
+* Same arithmetic in the same order. Both kernels update each block with one shared function,
+  ``attention.online_softmax_block`` (scores, -inf masking, m, alpha, p, l, acc), and finish
+  with ``acc / where(l_i > 0, l_i, 1)``. The online softmax
   of a query row uses only that row's scores, so which other rows share its tile (other
   queries of its sequence, or tile tails past its chunk) never changes it.
 * Same walk. A query tile holds BLOCK_M consecutive queries of ONE sequence. It walks blocks
@@ -51,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import online_softmax_block
 from .configs import AttentionConfig, attention_config
 from .launch import launch
 
@@ -103,18 +103,10 @@ def _paged_attention_kernel(
         in_seq = offs_n < seq_len
         k = tl.load(k_head + page * stride_kp + in_page[None, :] * stride_ko + offs_d[:, None] * stride_kd,
                     mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
-        s_qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
-        visible = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s_qk = tl.where(visible, s_qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_qk, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.where(m_new > m_i, tl.exp(m_i - m_safe), 1.0)
-        p = tl.exp(s_qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_head + page * stride_vp + in_page[:, None] * stride_vo + offs_d[None, :] * stride_vd,
                     mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
-        acc = tl.dot(p.to(v_ptr.dtype.element_ty), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        visible = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
     # A row with no visible key (none here: key 0 is visible to every query) would give 0, never NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
