@@ -287,7 +287,6 @@ def test_text_lines_without_tokenizer_fail_alone(model_dir, tmp_path, capsys):
 
 
 def test_registered_as_invariant_infer_subcommand(model_dir, main_job, tmp_path):
-    pytest.importorskip("invariant_infer.demo", reason="cli.py imports the demo command, which lands separately")
     from invariant_infer.cli import main
     _, inp, big = main_job
     out = tmp_path / "out.jsonl"
