@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo, scoring_cli
+from . import demo, scoring_cli, serve_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_parser(sub)
     scoring_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)
 
