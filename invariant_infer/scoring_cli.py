@@ -4,6 +4,12 @@ Rows are keyed by ``id``. The output holds at most one row per id: on a re-run, 
 line is cut off, error rows are dropped (their lines are tried again) and ids that already
 have a result are skipped. Rows are written whole, one write and a flush each, in sorted
 (longest first) order; the file is fsync'ed after every batch.
+
+With ``--ray`` the same job runs as a Ray Data pipeline (one actor per worker, each holding the
+wrapped model): lines are read, validated and resumed on the driver exactly as above, result rows
+are written whole and fsync'ed as workers finish their tasks (in Ray's order), and at the end the
+file is rewritten atomically in the canonical order: error rows by line, then result rows longest
+first (ties by line), which is the order of an uninterrupted single-process run.
 """
 from __future__ import annotations
 
@@ -187,12 +193,20 @@ def result_row(request: Request, result) -> dict:
             "num_tokens": result.num_tokens, "greedy": result.greedy, "digest": result.digest}
 
 
+def pick_for_verify(requests: list[Request], digests: dict[str, str], k: int) -> list[Request]:
+    candidates = [r for r in requests if id_key(r.id) in digests]
+    return random.Random(0).sample(candidates, min(k, len(candidates)))
+
+
 def verify(model, requests: list[Request], digests: dict[str, str], k: int) -> bool:
     """Re-score k random finished rows alone (batch of one) and compare digests bitwise."""
-    candidates = [r for r in requests if id_key(r.id) in digests]
-    picked = random.Random(0).sample(candidates, min(k, len(candidates)))
-    mismatched = [r.id for r in picked
-                  if score_batch(model, [r.ids], [r.prompt_length])[0].digest != digests[id_key(r.id)]]
+    picked = pick_for_verify(requests, digests, k)
+    return report_verify(picked, {id_key(r.id): score_batch(model, [r.ids], [r.prompt_length])[0].digest
+                                  for r in picked}, digests)
+
+
+def report_verify(picked: list[Request], rescored: dict[str, str], digests: dict[str, str]) -> bool:
+    mismatched = [r.id for r in picked if rescored.get(id_key(r.id)) != digests[id_key(r.id)]]
     if mismatched:
         print(f"verify: MISMATCH: {len(mismatched)} of {len(picked)} rows re-scored alone differ: ids "
               f"{mismatched[:10]}", file=sys.stderr)
@@ -203,7 +217,6 @@ def verify(model, requests: list[Request], digests: dict[str, str], k: int) -> b
 
 
 def run(args) -> int:
-    from tqdm import tqdm
     started = time.perf_counter()
     if args.max_batch_tokens < 1:
         print("score: --max-batch-tokens must be at least 1", file=sys.stderr)
@@ -216,11 +229,80 @@ def run(args) -> int:
     if not output.parent.is_dir():
         print(f"score: the folder of --output {args.output} does not exist", file=sys.stderr)
         return EXIT_FATAL
+    use_ray = getattr(args, "ray", False)
+    if use_ray:
+        try:
+            from .distributed import require_ray
+            ray = require_ray()
+        except ImportError as exc:
+            print(f"score: --ray: {exc}", file=sys.stderr)
+            return EXIT_FATAL
+        if args.num_workers < 1 or args.rows_per_task < 1:
+            print("score: --num-workers and --rows-per-task must be at least 1", file=sys.stderr)
+            return EXIT_FATAL
     try:
-        model = load_model(args)
+        if use_ray:  # the workers load the model; the driver needs its config to validate lines
+            from transformers import AutoConfig
+            model, config = None, AutoConfig.from_pretrained(args.model)
+        else:
+            model = load_model(args)
+            config = model.config
     except Exception as exc:
         print(f"score: cannot load {args.model}: {exc}", file=sys.stderr)
         return EXIT_FATAL
+    started_ray = False
+    if use_ray and not ray.is_initialized():
+        try:  # address None: RAY_ADDRESS if set, else a local Ray for this job
+            ray.init(address=args.ray_address)
+        except Exception as exc:
+            print(f"score: cannot start or reach Ray ({args.ray_address or 'local'}): {exc}", file=sys.stderr)
+            return EXIT_FATAL
+        started_ray = True
+    try:
+        return _run_job(args, model, config, started)
+    except Exception as exc:
+        if not use_ray:
+            raise
+        # Rows already written stay in --output: a re-run resumes from them.
+        print(f"score: the Ray job failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FATAL
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def ray_options(args) -> dict:
+    """score_requests keyword arguments from the --ray flags."""
+    import ray
+    gpus = args.gpus_per_worker
+    if gpus is None:  # one GPU per worker where the cluster has GPUs
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu" else 0
+    return {"tokenizer": args.tokenizer, "dtype": args.dtype, "device": args.device,
+            "num_workers": args.num_workers, "gpus_per_worker": gpus or None, "batch_size": args.rows_per_task}
+
+
+def canonical_order(path: Path, requests: list[Request]) -> None:
+    """Rewrite ``path`` atomically: error rows by line, then result rows longest first (ties by
+    line), then rows of ids not in the input, as they were."""
+    by_key = {id_key(r.id): r for r in requests}
+    rows = [(raw, json.loads(raw)) for raw in path.read_bytes().splitlines(keepends=True) if raw.strip()]
+    errors = sorted((r for r in rows if "error" in r[1]), key=lambda r: r[1].get("line", 0))
+    known = [r for r in rows if "error" not in r[1] and id_key(r[1].get("id")) in by_key]
+    known.sort(key=lambda r: (-len(by_key[id_key(r[1]["id"])].ids), by_key[id_key(r[1]["id"])].line))
+    other = [r for r in rows if "error" not in r[1] and id_key(r[1].get("id")) not in by_key]
+    ordered = [raw for raw, _ in errors + known + other]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.writelines(ordered)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _run_job(args, model, config, started: float) -> int:
+    from tqdm import tqdm
+    output = Path(args.output)
+    use_ray = model is None
     try:
         digests = recover_output(output)
         out = open(output, "a", encoding="utf-8")
@@ -240,28 +322,49 @@ def run(args) -> int:
         write_row({"id": row_id, "line": line, "error": message})
 
     with out:
-        requests, lines = read_requests(args.input, Tokenizer(args.tokenizer or args.model), model.config,
+        requests, lines = read_requests(args.input, Tokenizer(args.tokenizer or args.model), config,
                                         digests, write_error)
         pending = [r for r in requests if id_key(r.id) not in digests]
         tokens = sum(len(r.ids) for r in pending)
         scoring_started = time.perf_counter()
         bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="score", file=sys.stderr, smoothing=0.1)
-        for batch in plan_batches([len(r.ids) for r in pending], args.max_batch_tokens):
-            batch = [pending[i] for i in batch]
-            for request, result in zip(batch, score_batch(model, [r.ids for r in batch],
-                                                          [r.prompt_length for r in batch])):
+        if use_ray:
+            from .distributed import score_requests
+            os.fsync(out.fileno())
+            batches = score_requests(pending, args.model, max_batch_tokens=args.max_batch_tokens,
+                                     **ray_options(args))
+        else:
+            batches = ([(pending[i], result) for i, result in zip(batch, score_batch(
+                model, [pending[i].ids for i in batch], [pending[i].prompt_length for i in batch]))]
+                for batch in plan_batches([len(r.ids) for r in pending], args.max_batch_tokens))
+        for batch in batches:
+            for request, result in batch:
+                if id_key(request.id) in digests:  # never two rows for one id
+                    continue
                 row = result_row(request, result)
                 write_row(row)
                 digests[id_key(request.id)] = row["digest"]
             os.fsync(out.fileno())
-            bar.update(sum(len(r.ids) for r in batch))
+            bar.update(sum(len(r.ids) for r, _ in batch))
         bar.close()
+    if use_ray:
+        canonical_order(output, requests)
     now = time.perf_counter()
     scoring_time = max(now - scoring_started, 1e-9)
     print(f"score: {lines} lines: {len(pending)} scored, {len(requests) - len(pending)} already in output, "
           f"{errors} errors; {tokens} tokens in {scoring_time:.1f} s ({tokens / scoring_time:.1f} tokens/s); "
           f"{now - started:.1f} s in all", file=sys.stderr)
-    verified = args.verify <= 0 or verify(model, requests, digests, args.verify)
+    if args.verify <= 0:
+        verified = True
+    elif use_ray:  # on the workers' device kind, each row alone
+        from .distributed import score_requests
+        picked = pick_for_verify(requests, digests, args.verify)
+        rescored = {id_key(r.id): result.digest for batch in score_requests(
+            picked, args.model, max_batch_tokens=1, **{**ray_options(args), "batch_size": 1})
+            for r, result in batch}
+        verified = report_verify(picked, rescored, digests)
+    else:
+        verified = verify(model, requests, digests, args.verify)
     if not verified:
         return EXIT_VERIFY_MISMATCH
     return EXIT_LINE_ERRORS if errors else 0
@@ -279,6 +382,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     parser.add_argument("--verify", type=int, default=0, metavar="K",
                         help="re-score K random rows alone and check their digests bitwise")
+    ray = parser.add_argument_group("scale out on Ray Data (pip install \"invariant-infer[ray]\")")
+    ray.add_argument("--ray", action="store_true",
+                     help="run the job as a Ray Data pipeline: one actor per worker, each holding the model")
+    ray.add_argument("--ray-address", metavar="ADDR",
+                     help="the Ray cluster to run on (default: RAY_ADDRESS, else a local Ray for this job)")
+    ray.add_argument("--num-workers", type=int, default=1, metavar="N", help="actors, each loading the model once")
+    ray.add_argument("--gpus-per-worker", type=float, metavar="G",
+                     help="GPUs per actor (default: 1 where the cluster has GPUs, else 0)")
+    ray.add_argument("--rows-per-task", type=int, default=64, metavar="R",
+                     help="rows per Ray task (each task is packed by --max-batch-tokens); results do not depend on it")
 
 
 def add_parser(subparsers) -> None:
