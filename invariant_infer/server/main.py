@@ -7,6 +7,7 @@ the engine stops and the process exits 0."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -52,6 +53,16 @@ def build(args):
 def serve(args) -> int:
     import uvicorn
 
+    class GracefulServer(uvicorn.Server):
+        """After a graceful shutdown on SIGTERM, exit 0 (uvicorn re-raises the signal, which would
+        end the process with -15)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if sig == signal.SIGTERM and isinstance(captured, list):
+                captured[:] = [s for s in captured if s != signal.SIGTERM]
+
     app = build(args)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -60,7 +71,7 @@ def serve(args) -> int:
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None, access_log=False)
-    server = uvicorn.Server(config)
+    server = GracefulServer(config)
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"invariant-infer serve: listening on http://{shown}:{port}", flush=True)
     server.run(sockets=[sock])
