@@ -12,6 +12,7 @@ import asyncio
 import json
 import secrets
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -276,9 +277,9 @@ class Server:
             self.metrics.prompt.inc(sum(len(ids) for ids in encoded))
             if sampling.stream:
                 released = True
-                return StreamingResponse(self.stream_completions(request, jobs, meta, prompt_texts, echo, logprobs,
-                                                                 rid, max((len(s) for s in sampling.stop), default=0)),
-                                         media_type="text/event-stream")
+                return self.streaming(self.stream_completions(request, jobs, meta, prompt_texts, echo, logprobs, rid,
+                                                              max((len(s) for s in sampling.stop), default=0)),
+                                      len(jobs))
             outputs = await self.gather(request, jobs)
         finally:
             if not released:
@@ -307,6 +308,27 @@ class Server:
                               top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, stop=list(sampling.stop),
                               repetition_penalty=sampling.repetition_penalty, ignore_eos=sampling.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def streaming(self, events, count: int) -> StreamingResponse:
+        """An event stream holding ``count`` admitted sequences: they are released when the stream
+        ends, is cancelled, or is dropped unstarted (a client gone before the first byte)."""
+        released = []
+
+        def release():
+            if not released:
+                released.append(True)
+                self.release(count)
+
+        async def wrapped():
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                release()  # before any await: a cancelled stream is cancelled again at each await
+                await events.aclose()
+        stream = wrapped()
+        weakref.finalize(stream, release)
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     @staticmethod
     def raise_if_failed(out) -> None:
@@ -380,7 +402,6 @@ class Server:
         finally:
             # No await here: a cancelled stream (the client went away) is cancelled again at every
             # await. Each cancelled task aborts its engine request, freeing its pages.
-            self.release(len(jobs))
             for t in tasks:
                 if not t.done():
                     t.cancel()
@@ -421,9 +442,9 @@ class Server:
             self.metrics.prompt.inc(len(ids))
             if sampling.stream:
                 released = True
-                return StreamingResponse(self.stream_chat(jobs, want_logprobs, rid,
-                                                          max((len(s) for s in sampling.stop), default=0)),
-                                         media_type="text/event-stream")
+                return self.streaming(self.stream_chat(jobs, want_logprobs, rid,
+                                                       max((len(s) for s in sampling.stop), default=0)),
+                                      len(jobs))
             outputs = await self.gather(request, jobs)
         finally:
             if not released:
@@ -479,7 +500,6 @@ class Server:
         finally:
             # No await here: a cancelled stream (the client went away) is cancelled again at every
             # await. Each cancelled task aborts its engine request, freeing its pages.
-            self.release(len(jobs))
             for t in tasks:
                 if not t.done():
                     t.cancel()
