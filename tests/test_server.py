@@ -404,3 +404,14 @@ def test_negative_control_stock_server_differs_and_sigterm_finishes_in_flight(tm
         assert s.proc.wait(60) == 0
     finally:
         s.stop()
+
+
+def test_cli_help_and_serve_without_the_serve_extra():
+    """``invariant-infer --help`` never imports fastapi; ``serve`` without it says which extra to install."""
+    block = "import sys; sys.modules['fastapi'] = None; from invariant_infer.cli import main; "
+    helped = subprocess.run([sys.executable, "-c", block + "main(['--help'])"], capture_output=True, text=True,
+                            timeout=120)
+    assert helped.returncode == 0 and "serve" in helped.stdout
+    served = subprocess.run([sys.executable, "-c", block + "sys.exit(main(['serve', '--model', 'x']))"],
+                            capture_output=True, text=True, timeout=120)
+    assert served.returncode == 2 and "invariant-infer[serve]" in served.stderr
