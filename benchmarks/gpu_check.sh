@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot GPU check: GPU-marked tests, then the full benchmark suite (Qwen2.5-1.5B; every section of
-# benchmarks.SECTIONS, the serving engine last, each with its share of the budget) under a time
+# benchmarks.SECTIONS, the serving engine and the HTTP server last, each with its share of the budget) under a time
 # budget, then the matmul section at other families' shapes (Qwen3-8B, Llama-3.1-8B).
 # Everything lands in one folder: $OUT if set, else benchmarks/results/<date>-<gpu>/; the extra
 # presets in sub-folders of it, one per preset (qwen3-8b/, llama-3.1-8b/).

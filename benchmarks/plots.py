@@ -230,9 +230,56 @@ def engine(results: dict, out: Path) -> str | None:
     return _finish(fig, results, out / "engine.png")
 
 
+SERVER_LINES = (("invariant", "invariant-infer serve (invariant kernels)", INVARIANT, "o-"),
+                ("stock", "invariant-infer serve --kernels stock", STOCK, "s--"))
+
+
+def server(results: dict, out: Path) -> str | None:
+    rows = results.get("server") or []
+    if not rows:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    first = rows[0]
+    model = f"{_row_preset(first)}{first['layers']} layers, hidden {first['hidden']}"
+    for mode, label, color, style in SERVER_LINES:
+        sel = sorted((r for r in rows if r["mode"] == mode and r.get("tokens_per_s")), key=lambda r: r["concurrency"])
+        if not sel:
+            continue
+        xs = [r["concurrency"] for r in sel]
+        ax1.plot(xs, [r["tokens_per_s"] for r in sel], style, color=color, label=label)
+        ax2.plot(xs, [r["p99_ms"] for r in sel], style, color=color, label=label)
+        if mode == "invariant":
+            for r in sel:
+                parts = [f"{r['invariant_to_stock']:.2f}× stock"] if r.get("invariant_to_stock") else []
+                if r.get("invariant_rows_checked"):
+                    parts.append(f"{r['invariant_rows_equal']}/{r['invariant_rows_checked']} = alone")
+                if parts:
+                    last = r is sel[-1] and len(sel) > 1
+                    ax1.annotate("\n".join(parts), (r["concurrency"], r["tokens_per_s"]),
+                                 xytext=(-4 if last else 4, -4), textcoords="offset points", fontsize=7,
+                                 color=INVARIANT, va="top", ha="right" if last else "left")
+        for r in sel:
+            if r.get("errors"):
+                ax2.annotate(f"{r['errors']} errors", (r["concurrency"], r["p99_ms"]), xytext=(4, 4),
+                             textcoords="offset points", fontsize=7, color=color)
+    new = f", {first.get('max_tokens')} new tokens per request" if first.get("max_tokens") else ""
+    ax1.set(xscale="log", yscale="log", xlabel="concurrency (client threads, closed loop)",
+            ylabel="output tokens / s (higher is better)",
+            title=f"HTTP server throughput ({model}{new})" + _suffix(results))
+    ax2.set(xscale="log", yscale="log", xlabel="concurrency (client threads, closed loop)",
+            ylabel="p99 request latency, ms (lower is better)",
+            title=f"HTTP server p99 latency ({model})" + _suffix(results))
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.margins(x=0.15)
+        _log_ticks(ax, [r["concurrency"] for r in rows])
+    return _finish(fig, results, out / "server.png")
+
+
 def make_plots(results: dict, out: Path) -> list:
     made = []
-    for fn in (overhead_vs_m, throughput_vs_batch, divergence, kernels, engine):
+    for fn in (overhead_vs_m, throughput_vs_batch, divergence, kernels, engine, server):
         try:
             name = fn(results, out)
         except Exception as exc:  # a plot must never lose the numbers

@@ -27,6 +27,8 @@ REQUIRED = {
     "engine": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "tpot_ms", "ttft_ms",
                "invariant_to_stock_engine", "invariant_to_hf_generate", "invariant_rows_checked",
                "invariant_rows_equal"),
+    "server": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "requests_per_s", "p50_ms",
+               "p99_ms", "errors", "invariant_to_stock", "invariant_rows_checked", "invariant_rows_equal"),
 }
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 
@@ -87,7 +89,7 @@ def metadata(device: torch.device, quick: bool, family: str = "qwen2", preset: s
 def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
-    for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine"):
+    for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "server"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing
@@ -166,6 +168,7 @@ def markdown(results: dict) -> str:
         ("stock/invariant", "ratio")]))
     out.append(scoring_markdown(results))
     out.append(engine_markdown(results))
+    out.append(server_markdown(results))
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
@@ -243,6 +246,32 @@ def engine_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+SERVER_MODES = {"invariant": "serve, invariant kernels", "stock": "serve --kernels stock"}
+
+
+def server_markdown(results: dict) -> str:
+    rows = results.get("server") or []
+    if not rows and "server" not in (results.get("sections") or []):
+        return ""
+    first = rows[0] if rows else {}
+    model = (f" ({first.get('preset')}, {first.get('layers')} layers, hidden {first.get('hidden')}, "
+             f"{first.get('dtype')})" if rows else "")
+    shape = (f" Prompts of {first.get('min_prompt')}–{first.get('max_prompt')} random token ids, "
+             f"{first.get('max_tokens')} greedy new tokens each (`ignore_eos`)." if rows else "")
+    out = [f"\n## HTTP server{model}: `invariant-infer serve`, invariant vs stock kernels\n\n"
+           "The real server in a subprocess on 127.0.0.1, one per mode, driven by a closed loop of `concurrency` "
+           "client threads (`/v1/completions`, non-streaming). tok/s = output tokens (`usage.completion_tokens`) / "
+           "wall time; req/s likewise; p50 / p99 = request latency (send to full response). errors = responses "
+           "that are not 200. ÷ stock = invariant tok/s over stock tok/s at the same concurrency (below 1 = "
+           "invariant slower). Equal alone: responses (choices and usage, `==`) equal to the same request alone, "
+           f"of those checked (at concurrency 1 every request runs alone).{shape}\n"]
+    out.append(table(rows, [
+        ("mode", "_mode"), ("concurrency", "concurrency"), ("requests", "requests"), ("output tokens", "output_tokens"),
+        ("tok/s", "tokens_per_s"), ("req/s", "requests_per_s"), ("p50 ms", "p50_ms"), ("p99 ms", "p99_ms"),
+        ("errors", "errors"), ("÷ stock", "invariant_to_stock"), ("equal alone", "_alone")]))
+    return "\n".join(out)
+
+
 def _preset(row: dict) -> str:
     return f"{row['preset']} " if row.get("preset") else ""
 
@@ -274,6 +303,12 @@ def _decorate(results: dict) -> None:
         checked = row.get("invariant_rows_checked")
         row["_alone"] = (f"{row.get('invariant_rows_equal')}/{checked}" if checked else
                          "alone by construction" if row.get("mode") == "invariant_engine" and
+                         row.get("concurrency") == 1 else None)
+    for row in results.get("server") or []:
+        row["_mode"] = SERVER_MODES.get(row.get("mode"), row.get("mode"))
+        checked = row.get("invariant_rows_checked")
+        row["_alone"] = (f"{row.get('invariant_rows_equal')}/{checked}" if checked else
+                         "alone by construction" if row.get("mode") == "invariant" and
                          row.get("concurrency") == 1 else None)
     for row in (results.get("attention") or []) + (results.get("decode_attention") or []):
         row["_heads"] = f"{row.get('heads')}/{row.get('kv_heads')}/{row.get('head_dim')}"
@@ -333,6 +368,13 @@ def summary(results: dict) -> str:
                          f"{fmt(r['tpot_ms'])} ms; ÷ stock engine {fmt(r['invariant_to_stock_engine'])}, "
                          f"÷ HF generate {fmt(r['invariant_to_hf_generate'])}"
                          + (f"; equal alone {r['invariant_rows_equal']}/{checked}" if checked else ""))
+    for r in results.get("server") or []:
+        checked = r.get("invariant_rows_checked")
+        lines.append(f"server {r['mode']} c={r['concurrency']}: {fmt(r['tokens_per_s'])} tok/s, "
+                     f"{fmt(r['requests_per_s'])} req/s, p50 {fmt(r['p50_ms'])} ms, p99 {fmt(r['p99_ms'])} ms, "
+                     f"errors {r['errors']}"
+                     + (f"; ÷ stock {fmt(r['invariant_to_stock'])}" if r.get("invariant_to_stock") else "")
+                     + (f"; equal alone {r['invariant_rows_equal']}/{checked}" if checked else ""))
     for r in results.get("divergence") or []:
         lines.append(f"divergence {r['case']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
                      f"({fmt(r['stock_rows_unequal'])}/{fmt(r.get('stock_rows_checked'))} rows differ); invariant "

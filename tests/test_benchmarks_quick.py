@@ -1,7 +1,8 @@
 """A minimal in-process slice of the benchmark harness (the full ``python -m benchmarks --quick``
 runs in CI on its own): one matmul shape, one divergence case, a small scoring section, the report
 files and their schema; ``--model-preset`` (validation, shapes per family, and the cheap sections
-in quick mode for a Llama preset); the serving-engine section in quick mode."""
+in quick mode for a Llama preset); the serving-engine section in quick mode; the HTTP server section
+in quick mode (two real ``invariant-infer serve`` subprocesses)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import divergence, matmul, scoring  # noqa: E402
 from benchmarks import engine as engine_bench  # noqa: E402
+from benchmarks import server as server_bench  # noqa: E402
 from benchmarks.__main__ import main as bench_main  # noqa: E402
 from benchmarks.__main__ import parse  # noqa: E402
 from benchmarks.report import metadata, validate, write_all  # noqa: E402
@@ -200,3 +202,32 @@ def test_engine_report(engine_rows, tmp_path):
     text = (tmp_path / "RESULTS.md").read_text()
     assert "## Serving engine (qwen2:tiny" in text and "÷ stock engine" in text and "| 2/2 |" in text
     assert on_disk["plots"] == ["engine.png"] and (tmp_path / "engine.png").stat().st_size > 10_000
+
+
+def test_server_section_quick():
+    """Quick server section (qwen2 tiny with 1 layer, for CI time): both modes at concurrency 1 and 4, every
+    request 200 with max_tokens tokens, the invariant server's checked responses equal the same requests
+    alone; both servers exit 0 on SIGTERM."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("requests")
+    ctx = Run(device=torch.device("cpu"), quick=True)
+    ctx.section = "server"
+    rows = server_bench.run(ctx, config=qwen2_config("tiny", num_hidden_layers=1))["server"]
+    assert ctx.skipped == []
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [
+        (mode, conc) for conc in server_bench.QUICK_CONCURRENCY for mode in server_bench.MODES]
+    for row in rows:
+        assert (row["preset"], row["layers"]) == ("qwen2:custom", 1)
+        assert row["errors"] == 0 and row["server_exit_code"] == 0 and row["requests"] == 4
+        assert row["output_tokens"] == row["requests"] * server_bench.QUICK_MAX_TOKENS > 0
+        assert row["tokens_per_s"] > 0 and row["requests_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+        if row["mode"] == "invariant":
+            assert row["invariant_to_stock"] > 0
+        else:
+            assert row["invariant_to_stock"] is None is row["invariant_rows_checked"]
+    checked = [r for r in rows if r["mode"] == "invariant" and r["concurrency"] > 1]
+    assert checked and all(r["invariant_rows_checked"] == 2 == r["invariant_rows_equal"] for r in checked)
+    results = metadata(torch.device("cpu"), quick=True)
+    results.update({"matmul": [], "e2e": [], "divergence": [], "server": rows})
+    assert validate(results) == []
