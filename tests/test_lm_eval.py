@@ -56,21 +56,20 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK)
 
 
-@pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
-    """One multiple-choice and one generate_until task over local JSON lines, with contexts of 1 to
-    16 words (every batch of 8 mixes lengths, so rows are padded), choices of 1 to 3 words."""
-    root = tmp_path_factory.mktemp("lm_eval_tasks")
-    rng = random.Random(1)
-    mc = [{"question": _text(rng, 1, 16), "choices": [" " + _text(rng, 1, 3) for _ in range(CHOICES)],
-           "answer": rng.randrange(CHOICES)} for _ in range(DOCS)]
-    gen = [{"prompt": _text(rng, 1, 16), "target": rng.choice(WORDS)} for _ in range(DOCS)]
+def write_local_tasks(root, rng: random.Random, *, mc_task: str, gen_task: str, docs: int, choices: int,
+                      max_words: int, max_choice_words: int, max_gen_toks: int, stop: str):
+    """A multiple-choice and a generate_until task over local JSON lines in ``root`` (no hub):
+    (TaskManager, the multiple-choice docs)."""
+    mc = [{"question": _text(rng, 1, max_words),
+           "choices": [" " + _text(rng, 1, max_choice_words) for _ in range(choices)],
+           "answer": rng.randrange(choices)} for _ in range(docs)]
+    gen = [{"prompt": _text(rng, 1, max_words), "target": rng.choice(WORDS)} for _ in range(docs)]
     configs = {
-        "mc": dict(task=MC_TASK, output_type="multiple_choice", doc_to_text="{{question}}",
+        "mc": dict(task=mc_task, output_type="multiple_choice", doc_to_text="{{question}}",
                    doc_to_choice="{{choices}}", doc_to_target="answer", docs=mc, metric="acc"),
-        "gen": dict(task=GEN_TASK, output_type="generate_until", doc_to_text="{{prompt}}",
+        "gen": dict(task=gen_task, output_type="generate_until", doc_to_text="{{prompt}}",
                     doc_to_target="{{target}}", docs=gen, metric="exact_match",
-                    generation_kwargs=dict(until=[STOP], max_gen_toks=MAX_GEN_TOKS, do_sample=False)),
+                    generation_kwargs=dict(until=[stop], max_gen_toks=max_gen_toks, do_sample=False)),
     }
     for name, config in configs.items():
         data = root / f"{name}.jsonl"
@@ -81,6 +80,15 @@ def tasks(tmp_path_factory):
                       metric_list=[dict(metric=metric, aggregation="mean", higher_is_better=True)])
         (root / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return TaskManager(include_path=str(root), include_defaults=False), mc
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    """Contexts of 1 to 16 words (every batch of 8 mixes lengths, so rows are padded), choices of
+    1 to 3 words."""
+    return write_local_tasks(tmp_path_factory.mktemp("lm_eval_tasks"), random.Random(1), mc_task=MC_TASK,
+                             gen_task=GEN_TASK, docs=DOCS, choices=CHOICES, max_words=16, max_choice_words=3,
+                             max_gen_toks=MAX_GEN_TOKS, stop=STOP)
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,16 @@ concurrent, one prompt a request or batches of them; the tokenizer comes from th
 ``/tokenizer_info`` and ``/tokenize``."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
-import yaml
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 lm_eval = pytest.importorskip("lm_eval")
 
 from invariant_infer.random_checkpoints import random_config, save_random_checkpoint  # noqa: E402
-from test_lm_eval import _text, WORDS  # noqa: E402
+from test_lm_eval import write_local_tasks  # noqa: E402
 from test_server import KEY, MODEL, ServerProcess, save_tokenizer  # noqa: E402
 
 MC_TASK, GEN_TASK = "serve_mc", "serve_gen"
@@ -26,29 +24,10 @@ DOCS, CHOICES, MAX_GEN_TOKS, STOP = 4, 3, 4, "a"
 
 @pytest.fixture(scope="module")
 def task_manager(tmp_path_factory):
-    from lm_eval.tasks import TaskManager
-
-    root = tmp_path_factory.mktemp("serve_lm_eval_tasks")
-    rng = random.Random(2)
-    mc = [{"question": _text(rng, 1, 6), "choices": [" " + _text(rng, 1, 2) for _ in range(CHOICES)],
-           "answer": rng.randrange(CHOICES)} for _ in range(DOCS)]
-    gen = [{"prompt": _text(rng, 1, 6), "target": rng.choice(WORDS)} for _ in range(DOCS)]
-    configs = {
-        "mc": dict(task=MC_TASK, output_type="multiple_choice", doc_to_text="{{question}}",
-                   doc_to_choice="{{choices}}", doc_to_target="answer", docs=mc, metric="acc"),
-        "gen": dict(task=GEN_TASK, output_type="generate_until", doc_to_text="{{prompt}}",
-                    doc_to_target="{{target}}", docs=gen, metric="exact_match",
-                    generation_kwargs=dict(until=[STOP], max_gen_toks=MAX_GEN_TOKS, do_sample=False)),
-    }
-    for name, config in configs.items():
-        data = root / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(doc) + "\n" for doc in config.pop("docs")))
-        metric = config.pop("metric")
-        config.update(dataset_path="json", test_split="test",
-                      dataset_kwargs=dict(data_files=dict(test=str(data)), cache_dir=str(root / "datasets_cache")),
-                      metric_list=[dict(metric=metric, aggregation="mean", higher_is_better=True)])
-        (root / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    return TaskManager(include_path=str(root), include_defaults=False)
+    manager, _ = write_local_tasks(tmp_path_factory.mktemp("serve_lm_eval_tasks"), random.Random(2), mc_task=MC_TASK,
+                                   gen_task=GEN_TASK, docs=DOCS, choices=CHOICES, max_words=6, max_choice_words=2,
+                                   max_gen_toks=MAX_GEN_TOKS, stop=STOP)
+    return manager
 
 
 @pytest.fixture(scope="module")
