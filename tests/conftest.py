@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from invariant_infer.families import FAMILIES
+from helpers import FAMILY_NAMES
 from invariant_infer.random_checkpoints import qwen2_config, random_config, save_random_checkpoint
-
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-FAMILY_NAMES = sorted(FAMILIES)
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,10 +35,6 @@ def tied_checkpoint(tmp_path_factory):
     """Like tiny, with lm_head tied to the embeddings (as Qwen2.5-1.5B)."""
     config = qwen2_config("tiny", tie_word_embeddings=True, num_hidden_layers=1)
     return save_random_checkpoint(tmp_path_factory.mktemp("tied-qwen2"), config, seed=1)
-
-
-def load_model(path, dtype: torch.dtype, device: str = "cpu"):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 @pytest.fixture(scope="session")

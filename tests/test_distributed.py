@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 ray = pytest.importorskip("ray", reason='needs Ray Data: pip install -e ".[ray]"')
 pytest.importorskip("ray.data")
 
-from test_scoring_cli import BAD_LINES, read_rows, requests, train_tokenizer, write_jsonl  # noqa: E402
+from helpers import BAD_LINES, read_rows, score_requests, train_tokenizer, write_jsonl  # noqa: E402
 
 from invariant_infer import scoring_cli  # noqa: E402
 from invariant_infer.distributed import CRASH_ONCE_ENV, score_dataset  # noqa: E402
@@ -56,7 +56,7 @@ def score(model_dir, inp, out, *extra) -> int:
 def reference(model_dir, tmp_path_factory):
     """The single-process job over 10 requests of every shape and three bad lines."""
     tmp = tmp_path_factory.mktemp("reference")
-    lines = requests(10, seed=1)
+    lines = score_requests(10, seed=1)
     lines[3:3] = [BAD_LINES[1][0], BAD_LINES[8][0]]  # malformed JSON, empty sequence
     lines.append('{"id": 3, "input_ids": [1, 2]}')  # a duplicate id
     inp = write_jsonl(tmp / "in.jsonl", lines)
@@ -102,7 +102,7 @@ def test_one_worker_resumes_torn_output_and_verifies(model_dir, reference, tmp_p
 
 
 def test_score_dataset_api(model_dir):
-    rows = [{"id": i, "input_ids": r["input_ids"]} for i, r in enumerate(requests(24, seed=2)) if "input_ids" in r]
+    rows = [{"id": i, "input_ids": r["input_ids"]} for i, r in enumerate(score_requests(24, seed=2)) if "input_ids" in r]
     rows += [{"id": 100 + i, "input_ids": list(range(1, 3 + 5 * i))} for i in range(4)]
     model = make_invariant(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
     expected = dict(zip([r["id"] for r in rows], score_sequences(model, [r["input_ids"] for r in rows])))

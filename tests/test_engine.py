@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import invariant_infer.engine.engine as engine_module
-from conftest import FAMILY_NAMES, load_model
+from helpers import FAMILY_NAMES, load_model
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.generation import seeded_sampling
@@ -205,7 +205,7 @@ def test_negative_control_stock_engine_differs_at_real_widths(tmp_path):
 def test_text_prompts_and_stop_strings(tmp_path):
     from transformers import AutoTokenizer
 
-    from test_scoring_cli import train_tokenizer
+    from helpers import train_tokenizer
     path = save_random_checkpoint(tmp_path / "m", random_config("qwen2", "tiny"), seed=4)
     train_tokenizer(path)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import DEVICES, DTYPES
+from helpers import DEVICES, DTYPES
 from invariant_infer.kernels import LinearConfig, linear, rms_norm, silu_mul
 from invariant_infer.kernels.fused_linear import rms_norm_linear, silu_mul_linear
 

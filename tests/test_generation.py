@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from conftest import load_model
+from helpers import load_model
 from invariant_infer import NonInvariantInputError, left_pad, make_invariant, restore
 from invariant_infer import hf_attention
 from invariant_infer.generation import generate_invariant, seeded_sampling

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import DEVICES, DTYPES
+from helpers import DEVICES, DTYPES, m_dependent_linear
 from invariant_infer.kernels import LINEAR_CONFIGS, LinearConfig, linear, linear_config
 
 # Max relative error (|y - ref|.max / |ref|.max) against float64: bf16 / fp16 outputs are rounded
@@ -60,14 +60,6 @@ def test_fixed_k_chunks_same_bits_on_both_schedules(dtype, device):
     assert ((parallel.double() - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[dtype]
     for i in (0, 17, 49):  # small M on the parallel schedule, the batch on the sequential one
         assert torch.equal(linear(x[i:i + 1], w, b, config=cfg, parallel_chunks=True)[0], sequential[i])
-
-
-def m_dependent_linear(x, weight, bias=None):
-    """Negative control: picks BLOCK_K by M, as batch-size-keyed heuristics and autotuners do."""
-    m = x.reshape(-1, x.shape[-1]).shape[0]
-    base = linear_config(x.device.type, x.dtype, *weight.shape)
-    cfg = LinearConfig(base.block_m, base.block_n, 16 if m <= 4 else 64)
-    return linear(x, weight, bias, config=cfg)
 
 
 def test_negative_control_m_dependent_config_breaks_invariance():

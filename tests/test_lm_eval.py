@@ -6,26 +6,23 @@ saved next to it, and JSON-lines tasks registered with ``TaskManager(include_pat
 blocked while lm-eval runs. Every comparison is exact ``==``."""
 from __future__ import annotations
 
-import json
 import random
 import socket
 from dataclasses import replace
-from itertools import product
 
 import pytest
 import torch
-import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import invariant_infer.patch
+from helpers import LM_EVAL_WORDS, write_local_tasks
 import lm_eval  # the test extra: lm-eval[hf]
 from invariant_infer import make_invariant
 from invariant_infer.kernels import linear
 from invariant_infer.kernels.configs import linear_config
 from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
 from lm_eval.models.huggingface import HFLM
-from lm_eval.tasks import TaskManager
 
 MC_TASK, GEN_TASK = "invariant_mc", "invariant_gen"
 DOCS = 8
@@ -35,51 +32,12 @@ STOP = "z"  # a letter of about one word in seven: some generations stop early, 
 EOS, PAD, UNK = "<eos>", "<pad>", "<unk>"
 
 
-def _words(count: int) -> list[str]:
-    words = ["".join(w) for w in product("bdfgklmnprstvz", "aeiou", "bdgklmnprstxz")]
-    random.Random(0).shuffle(words)
-    return words[:count]
-
-
-WORDS = _words(512 - 3)  # with the three special tokens, exactly the tiny models' vocab_size
-
-
-def _text(rng: random.Random, low: int, high: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
-
-
 def _tokenizer() -> PreTrainedTokenizerFast:
     """Word level, ids 0..511: the three special tokens, then one id per word."""
-    vocab = {token: i for i, token in enumerate([EOS, PAD, UNK, *WORDS])}
+    vocab = {token: i for i, token in enumerate([EOS, PAD, UNK, *LM_EVAL_WORDS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK)
-
-
-def write_local_tasks(root, rng: random.Random, *, mc_task: str, gen_task: str, docs: int, choices: int,
-                      max_words: int, max_choice_words: int, max_gen_toks: int, stop: str):
-    """A multiple-choice and a generate_until task over local JSON lines in ``root`` (no hub):
-    (TaskManager, the multiple-choice docs)."""
-    mc = [{"question": _text(rng, 1, max_words),
-           "choices": [" " + _text(rng, 1, max_choice_words) for _ in range(choices)],
-           "answer": rng.randrange(choices)} for _ in range(docs)]
-    gen = [{"prompt": _text(rng, 1, max_words), "target": rng.choice(WORDS)} for _ in range(docs)]
-    configs = {
-        "mc": dict(task=mc_task, output_type="multiple_choice", doc_to_text="{{question}}",
-                   doc_to_choice="{{choices}}", doc_to_target="answer", docs=mc, metric="acc"),
-        "gen": dict(task=gen_task, output_type="generate_until", doc_to_text="{{prompt}}",
-                    doc_to_target="{{target}}", docs=gen, metric="exact_match",
-                    generation_kwargs=dict(until=[stop], max_gen_toks=max_gen_toks, do_sample=False)),
-    }
-    for name, config in configs.items():
-        data = root / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(doc) + "\n" for doc in config.pop("docs")))
-        metric = config.pop("metric")
-        config.update(dataset_path="json", test_split="test",
-                      dataset_kwargs=dict(data_files=dict(test=str(data)), cache_dir=str(root / "datasets_cache")),
-                      metric_list=[dict(metric=metric, aggregation="mean", higher_is_better=True)])
-        (root / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    return TaskManager(include_path=str(root), include_defaults=False), mc
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 import invariant_infer.patch
-from conftest import DEVICES, DTYPES, FAMILY_NAMES, load_model
-from invariance import BATCHINGS, Batching, batch_mismatches, make_samples
+from helpers import DEVICES, DTYPES, FAMILY_NAMES, load_model
+from helpers import BATCHINGS, Batching, batch_mismatches, make_samples
 from invariant_infer import make_invariant, pad_sequences
 from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
-from test_linear import m_dependent_linear
+from helpers import m_dependent_linear
 
 
 @pytest.mark.parametrize("device", DEVICES)

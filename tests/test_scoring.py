@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_model
+from helpers import load_model
 from invariant_infer import make_invariant
 from invariant_infer.scoring import (ScoreResult, logprob_digest, naive_token_logprobs, plan_batches,
                                      score_sequences, token_logprobs_from_hidden)

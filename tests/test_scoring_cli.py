@@ -16,27 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_model
+from helpers import BAD_LINES, load_model, read_rows, score_requests, train_tokenizer, write_jsonl
 from invariant_infer import scoring_cli
 from invariant_infer.random_checkpoints import qwen2_config, save_random_checkpoint
 
 TOLERANCE_VS_STOCK_FP32 = {"bf16": 0.02, "fp16": 3e-3, "fp32": 1e-5}  # as in test_scoring.py
-WORDS = "the a model token batch score sequence invariant logits prompt completion cat dog runs fast".split()
-
-
-def train_tokenizer(model_dir):
-    """A byte-level BPE trained here and saved next to the model, as a real checkpoint ships one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    rng = np.random.default_rng(0)
-    corpus = [" ".join(rng.choice(WORDS, size=12)) for _ in range(200)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(corpus, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -50,31 +34,6 @@ def model_dir(tmp_path_factory):
 def tokenizer(model_dir):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def requests(count: int, seed: int = 0) -> list[dict]:
-    """A mix of all four request shapes."""
-    rng = np.random.default_rng(seed)
-    text = lambda n: " ".join(rng.choice(WORDS, size=n))  # noqa: E731
-    ids = lambda n: rng.integers(0, 512, size=n).tolist()  # noqa: E731
-    rows = []
-    for i in range(count):
-        n = int(rng.integers(3, 24))
-        kind = i % 4
-        row = ({"input_ids": ids(n)} if kind == 0 else {"text": text(n)} if kind == 1
-               else {"prompt": text(n), "completion": " " + text(3)} if kind == 2
-               else {"prompt_ids": ids(n), "completion_ids": ids(4)})
-        rows.append({"id": i if i % 2 else f"r{i}", **row})
-    return rows
-
-
-def write_jsonl(path, rows) -> str:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return str(path)
-
-
-def read_rows(path) -> list[dict]:
-    return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
 def by_id(rows) -> dict:
@@ -101,7 +60,7 @@ def token_ids(request: dict, tokenizer) -> tuple[list[int], int]:
 def main_job(model_dir, tmp_path_factory):
     """12 requests scored in fp32 with a large budget: the uninterrupted reference."""
     tmp = tmp_path_factory.mktemp("main-job")
-    rows = requests(12)
+    rows = score_requests(12)
     inp = write_jsonl(tmp / "in.jsonl", rows)
     assert score(model_dir, inp, tmp / "big.jsonl", "--max-batch-tokens", "100000", "--dtype", "fp32") == 0
     return rows, inp, tmp / "big.jsonl"
@@ -152,33 +111,6 @@ def test_close_to_stock_fp32_log_softmax(model_dir, main_job, tokenizer, tmp_pat
         got = torch.tensor(rows[json.dumps(request["id"])]["token_logprobs"])
         worst = max(worst, (got - ref).abs().max().item())
     assert worst <= TOLERANCE_VS_STOCK_FP32[dtype], worst
-
-
-BAD_LINES = [
-    ('{"id": "ok1", "input_ids": [1, 2, 3]}', None),
-    ('{"id": "bad json", ', "malformed JSON"),
-    ('[1, 2, 3]', "expected a JSON object"),
-    ('{"input_ids": [1, 2]}', "missing field 'id'"),
-    ('{"id": "unknown", "input_ids": [1, 2], "extra": 1}', "unknown field"),
-    ('{"id": "missing", "prompt": "the cat"}', "missing field(s) ['completion']"),
-    ('{"id": "neither"}', "need exactly one of"),
-    ('{"id": "conflict", "text": "the cat", "input_ids": [1, 2]}', "need exactly one of"),
-    ('{"id": "empty", "input_ids": []}', "empty sequence"),
-    ('{"id": "one token", "input_ids": [5]}', "nothing to score"),
-    ('{"id": "empty prompt", "prompt_ids": [], "completion_ids": [1, 2]}', "empty prompt"),
-    ('{"id": "empty completion", "prompt": "the cat", "completion": ""}', "nothing to score"),
-    ('{"id": "vocab", "input_ids": [1, 512]}', "outside the vocabulary"),
-    ('{"id": "negative", "input_ids": [1, -1]}', "outside the vocabulary"),
-    ('{"id": "float", "input_ids": [1, 2.5]}', "list of integers"),
-    ('{"id": "long", "input_ids": [%s]}' % ", ".join(["1"] * 513), "longer than the model's 512 positions"),
-    ('{"id": [1], "input_ids": [1, 2]}', "id must be"),
-    ('{"id": null, "input_ids": [1, 2]}', "id must be"),
-    ('{"id": NaN, "input_ids": [1, 2]}', "malformed JSON"),
-    ('{"id": "ok1", "input_ids": [4, 5]}', "duplicate id"),
-    ("", None),  # blank lines are skipped
-    ('{"id": 7, "text": "the cat runs fast"}', None),
-    ('{"id": "ok2", "prompt": "the dog", "completion": " runs"}', None),
-]
 
 
 def test_bad_input_matrix(model_dir, tmp_path, capsys):

@@ -5,16 +5,13 @@ which round-trip exactly)."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,78 +22,8 @@ pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
+from helpers import CHAT_TEMPLATE, KEY, MODEL, ServerProcess, save_tokenizer  # noqa: E402
 from invariant_infer.random_checkpoints import random_config, save_random_checkpoint  # noqa: E402
-
-KEY = "test-key"
-MODEL = "tiny"
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-START_TIMEOUT = 240
-
-
-def save_tokenizer(path) -> None:
-    """The scoring tests' byte-level BPE, saved as a PreTrainedTokenizerFast with a chat template."""
-    from transformers import PreTrainedTokenizerFast
-
-    from test_scoring_cli import train_tokenizer
-    train_tokenizer(path)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-
-
-class ServerProcess:
-    def __init__(self, args: list[str], log: Path):
-        self.log = open(log, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "invariant_infer.cli", "serve", "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        self.log_path = log
-        line = self._first_line()
-        match = re.search(r"listening on (http://\S+)", line or "")
-        if not match:
-            self.stop()
-            raise RuntimeError(f"server did not start: {line!r}\n{log.read_text()[-3000:]}")
-        self.url = match.group(1)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("server never answered /health")
-            time.sleep(0.2)
-
-    def _first_line(self) -> str | None:
-        result = []
-        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(START_TIMEOUT)
-        return result[0] if result else None
-
-    def metrics(self) -> dict[str, float]:
-        text = requests.get(self.url + "/metrics", timeout=30).text
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(invariant_infer_\w+) (\S+)$", text, re.M)}
-
-    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
-        """Metrics once no sequence holds a KV page (fails after ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if m["invariant_infer_kv_pages_used"] == 0 and m["invariant_infer_running_sequences"] == 0 and \
-                    m["invariant_infer_queue_length"] == 0 and m["invariant_infer_requests_in_flight"] == 0:
-                return m
-            assert time.monotonic() < deadline, f"pages still held: {m}"
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

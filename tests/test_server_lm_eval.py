@@ -15,8 +15,8 @@ pytest.importorskip("uvicorn")
 lm_eval = pytest.importorskip("lm_eval")
 
 from invariant_infer.random_checkpoints import random_config, save_random_checkpoint  # noqa: E402
-from test_lm_eval import write_local_tasks  # noqa: E402
-from test_server import KEY, MODEL, ServerProcess, save_tokenizer  # noqa: E402
+from helpers import write_local_tasks  # noqa: E402
+from helpers import KEY, MODEL, ServerProcess, save_tokenizer  # noqa: E402
 
 MC_TASK, GEN_TASK = "serve_mc", "serve_gen"
 DOCS, CHOICES, MAX_GEN_TOKS, STOP = 4, 3, 4, "a"

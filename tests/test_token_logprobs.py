@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICES, DTYPES
+from helpers import DEVICES, DTYPES
 from invariant_infer.kernels import token_logprobs
 from invariant_infer.kernels.token_logprobs import vocab_block
 

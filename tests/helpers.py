@@ -1,0 +1,266 @@
+"""Helpers shared by the test files: dtypes, devices and families to parametrize over, model
+loading, the model-level batchings and bitwise comparison (through ``invariant_infer.drift``), the
+M-dependent negative-control linear, a locally trained tokenizer, scoring request files, local
+lm-eval tasks and the real server in a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+
+from invariant_infer.drift import batch_drift, logits_alone, logits_in_batch
+from invariant_infer.families import FAMILIES
+from invariant_infer.kernels import LinearConfig, linear, linear_config
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+FAMILY_NAMES = sorted(FAMILIES)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+def load_model(path, dtype: torch.dtype, device: str = "cpu"):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+# Model-level batchings
+
+@dataclass(frozen=True)
+class Batching:
+    members: tuple[int, ...]      # which samples, in which order
+    left_pad: bool = True
+    extra_pad: int = 0            # padding beyond the longest member
+    embeds: bool = False          # inputs_embeds instead of input_ids
+    pass_positions: bool = False  # pass position_ids (cumsum - 1) instead of letting them be derived
+
+    def options(self) -> dict:
+        return dict(side="left" if self.left_pad else "right", extra_pad=self.extra_pad, embeds=self.embeds,
+                    explicit_positions=self.pass_positions)
+
+
+BATCHINGS = [
+    Batching((0, 1, 2, 3)),
+    Batching((3, 2, 1, 0), extra_pad=5),
+    Batching((2, 0), left_pad=False),
+    Batching((1, 3, 2), left_pad=False, extra_pad=3, embeds=True),
+    Batching((0, 3), embeds=True, pass_positions=True),
+    Batching((3, 0, 1, 2), left_pad=False, pass_positions=True),
+]
+
+
+def make_samples(vocab_size: int, lengths=(9, 1, 14, 5), seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g) for n in lengths]
+
+
+def logits_batched(model, samples, batching: Batching) -> list[torch.Tensor]:
+    return logits_in_batch(model, [samples[i] for i in batching.members], **batching.options())
+
+
+def batch_mismatches(model, samples, batchings=BATCHINGS):
+    """Every (batching, sample) whose real-token logits differ from the sample run alone,
+    with the max |difference|. Empty means bitwise invariant."""
+    alone = [logits_alone(model, s) for s in samples]
+    mismatches = []
+    for batching in batchings:
+        drift = batch_drift(model, [samples[i] for i in batching.members], **batching.options(),
+                            alone=[alone[i] for i in batching.members])
+        mismatches += [(batching, batching.members[row], diff) for row, diff in drift.mismatches]
+    return mismatches
+
+
+def m_dependent_linear(x, weight, bias=None):
+    """Negative control: picks BLOCK_K by M, as batch-size-keyed heuristics and autotuners do."""
+    m = x.reshape(-1, x.shape[-1]).shape[0]
+    base = linear_config(x.device.type, x.dtype, *weight.shape)
+    cfg = LinearConfig(base.block_m, base.block_n, 16 if m <= 4 else 64)
+    return linear(x, weight, bias, config=cfg)
+
+
+BPE_WORDS = "the a model token batch score sequence invariant logits prompt completion cat dog runs fast".split()
+
+def train_tokenizer(model_dir):
+    """A byte-level BPE trained here and saved next to the model, as a real checkpoint ships one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    rng = np.random.default_rng(0)
+    corpus = [" ".join(rng.choice(BPE_WORDS, size=12)) for _ in range(200)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(corpus, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(model_dir)
+
+def score_requests(count: int, seed: int = 0) -> list[dict]:
+    """A mix of all four request shapes."""
+    rng = np.random.default_rng(seed)
+    text = lambda n: " ".join(rng.choice(BPE_WORDS, size=n))  # noqa: E731
+    ids = lambda n: rng.integers(0, 512, size=n).tolist()  # noqa: E731
+    rows = []
+    for i in range(count):
+        n = int(rng.integers(3, 24))
+        kind = i % 4
+        row = ({"input_ids": ids(n)} if kind == 0 else {"text": text(n)} if kind == 1
+               else {"prompt": text(n), "completion": " " + text(3)} if kind == 2
+               else {"prompt_ids": ids(n), "completion_ids": ids(4)})
+        rows.append({"id": i if i % 2 else f"r{i}", **row})
+    return rows
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+def read_rows(path) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+BAD_LINES = [
+    ('{"id": "ok1", "input_ids": [1, 2, 3]}', None),
+    ('{"id": "bad json", ', "malformed JSON"),
+    ('[1, 2, 3]', "expected a JSON object"),
+    ('{"input_ids": [1, 2]}', "missing field 'id'"),
+    ('{"id": "unknown", "input_ids": [1, 2], "extra": 1}', "unknown field"),
+    ('{"id": "missing", "prompt": "the cat"}', "missing field(s) ['completion']"),
+    ('{"id": "neither"}', "need exactly one of"),
+    ('{"id": "conflict", "text": "the cat", "input_ids": [1, 2]}', "need exactly one of"),
+    ('{"id": "empty", "input_ids": []}', "empty sequence"),
+    ('{"id": "one token", "input_ids": [5]}', "nothing to score"),
+    ('{"id": "empty prompt", "prompt_ids": [], "completion_ids": [1, 2]}', "empty prompt"),
+    ('{"id": "empty completion", "prompt": "the cat", "completion": ""}', "nothing to score"),
+    ('{"id": "vocab", "input_ids": [1, 512]}', "outside the vocabulary"),
+    ('{"id": "negative", "input_ids": [1, -1]}', "outside the vocabulary"),
+    ('{"id": "float", "input_ids": [1, 2.5]}', "list of integers"),
+    ('{"id": "long", "input_ids": [%s]}' % ", ".join(["1"] * 513), "longer than the model's 512 positions"),
+    ('{"id": [1], "input_ids": [1, 2]}', "id must be"),
+    ('{"id": null, "input_ids": [1, 2]}', "id must be"),
+    ('{"id": NaN, "input_ids": [1, 2]}', "malformed JSON"),
+    ('{"id": "ok1", "input_ids": [4, 5]}', "duplicate id"),
+    ("", None),  # blank lines are skipped
+    ('{"id": 7, "text": "the cat runs fast"}', None),
+    ('{"id": "ok2", "prompt": "the dog", "completion": " runs"}', None),
+]
+
+
+def _lm_eval_words(count: int) -> list[str]:
+    words = ["".join(w) for w in product("bdfgklmnprstvz", "aeiou", "bdgklmnprstxz")]
+    random.Random(0).shuffle(words)
+    return words[:count]
+
+LM_EVAL_WORDS = _lm_eval_words(512 - 3)  # with the three special tokens, exactly the tiny models' vocab_size
+
+def _text(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(LM_EVAL_WORDS) for _ in range(rng.randint(low, high)))
+
+def write_local_tasks(root, rng: random.Random, *, mc_task: str, gen_task: str, docs: int, choices: int,
+                      max_words: int, max_choice_words: int, max_gen_toks: int, stop: str):
+    """A multiple-choice and a generate_until task over local JSON lines in ``root`` (no hub):
+    (TaskManager, the multiple-choice docs)."""
+    import yaml
+    from lm_eval.tasks import TaskManager
+
+    mc = [{"question": _text(rng, 1, max_words),
+           "choices": [" " + _text(rng, 1, max_choice_words) for _ in range(choices)],
+           "answer": rng.randrange(choices)} for _ in range(docs)]
+    gen = [{"prompt": _text(rng, 1, max_words), "target": rng.choice(LM_EVAL_WORDS)} for _ in range(docs)]
+    configs = {
+        "mc": dict(task=mc_task, output_type="multiple_choice", doc_to_text="{{question}}",
+                   doc_to_choice="{{choices}}", doc_to_target="answer", docs=mc, metric="acc"),
+        "gen": dict(task=gen_task, output_type="generate_until", doc_to_text="{{prompt}}",
+                    doc_to_target="{{target}}", docs=gen, metric="exact_match",
+                    generation_kwargs=dict(until=[stop], max_gen_toks=max_gen_toks, do_sample=False)),
+    }
+    for name, config in configs.items():
+        data = root / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(doc) + "\n" for doc in config.pop("docs")))
+        metric = config.pop("metric")
+        config.update(dataset_path="json", test_split="test",
+                      dataset_kwargs=dict(data_files=dict(test=str(data)), cache_dir=str(root / "datasets_cache")),
+                      metric_list=[dict(metric=metric, aggregation="mean", higher_is_better=True)])
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return TaskManager(include_path=str(root), include_defaults=False), mc
+
+
+KEY = "test-key"
+
+MODEL = "tiny"
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+START_TIMEOUT = 240
+
+def save_tokenizer(path) -> None:
+    """The scoring tests' byte-level BPE, saved as a PreTrainedTokenizerFast with a chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    train_tokenizer(path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+class ServerProcess:
+    def __init__(self, args: list[str], log: Path):
+        self.log = open(log, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "invariant_infer.cli", "serve", "--port", "0", *args],
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.log_path = log
+        line = self._first_line()
+        match = re.search(r"listening on (http://\S+)", line or "")
+        if not match:
+            self.stop()
+            raise RuntimeError(f"server did not start: {line!r}\n{log.read_text()[-3000:]}")
+        self.url = match.group(1)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("server never answered /health")
+            time.sleep(0.2)
+
+    def _first_line(self) -> str | None:
+        result = []
+        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(START_TIMEOUT)
+        return result[0] if result else None
+
+    def metrics(self) -> dict[str, float]:
+        text = requests.get(self.url + "/metrics", timeout=30).text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(invariant_infer_\w+) (\S+)$", text, re.M)}
+
+    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
+        """Metrics once no sequence holds a KV page (fails after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["invariant_infer_kv_pages_used"] == 0 and m["invariant_infer_running_sequences"] == 0 and \
+                    m["invariant_infer_queue_length"] == 0 and m["invariant_infer_requests_in_flight"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"pages still held: {m}"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
