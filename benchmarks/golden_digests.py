@@ -236,6 +236,8 @@ def main(argv=None) -> int:
         save(entries)
         print(f"merged {sorted(load(args.merge))} into {GOLDEN_PATH}")
         return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
     key = backend_key(args.device)
     current = compute(args.device, progress=lambda name: print(f"  {name}", file=sys.stderr))
     entry = {"environment": environment(args.device), "digests": current}
