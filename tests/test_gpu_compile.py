@@ -33,10 +33,11 @@ DOT_PRECISION = launch_mod.DOT_PRECISION
 FMA = re.compile(r"\b(fma|mad)\.rn(\.ftz)?\.f32\b")
 
 
-def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, options=None):
+def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, options=None, aligned=None):
     """Compile ``kernel`` for sm_<arch> with the launches' pinned options (``options`` replaces
     them). ``types`` maps argument names to Triton types (default: pointers from the 'ptr'
-    entry, everything else i32). Pointers are 16-byte aligned, as torch allocates them."""
+    entry, everything else i32). ``aligned``: the arguments specialised as divisible by 16
+    (default: the pointers, 16-byte aligned as torch allocates them)."""
     signature, attrs = {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:
@@ -45,7 +46,7 @@ def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, opti
             signature[name] = types[name]
         else:
             signature[name] = types["ptr"] if name.endswith("_ptr") else "i32"
-        if signature[name].startswith("*"):
+        if (signature[name].startswith("*") if aligned is None else name in aligned):
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     pinned = launch_mod.PINNED_OPTIONS if options is None else options
@@ -95,6 +96,43 @@ def test_launch_passes_pinned_options_to_cuda_launches():
     launch_mod.launch(Kernel(), (3,), torch.device("cuda"), 1, 2, BLOCK=16, num_warps=4)
     assert seen["grid"] == (3,) and seen["args"] == (1, 2)
     assert seen["kwargs"] == {"BLOCK": 16, "num_warps": 4, **launch_mod.PINNED_OPTIONS}
+
+
+def _reduction_layouts(compiled) -> list[str]:
+    """The operand and result types, layouts spelled out, of every dot and reduction in the TTGIR:
+    the layouts fix which thread sums which elements, so equal layouts mean equal summation trees."""
+    ttgir = compiled.asm["ttgir"]
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    spell = lambda text: re.sub(r"#\w+", lambda m: aliases.get(m.group(0), m.group(0)), text)  # noqa: E731
+    ops = [line for line in ttgir.splitlines() if re.search(r"\b(tt\.dot|warp_group_dot) ", line)
+           or line.strip().startswith("}) : ")]
+    assert ops, "no dot or reduction found"
+    return [spell(re.sub(r" loc\(.*$", "", line.rsplit(" : ", 1)[-1])) for line in ops]
+
+
+def _alignment_cases():
+    bf16 = {"ptr": "*bf16"}
+    yield "linear", linear_mod._linear_kernel, bf16, dict(
+        HAS_BIAS=True, K_CHUNKS=2, PARALLEL_CHUNKS=False, PROLOGUE=linear_mod.PROLOGUE_SILU_MUL, BLOCK_M=64,
+        BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT_PRECISION=DOT_PRECISION), 4, 3
+    yield "attention", attention_mod._attention_kernel, {
+        **bf16, "kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32", "scale": "fp32"}, dict(
+        GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=DOT_PRECISION), 4, 2
+    yield "rms_norm", rms_mod._rms_norm_kernel, {**bf16, "eps": "fp32"}, dict(BLOCK_ROWS=1, BLOCK_N=2048), 4, 3
+
+
+@pytest.mark.parametrize("name, kernel, types, constexprs, warps, stages",
+                         [pytest.param(*case, id=case[0]) for case in _alignment_cases()])
+def test_alignment_reaches_the_arithmetic_of_row_reductions_only(name, kernel, types, constexprs, warps, stages):
+    """Aligned pointers and row strides divisible by 16 (the variant Triton compiles for most
+    calls) against none: the same dot and reduction layouts for the dot kernels, whose operands
+    are re-laid out for the MMA; another reduction layout for RMSNorm, whose loads set its
+    summation tree. That is why the row kernels take ``reduction_rows``."""
+    params = inspect.signature(kernel.fn).parameters
+    aligned = [p for p in params if p.endswith("_ptr") or re.fullmatch(r"stride_\w*[^dkn]", p)]
+    layouts = [_reduction_layouts(compile_for(kernel, 90, types, constexprs, warps, stages, aligned=a))
+               for a in (aligned, [])]
+    assert (layouts[0] == layouts[1]) == (name != "rms_norm"), layouts
 
 
 @pytest.mark.parametrize("make_view, copied", [
