@@ -2,15 +2,16 @@
 
 Every compiled launch passes ``PINNED_OPTIONS``: the compile options that change arithmetic, set
 here rather than left to the installed Triton release's defaults or to environment variables.
-  * ``enable_fp_fusion=False``: no mul + add contracted into an FMA by LLVM or ptxas. Triton 3.6
-    fuses by default (``TRITON_DEFAULT_FP_FUSION`` unset), 3.9 too (with a warning that 3.10 flips
-    it), 3.10 does not; 3.9+ also lets ``TRITON_FORCE_DISABLE_FP_FUSION=1`` override an explicit
-    True, never an explicit False. So False is the one value no release and no variable can move.
-    It is also what the interpreter computes (numpy rounds every multiply and add on its own).
-    ``tl.dot`` on 16-bit inputs is an MMA instruction either way.
-  * ``enable_reflect_ftz=True``: libdevice math flushes subnormals, the default of 3.6 and 3.9, kept.
-  * ``ptx_options=""``: flags from ``PTXAS_OPTIONS`` (read when Triton is imported) are not passed
-    to ptxas, where ``--fmad`` or optimisation flags could change the code.
+  * ``enable_fp_fusion=True``: mul + add pairs outside ``tl.dot`` are contracted into FMAs, as
+    Triton 3.6 and 3.9 do by default. Those defaults move: ``TRITON_DEFAULT_FP_FUSION`` sets it,
+    and Triton 3.10 turns it off. On, because under ``torch.compile`` (``generate`` with a static
+    cache compiles decode on CUDA) inductor compiles these kernels itself with Triton's default
+    options, which launch keywords cannot reach: decode must get the bits eager prefill gets, so
+    the pin is the default of the releases in use, and ``pinning_problem`` refuses the cases where
+    it cannot hold (``TRITON_FORCE_DISABLE_FP_FUSION=1`` overrides an explicit True; a traced
+    launch where Triton's default is off).
+  * ``enable_reflect_ftz=True``: libdevice math flushes subnormals, the default of 3.6 and 3.9.
+  * ``ptx_options=""``: no flags from ``PTXAS_OPTIONS`` (e.g. ``--fmad=false``) reach ptxas.
 ``tl.dot``'s ``input_precision`` is passed explicitly by every kernel (``DOT_PRECISION``), so
 ``TRITON_F32_DEFAULT`` and a backend's ``default_dot_input_precision`` never apply. fp8 is not a
 supported dtype, so ``max_num_imprecise_acc`` (fp8 dots on sm_90 only) never applies either.
@@ -24,25 +25,67 @@ loads at once, and in a row reduction (``tl.sum`` over loaded data) that is the 
 """
 from __future__ import annotations
 
+import os
+
 import torch
+import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .interpreter_harness import interpreted, patched_interpreter
 
-PINNED_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": True, "ptx_options": ""}
+PINNED_OPTIONS = {"enable_fp_fusion": True, "enable_reflect_ftz": True, "ptx_options": ""}
 # The interpreter takes none of these (it drops launch keywords that are not kernel arguments).
 _COMPILE_ONLY = ("num_warps", "num_stages", *PINNED_OPTIONS)
 
 # IEEE fp32 products for every dtype: for fp32 inputs this avoids TF32; for bf16/fp16 inputs
 # the precision has no effect (an MMA instruction takes them as they are).
 DOT_PRECISION = "ieee"
+# ptxas flags that change the generated code (FMA contraction, optimisation level).
+_CODEGEN_PTXAS_FLAGS = ("fmad", "-O", "opt-level", "expensive-optimizations")
+
+
+def _language_knob(name: str, env: str, default: bool) -> bool:
+    language = getattr(getattr(triton, "knobs", None), "language", None)
+    if language is not None and hasattr(language, name):
+        return bool(getattr(language, name))
+    return os.environ.get(env, str(int(default))).lower() in ("1", "true", "on", "yes")
+
+
+def pinning_problem(traced: bool) -> str | None:
+    """Why the pinned options would not hold for a launch (None when they do). ``traced``: under
+    torch.compile, where inductor compiles the kernels with Triton's defaults."""
+    forced_off = _language_knob("force_disable_fp_fusion", "TRITON_FORCE_DISABLE_FP_FUSION", False)
+    if forced_off:
+        return ("TRITON_FORCE_DISABLE_FP_FUSION=1 overrides the kernels' pinned enable_fp_fusion=True, which "
+                "would change their bits: unset it")
+    if not traced:
+        return None
+    default_on = _language_knob("default_fp_fusion", "TRITON_DEFAULT_FP_FUSION", True)
+    ptxas = getattr(getattr(getattr(triton, "knobs", None), "nvidia", None), "ptxas_options", None)
+    if not default_on:
+        return (f"under torch.compile the kernels compile with Triton {triton.__version__}'s default "
+                "enable_fp_fusion=False, not the pinned True, so compiled and eager launches would give other "
+                "bits: set TRITON_DEFAULT_FP_FUSION=1")
+    if ptxas and any(flag in ptxas for flag in _CODEGEN_PTXAS_FLAGS):
+        return (f"under torch.compile PTXAS_OPTIONS={ptxas!r} reaches the kernels' ptxas, which eager launches "
+                "never pass: unset it")
+    return None
+
+
+# Read once: Triton reads these variables when it is imported, and a launch must stay cheap.
+_EAGER_PROBLEM = pinning_problem(traced=False)
+_TRACED_PROBLEM = pinning_problem(traced=True)
 
 
 def reduction_rows(x2: torch.Tensor) -> torch.Tensor:
     """``x2`` [M, N] with rows N elements apart from a 16-byte-aligned start: a fresh copy when a
     view has another row stride or start. Then a row kernel's compiled variant, and so its
     summation tree, is fixed by N and the dtype, never by how the caller sliced its batch."""
-    if x2.stride(-1) == 1 and x2.stride(0) == x2.shape[1] and x2.data_ptr() % 16 == 0:
+    if torch.compiler.is_compiling():  # no data pointers while tracing; allocations are aligned
+        aligned = x2.storage_offset() * x2.element_size() % 16 == 0
+    else:
+        aligned = x2.data_ptr() % 16 == 0
+    if aligned and x2.stride(-1) == 1 and x2.stride(0) == x2.shape[1]:
         return x2
     return torch.empty(x2.shape, dtype=x2.dtype, device=x2.device).copy_(x2)
 
@@ -52,6 +95,12 @@ def launch(kernel, grid, device: torch.device, *args, **kwargs):
     if device.type == "cuda":
         if isinstance(kernel, InterpretedFunction):
             raise RuntimeError("CUDA tensors with TRITON_INTERPRET=1: unset it to run compiled kernels")
+        if torch.compiler.is_compiling():  # inductor compiles the kernel: options cannot be passed
+            if _TRACED_PROBLEM:
+                raise RuntimeError(_TRACED_PROBLEM)
+            return kernel[grid](*args, **kwargs)
+        if _EAGER_PROBLEM:
+            raise RuntimeError(_EAGER_PROBLEM)
         return kernel[grid](*args, **kwargs, **PINNED_OPTIONS)
     if device.type != "cpu":
         raise ValueError(f"invariant kernels run on 'cuda' or 'cpu' tensors, got {device.type!r}")

@@ -76,13 +76,29 @@ def test_pinned_options_reach_the_compiled_kernel():
         assert getattr(meta, name) == value, name
 
 
-def test_fp_fusion_pinned_off_leaves_no_fma(monkeypatch):
-    """RMSNorm has mul + add pairs that Triton contracts into FMAs when fusion is on (the default
-    of Triton 3.6 and 3.9, also when TRITON_DEFAULT_FP_FUSION=1): the control. Pinned off, none."""
+def test_fp_fusion_stays_pinned_when_the_default_moves(monkeypatch):
+    """RMSNorm has mul + add pairs that Triton contracts into FMAs when fusion is on. With the
+    default turned off (as TRITON_DEFAULT_FP_FUSION=0 does, and Triton 3.10), the default options
+    leave none: the control. The pinned options keep them."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert not FMA.search(_rms_norm(options={}).asm["ptx"]), "control: the default no longer moves; cannot fail"
+    assert FMA.search(_rms_norm().asm["ptx"])
+
+
+def test_launches_refuse_when_the_pins_cannot_hold(monkeypatch):
+    """Eager launches pass the pins; under torch.compile inductor compiles with Triton's defaults, so
+    a default that differs from a pin is refused, as is a variable that overrides an explicit pin."""
+    assert launch_mod.pinning_problem(traced=False) is None and launch_mod.pinning_problem(traced=True) is None
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert launch_mod.pinning_problem(traced=False) is None
+    assert "TRITON_DEFAULT_FP_FUSION=1" in launch_mod.pinning_problem(traced=True)
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    default = _rms_norm(options={}).asm["ptx"]
-    assert FMA.search(default), "control: the default options no longer fuse; this test cannot fail"
-    assert not FMA.search(_rms_norm().asm["ptx"])
+    monkeypatch.setenv("PTXAS_OPTIONS", "--fmad=false")
+    assert "PTXAS_OPTIONS" in launch_mod.pinning_problem(traced=True)
+    monkeypatch.setenv("PTXAS_OPTIONS", "-v")
+    assert launch_mod.pinning_problem(traced=True) is None
+    monkeypatch.setenv("TRITON_FORCE_DISABLE_FP_FUSION", "1")
+    assert "TRITON_FORCE_DISABLE_FP_FUSION" in launch_mod.pinning_problem(traced=False)
 
 
 def test_launch_passes_pinned_options_to_cuda_launches():
