@@ -238,3 +238,10 @@ def test_row_kernels_compile(arch, dtype):
     compile_for(logprobs_mod._token_logprobs_kernel, arch,
                 {"ptr": dt, "targets_ptr": "*i64", "logprob_ptr": "*fp32", "argmax_ptr": "*i32"},
                 dict(BLOCK_ROWS=1, BLOCK_V=block_v), 8)
+
+
+def test_reduction_rows_traces_without_graph_breaks():
+    """Under torch.compile (compiled decode) the row check reads no data pointer: one graph."""
+    copy_rows = torch.compile(lambda x: launch_mod.reduction_rows(x[:, :3]) * 2, backend="eager", fullgraph=True)
+    x = torch.randn(4, 8)
+    assert torch.equal(copy_rows(x), x[:, :3] * 2)
