@@ -3,8 +3,8 @@
 Every compiled launch passes ``PINNED_OPTIONS``: the compile options that change arithmetic, set
 here rather than left to the installed Triton release's defaults or to environment variables.
   * ``enable_fp_fusion=True``: mul + add pairs outside ``tl.dot`` are contracted into FMAs, as
-    Triton 3.6 and 3.9 do by default. Those defaults move: ``TRITON_DEFAULT_FP_FUSION`` sets it,
-    and Triton 3.10 turns it off. On, because under ``torch.compile`` (``generate`` with a static
+    Triton 3.6 and 3.9 do by default. That default moves: ``TRITON_DEFAULT_FP_FUSION`` sets it,
+    and 3.9 warns that 3.10 turns it off (triton-lang/triton#11270). On, because under ``torch.compile`` (``generate`` with a static
     cache compiles decode on CUDA) inductor compiles these kernels itself with Triton's default
     options, which launch keywords cannot reach: decode must get the bits eager prefill gets, so
     the pin is the default of the releases in use, and ``pinning_problem`` refuses the cases where

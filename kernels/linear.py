@@ -21,7 +21,7 @@ from .configs import LinearConfig, linear_config
 from .launch import DOT_PRECISION, launch
 
 
-# Optional prologue applied to each x tile as it is loaded (a fusion). Each computes exactly the
+# Optional prologue applied to each x tile as it is loaded (a fusion). It computes exactly the
 # values the standalone kernel would write, so a fused call is bitwise equal to the unfused pair.
 # constexpr globals, so the kernel can test PROLOGUE against them by name.
 PROLOGUE_NONE = tl.constexpr(0)
