@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One-shot GPU check: GPU-marked tests, then the full benchmark suite (Qwen2.5-1.5B; every section of
+# One-shot GPU check: GPU-marked tests, this GPU's golden digests, then the full benchmark suite (Qwen2.5-1.5B; every section of
 # benchmarks.SECTIONS, the serving engine and the HTTP server last, each with its share of the budget) under a time
 # budget, then the matmul section at other families' shapes (Qwen3-8B, Llama-3.1-8B).
 # Everything lands in one folder: $OUT if set, else benchmarks/results/<date>-<gpu>/; the extra
 # presets in sub-folders of it, one per preset (qwen3-8b/, llama-3.1-8b/).
 # Sized for < 8 minutes on one H200. Env overrides: PYTHON, TOTAL_S (default 450),
-# TEST_TIMEOUT_S (180), SUITE_MAX_S (300), BENCH_COMMIT (commit id when .git is absent),
+# TEST_TIMEOUT_S (180), GOLDEN_TIMEOUT_S (120), SUITE_MAX_S (300), BENCH_COMMIT (commit id when .git is absent),
 # SUITE_ARGS (extra arguments for python -m benchmarks, e.g. "--quick" for a dry run on CPU),
 # EXTRA_PRESETS ("qwen3:qwen3-8b llama:llama-3.1-8b"; empty to skip), EXTRA_SECTIONS (matmul),
 # EXTRA_S (100: seconds of TOTAL_S kept from the suite for the extra presets), EXTRA_MAX_S (60: the
@@ -17,6 +17,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-450}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-180}
+GOLDEN_TIMEOUT_S=${GOLDEN_TIMEOUT_S:-120}
 SUITE_MAX_S=${SUITE_MAX_S:-300}
 EXTRA_PRESETS=${EXTRA_PRESETS-qwen3:qwen3-8b llama:llama-3.1-8b}
 EXTRA_SECTIONS=${EXTRA_SECTIONS:-matmul}
@@ -79,6 +80,15 @@ echo "[gpu_check] pytest -m gpu (timeout ${TEST_TIMEOUT_S}s)"
 timeout -k 10 "$TEST_TIMEOUT_S" $PY -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$DEST/pytest.log"
 TESTS_RC=$?
 
+# -- 1b. golden digests of this GPU and toolchain (tests/golden/digests.json; BITS.md) --------------
+# Compares them with the committed entry for this backend (rc 1 if any moved or none is recorded) and
+# writes this backend's entry to $DEST/golden_digests.json; add it with
+# `python -m benchmarks.golden_digests --merge FILE` (and an entry in BITS.md) when it is new or intended.
+echo "[gpu_check] golden digests (timeout ${GOLDEN_TIMEOUT_S}s)"
+timeout -k 10 "$GOLDEN_TIMEOUT_S" $PY -m benchmarks.golden_digests --device cuda --out "$DEST/golden_digests.json" \
+  2>&1 | tee "$DEST/golden_digests.log"
+GOLDEN_RC=$?
+
 # -- 2. full suite, with what is left of the time budget (less EXTRA_S for step 3) -----------------
 ELAPSED=$(( $(date +%s) - START ))
 BUDGET=$(( TOTAL_S - ELAPSED - 60 - EXTRA_S ))
@@ -119,10 +129,11 @@ done
 
 # -- 4. exit codes and the summary, last -------------------------------------------------------------
 TOTAL=$(( $(date +%s) - START ))
-printf 'install_rc=%s\ntests_rc=%s\nsuite_rc=%s\nextra_rc=%s\ntotal_s=%s\n' "$INSTALL_RC" "$TESTS_RC" "$SUITE_RC" \
-  "$EXTRA_RC" "$TOTAL" | tee "$DEST/exit_codes.txt"
+printf 'install_rc=%s\ntests_rc=%s\ngolden_rc=%s\nsuite_rc=%s\nextra_rc=%s\ntotal_s=%s\n' "$INSTALL_RC" "$TESTS_RC" \
+  "$GOLDEN_RC" "$SUITE_RC" "$EXTRA_RC" "$TOTAL" | tee "$DEST/exit_codes.txt"
 echo "================ summary ($DEST) ================"
 grep -E "passed|failed|error|skipped" "$DEST/pytest.log" | tail -1
+tail -n 4 "$DEST/golden_digests.log"
 for D in "$DEST" ${EXTRA_DIRS[@]+"${EXTRA_DIRS[@]}"}; do
   if [ -f "$D/results.json" ]; then
     $PY -m benchmarks.report --summary "$D/results.json"
@@ -130,5 +141,5 @@ for D in "$DEST" ${EXTRA_DIRS[@]+"${EXTRA_DIRS[@]}"}; do
     echo "no results.json in $D; see $D/suite.log"
   fi
 done
-echo "tests rc $TESTS_RC, suite rc $SUITE_RC, extra presets rc $EXTRA_RC, ${TOTAL}s"
-exit $(( TESTS_RC != 0 || SUITE_RC != 0 || EXTRA_RC != 0 ))
+echo "tests rc $TESTS_RC, golden digests rc $GOLDEN_RC, suite rc $SUITE_RC, extra presets rc $EXTRA_RC, ${TOTAL}s"
+exit $(( TESTS_RC != 0 || GOLDEN_RC != 0 || SUITE_RC != 0 || EXTRA_RC != 0 ))

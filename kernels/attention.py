@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .configs import AttentionConfig, attention_config
-from .launch import launch
+from .launch import DOT_PRECISION, launch
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         Lq, Lk, Hq, D, scale,
         GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=DOT_PRECISION,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -1,16 +1,15 @@
-"""Fusions into the linear kernel's prologue, bitwise equal to the unfused pair.
+"""A fusion into the linear kernel's prologue, bitwise equal to the unfused pair.
 
-``rms_norm_linear`` normalises each x tile as it is loaded (rstd comes from the same per-row
-reduction rms_norm uses), and ``silu_mul_linear`` computes silu(gate) * up as the down
-projection loads its input. Each prologue writes exactly the values the standalone kernel
-would, so fusing saves memory traffic without changing a bit, and stays batch-invariant.
+``silu_mul_linear`` computes silu(gate) * up as the down projection loads its input. The
+prologue computes exactly the values the standalone kernel would write, so fusing saves the
+[tokens x intermediate] round trip through memory without changing a bit, and stays
+batch-invariant.
 """
 from __future__ import annotations
 
 import torch
 
-from .linear import PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL, LinearConfig, _check_operands, launch_linear
-from .rms_norm import rms_rstd
+from .linear import PROLOGUE_SILU_MUL, LinearConfig, _check_operands, launch_linear
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -30,17 +29,3 @@ def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, 
         g2 = g2.contiguous()
     y = launch_linear(g2, weight, bias, config, PROLOGUE_SILU_MUL, up=u2, parallel_chunks=parallel_chunks)
     return y.reshape(*gate.shape[:-1], weight.shape[0])
-
-
-def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None, config: LinearConfig | None = None,
-                    parallel_chunks: bool | None = None) -> torch.Tensor:
-    """linear(rms_norm(x, norm_weight, eps), weight, bias), bitwise, without writing the normed x."""
-    _check_operands(x, weight, bias)
-    if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype:
-        raise ValueError(f"rms_norm_linear: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not "
-                         f"match x {tuple(x.shape)} {x.dtype}")
-    x2 = _rows(x)
-    y = launch_linear(x2, weight, bias, config, PROLOGUE_RMS_NORM, rstd=rms_rstd(x2, eps), norm_weight=norm_weight,
-                      parallel_chunks=parallel_chunks)
-    return y.reshape(*x.shape[:-1], weight.shape[0])

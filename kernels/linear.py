@@ -18,20 +18,19 @@ import triton
 import triton.language as tl
 
 from .configs import LinearConfig, linear_config
-from .launch import launch
+from .launch import DOT_PRECISION, launch
 
 
-# Optional prologues applied to each x tile as it is loaded (fusions). Each computes exactly the
+# Optional prologue applied to each x tile as it is loaded (a fusion). It computes exactly the
 # values the standalone kernel would write, so a fused call is bitwise equal to the unfused pair.
 # constexpr globals, so the kernel can test PROLOGUE against them by name.
 PROLOGUE_NONE = tl.constexpr(0)
 PROLOGUE_SILU_MUL = tl.constexpr(1)
-PROLOGUE_RMS_NORM = tl.constexpr(2)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
-    x_ptr, up_ptr, rstd_ptr, norm_w_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, up_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, K_CHUNKS: tl.constexpr, PARALLEL_CHUNKS: tl.constexpr, PROLOGUE: tl.constexpr,
@@ -65,11 +64,11 @@ def _linear_kernel(
         k_begin = chunk * chunk_len
         k_end = tl.minimum(K, k_begin + chunk_len)
         if K_CHUNKS == 1:
-            acc = _chunk_dot(acc, x_ptr, up_ptr, norm_w_ptr, w_ptr, rstd_ptr, offs_m, offs_n, offs_k, k_begin, k_end,
+            acc = _chunk_dot(acc, x_ptr, up_ptr, w_ptr, offs_m, offs_n, offs_k, k_begin, k_end,
                              M, N, stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
         else:  # a chunk is summed from zero, then added to the total in chunk order
-            part = _chunk_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr, up_ptr, norm_w_ptr, w_ptr,
-                              rstd_ptr, offs_m, offs_n, offs_k, k_begin, k_end, M, N,
+            part = _chunk_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr, up_ptr, w_ptr,
+                              offs_m, offs_n, offs_k, k_begin, k_end, M, N,
                               stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
             acc += part
 
@@ -84,12 +83,10 @@ def _linear_kernel(
 
 
 @triton.jit
-def _chunk_dot(acc, x_ptr, up_ptr, norm_w_ptr, w_ptr, rstd_ptr, offs_m, offs_n, offs_k, k_begin, k_end, M, N,
+def _chunk_dot(acc, x_ptr, up_ptr, w_ptr, offs_m, offs_n, offs_k, k_begin, k_end, M, N,
                stride_xm, stride_xk, stride_wn, stride_wk,
                PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + x[:, k_begin:k_end] @ w[:, k_begin:k_end]^T, k in order, with the x prologue applied."""
-    if PROLOGUE == PROLOGUE_RMS_NORM:
-        rstd = tl.load(rstd_ptr + offs_m, mask=offs_m < M, other=0.0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + offs_k
         x_offs = offs_m[:, None] * stride_xm + ks[None, :] * stride_xk
@@ -100,10 +97,6 @@ def _chunk_dot(acc, x_ptr, up_ptr, norm_w_ptr, w_ptr, rstd_ptr, offs_m, offs_n, 
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        if PROLOGUE == PROLOGUE_RMS_NORM:  # x * rstd rounded, times the norm weight, rounded (as rms_norm)
-            normed = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
-            norm_w = tl.load(norm_w_ptr + ks, mask=ks < k_end, other=0.0)
-            x = (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (ks[:, None] < k_end), other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
@@ -156,7 +149,7 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None, rstd=None, norm_weight=None,
+def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None,
                   parallel_chunks: bool | None = None):
     """Launch on 2-D ``x2`` [M, K]; the prologue operands are used only by their prologue.
     ``parallel_chunks`` forces a schedule (tests); by default ``parallel_chunks_pays`` picks it."""
@@ -175,14 +168,13 @@ def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None, rst
     stride_ys = out.stride(0) if parallel_chunks else 0
     launch(
         _linear_kernel, grid, x2.device,
-        x2, x2 if up is None else up, x2 if rstd is None else rstd, x2 if norm_weight is None else norm_weight,
-        weight, bias if has_bias else x2, out,
+        x2, x2 if up is None else up, weight, bias if has_bias else x2, out,
         m, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
         stride_ys, out.stride(-2), out.stride(-1),
         HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, PARALLEL_CHUNKS=parallel_chunks, PROLOGUE=int(prologue),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=DOT_PRECISION,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if parallel_chunks:

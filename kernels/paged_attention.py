@@ -7,7 +7,7 @@ padded batch, with any padding, as full prefill, chunked prefill or decode. So a
 gets the logits ``model(...)`` gets. What makes it so:
 
 * Same tiles. BLOCK_M, BLOCK_N come from the same ``attention_config(device, dtype, head_dim)``,
-  BLOCK_D = max(16, next_pow2(D)), the same ``input_precision`` ("ieee" for fp32, else "tf32")
+  BLOCK_D = max(16, next_pow2(D)), the same ``input_precision`` (``launch.DOT_PRECISION``)
   and the same num_warps / num_stages, so every ``tl.dot`` is the same instruction with the same
   summation order.
 * Same blocks. Sequence position 0 is page 0 offset 0, and KV block j covers positions
@@ -52,7 +52,7 @@ import triton.language as tl
 
 from .attention import online_softmax_block
 from .configs import AttentionConfig, attention_config
-from .launch import launch
+from .launch import DOT_PRECISION, launch
 
 
 @triton.jit(do_not_specialize=["stride_bts", "stride_btp"])
@@ -162,7 +162,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         Hq, D, scale,
         GROUP=Hq // Hkv, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=DOT_PRECISION,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

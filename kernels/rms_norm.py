@@ -11,13 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import launch, reduction_rows
 
 
 @triton.jit
 def _row_rstd(x, N, eps):
-    """1 / sqrt(mean(x^2) + eps) per row of an fp32 [rows, BLOCK_N] block: the one reduction
-    shared by rms_norm and the fused rms_norm_linear, so both get the same bits."""
+    """1 / sqrt(mean(x^2) + eps) per row of an fp32 [rows, BLOCK_N] block."""
     return 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
 
 
@@ -34,15 +33,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, M, N, eps,
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _rms_rstd_kernel(x_ptr, rstd_ptr, stride_x, M, N, eps, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(rstd_ptr + rows, _row_rstd(x, N, eps), mask=rows < M)
-
-
 def _launch_params(device: torch.device, n: int):
     """(BLOCK_ROWS, BLOCK_N, num_warps): fixed per device and hidden size. The interpreter pays per
     program, so it takes 16 rows at a time; on GPU one row per program."""
@@ -50,25 +40,12 @@ def _launch_params(device: torch.device, n: int):
     return (16 if device.type == "cpu" else 1), block_n, (4 if block_n <= 4096 else 8)
 
 
-def rms_rstd(x2: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 [M] 1/sqrt(mean(x^2) + eps) of each row of [M, N], bitwise as rms_norm computes it."""
-    m, n = x2.shape
-    rstd = torch.empty(m, device=x2.device, dtype=torch.float32)
-    block_rows, block_n, num_warps = _launch_params(x2.device, n)
-    if m:
-        launch(_rms_rstd_kernel, (triton.cdiv(m, block_rows),), x2.device, x2, rstd, x2.stride(0), m, n, eps,
-               BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=num_warps)
-    return rstd
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; output dtype follows torch promotion of (weight, x), as in HF."""
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n}")
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = reduction_rows(x.reshape(-1, n))
     m = x2.shape[0]
     y = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     block_rows, block_n, num_warps = _launch_params(x.device, n)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import launch, reduction_rows
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -65,8 +65,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
     argmax = torch.empty(r, device=logits.device, dtype=torch.int32)
     if r == 0:
         return logprobs, argmax.bool()
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
+    logits = reduction_rows(logits)
     targets = targets.to(device=logits.device, dtype=torch.int64).contiguous()
     if not logits.is_cuda and bool(((targets < 0) | (targets >= v)).any()):  # GPU: no host sync
         raise ValueError(f"token_logprobs: targets must lie in [0, {v})")

@@ -1,9 +1,12 @@
-"""Every kernel, with the configs used on CUDA, compiles for sm_80, sm_89 and sm_90.
+"""Every kernel, with the configs used on CUDA, compiles for sm_80, sm_89 and sm_90, with the
+compile options the launches pin.
 
 Runs on CPU: Triton compiles to PTX and cubin without a GPU. This catches GPU-only codegen
-errors (ops the interpreter accepts but the compiler rejects) on machines with no GPU. It
-checks compilation, not speed or results; the gpu-marked tests check those on a GPU."""
+errors (ops the interpreter accepts but the compiler rejects) on machines with no GPU, and checks
+that the pinned options reach the compiled code. It checks compilation, not speed or results; the
+gpu-marked tests check those on a GPU. A compile that raises fails its test: nothing is skipped."""
 import inspect
+import re
 import sys
 
 import pytest
@@ -16,6 +19,7 @@ import invariant_infer.kernels  # noqa: F401  (loads the kernel modules)
 from invariant_infer.kernels import LINEAR_CONFIGS, attention_config
 
 configs_mod = sys.modules["invariant_infer.kernels.configs"]
+launch_mod = sys.modules["invariant_infer.kernels.launch"]
 linear_mod = sys.modules["invariant_infer.kernels.linear"]
 attention_mod = sys.modules["invariant_infer.kernels.attention"]
 paged_mod = sys.modules["invariant_infer.kernels.paged_attention"]
@@ -25,48 +29,153 @@ logprobs_mod = sys.modules["invariant_infer.kernels.token_logprobs"]
 
 TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 ARCHS = [90, 89, 80]
+DOT_PRECISION = launch_mod.DOT_PRECISION
+FMA = re.compile(r"\b(fma|mad)\.rn(\.ftz)?\.f32\b")
 
 
-def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3):
-    """Compile ``kernel`` for sm_<arch>. ``types`` maps argument names to Triton types
-    (default: pointers from the 'ptr' entry, everything else i32)."""
-    signature = {}
-    for name in inspect.signature(kernel.fn).parameters:
+def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, options=None, aligned=None):
+    """Compile ``kernel`` for sm_<arch> with the launches' pinned options (``options`` replaces
+    them). ``types`` maps argument names to Triton types (default: pointers from the 'ptr'
+    entry, everything else i32). ``aligned``: the arguments specialised as divisible by 16
+    (default: the pointers, 16-byte aligned as torch allocates them)."""
+    signature, attrs = {}, {}
+    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in types:
             signature[name] = types[name]
         else:
             signature[name] = types["ptr"] if name.endswith("_ptr") else "i32"
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        if (signature[name].startswith("*") if aligned is None else name in aligned):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    pinned = launch_mod.PINNED_OPTIONS if options is None else options
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages, **pinned})
     assert compiled.asm["cubin"]
     return compiled
 
 
-def _offline_compiler_available() -> bool:
-    try:
-        compile_for(silu_mod._silu_mul_kernel, 90, {"ptr": "*fp32"}, {"BLOCK_ROWS": 1, "BLOCK_N": 16})
-        return True
-    except Exception:  # no CUDA backend or ptxas in this triton build
-        return False
+def _rms_norm(arch=90, dtype=torch.bfloat16, hidden=1536, options=None):
+    block_rows, block_n, warps = rms_mod._launch_params(torch.device("cuda"), hidden)
+    return compile_for(rms_mod._rms_norm_kernel, arch, {"ptr": f"*{TL_DTYPE[dtype]}", "eps": "fp32"},
+                       dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n), warps, options=options)
 
 
-pytestmark = pytest.mark.skipif(not _offline_compiler_available(),
-                                reason="this triton build cannot compile CUDA kernels offline")
+def test_offline_cuda_compiler_present():
+    """Triton's CUDA backend and its bundled ptxas: without them every test below fails, by design."""
+    from triton import knobs
+    from triton.backends import backends
+    assert "nvidia" in backends, "this triton build has no CUDA backend"
+    assert knobs.nvidia.ptxas.path, "triton cannot find ptxas"
+
+
+def test_pinned_options_reach_the_compiled_kernel():
+    meta = _rms_norm().metadata
+    for name, value in launch_mod.PINNED_OPTIONS.items():
+        assert getattr(meta, name) == value, name
+
+
+def test_fp_fusion_stays_pinned_when_the_default_moves(monkeypatch):
+    """RMSNorm has mul + add pairs that Triton contracts into FMAs when fusion is on. With the
+    default turned off (as TRITON_DEFAULT_FP_FUSION=0 does, and Triton 3.10), the default options
+    leave none: the control. The pinned options keep them."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert not FMA.search(_rms_norm(options={}).asm["ptx"]), "control: the default no longer moves; cannot fail"
+    assert FMA.search(_rms_norm().asm["ptx"])
+
+
+def test_launches_refuse_when_the_pins_cannot_hold(monkeypatch):
+    """Eager launches pass the pins; under torch.compile inductor compiles with Triton's defaults, so
+    a default that differs from a pin is refused, as is a variable that overrides an explicit pin."""
+    assert launch_mod.pinning_problem(traced=False) is None and launch_mod.pinning_problem(traced=True) is None
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert launch_mod.pinning_problem(traced=False) is None
+    assert "TRITON_DEFAULT_FP_FUSION=1" in launch_mod.pinning_problem(traced=True)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    monkeypatch.setenv("PTXAS_OPTIONS", "--fmad=false")
+    assert "PTXAS_OPTIONS" in launch_mod.pinning_problem(traced=True)
+    monkeypatch.setenv("PTXAS_OPTIONS", "-v")
+    assert launch_mod.pinning_problem(traced=True) is None
+    monkeypatch.setenv("TRITON_FORCE_DISABLE_FP_FUSION", "1")
+    assert "TRITON_FORCE_DISABLE_FP_FUSION" in launch_mod.pinning_problem(traced=False)
+
+
+def test_launch_passes_pinned_options_to_cuda_launches():
+    """The launcher adds the pinned options to every compiled launch (checked without a GPU)."""
+    seen = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(grid=grid, args=args, kwargs=kwargs)
+
+    launch_mod.launch(Kernel(), (3,), torch.device("cuda"), 1, 2, BLOCK=16, num_warps=4)
+    assert seen["grid"] == (3,) and seen["args"] == (1, 2)
+    assert seen["kwargs"] == {"BLOCK": 16, "num_warps": 4, **launch_mod.PINNED_OPTIONS}
+
+
+def _reduction_layouts(compiled) -> list[str]:
+    """The operand and result types, layouts spelled out, of every dot and reduction in the TTGIR:
+    the layouts fix which thread sums which elements, so equal layouts mean equal summation trees."""
+    ttgir = compiled.asm["ttgir"]
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    spell = lambda text: re.sub(r"#\w+", lambda m: aliases.get(m.group(0), m.group(0)), text)  # noqa: E731
+    ops = [line for line in ttgir.splitlines() if re.search(r"\b(tt\.dot|warp_group_dot) ", line)
+           or line.strip().startswith("}) : ")]
+    assert ops, "no dot or reduction found"
+    return [spell(re.sub(r" loc\(.*$", "", line.rsplit(" : ", 1)[-1])) for line in ops]
+
+
+def _alignment_cases():
+    bf16 = {"ptr": "*bf16"}
+    yield "linear", linear_mod._linear_kernel, bf16, dict(
+        HAS_BIAS=True, K_CHUNKS=2, PARALLEL_CHUNKS=False, PROLOGUE=linear_mod.PROLOGUE_SILU_MUL, BLOCK_M=64,
+        BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT_PRECISION=DOT_PRECISION), 4, 3
+    yield "attention", attention_mod._attention_kernel, {
+        **bf16, "kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32", "scale": "fp32"}, dict(
+        GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=DOT_PRECISION), 4, 2
+    yield "rms_norm", rms_mod._rms_norm_kernel, {**bf16, "eps": "fp32"}, dict(BLOCK_ROWS=1, BLOCK_N=2048), 4, 3
+
+
+@pytest.mark.parametrize("name, kernel, types, constexprs, warps, stages",
+                         [pytest.param(*case, id=case[0]) for case in _alignment_cases()])
+def test_alignment_reaches_the_arithmetic_of_row_reductions_only(name, kernel, types, constexprs, warps, stages):
+    """Aligned pointers and row strides divisible by 16 (the variant Triton compiles for most
+    calls) against none: the same dot and reduction layouts for the dot kernels, whose operands
+    are re-laid out for the MMA; another reduction layout for RMSNorm, whose loads set its
+    summation tree. That is why the row kernels take ``reduction_rows``."""
+    params = inspect.signature(kernel.fn).parameters
+    aligned = [p for p in params if p.endswith("_ptr") or re.fullmatch(r"stride_\w*[^dkn]", p)]
+    layouts = [_reduction_layouts(compile_for(kernel, 90, types, constexprs, warps, stages, aligned=a))
+               for a in (aligned, [])]
+    assert (layouts[0] == layouts[1]) == (name != "rms_norm"), layouts
+
+
+@pytest.mark.parametrize("make_view, copied", [
+    (lambda t: t[:, :48], True),                                  # row stride 64, width 48
+    (lambda t: t[2:3, :32], True),                                # one row of another row stride
+    (lambda t: t.reshape(-1)[3:3 + 7 * 64].view(7, 64), True),    # a start 12 bytes in
+    (lambda t: t[1:], False),                                     # a start 256 bytes in: aligned, kept
+    (lambda t: t, False),
+], ids=["row-stride", "one-row", "offset-unaligned", "offset-aligned", "contiguous"])
+def test_reduction_rows_depend_on_width_alone(make_view, copied):
+    """Row kernels get rows N elements apart from a 16-byte-aligned start, so the compiled
+    variant (the load width, hence the summation tree) never follows how a batch was sliced."""
+    view = make_view(torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64))
+    rows = launch_mod.reduction_rows(view)
+    assert torch.equal(rows, view) and (rows is not view) == copied
+    assert rows.stride() == (view.shape[1], 1) and rows.data_ptr() % 16 == 0
 
 
 def _linear_cases():
     """(arch, dtype, config, parallel schedule, prologue): the default configs and every distinct
-    per-shape config on every arch; fp16, the parallel schedule and the prologues on sm_90 only,
+    per-shape config on every arch; fp16, the parallel schedule and the prologue on sm_90 only,
     to keep the suite short."""
     for dtype in TL_DTYPE:
         default = configs_mod._DEFAULT_CONFIGS[("cuda", dtype)]
         for arch in ARCHS:
             yield arch, dtype, default, False, linear_mod.PROLOGUE_NONE
         yield 90, dtype, default, False, linear_mod.PROLOGUE_SILU_MUL
-        yield 90, dtype, default, False, linear_mod.PROLOGUE_RMS_NORM
     shape_configs = {cfg for (device, _, _, _), cfg in LINEAR_CONFIGS.items() if device == "cuda"}
     for cfg in sorted(shape_configs, key=str):
         for arch in ARCHS:
@@ -80,10 +189,10 @@ def _linear_cases():
 def test_linear_compiles(arch, dtype, cfg, parallel, prologue):
     dt = TL_DTYPE[dtype]
     compile_for(linear_mod._linear_kernel, arch,
-                {"ptr": f"*{dt}", "rstd_ptr": "*fp32", "y_ptr": "*fp32" if parallel else f"*{dt}"},
+                {"ptr": f"*{dt}", "y_ptr": "*fp32" if parallel else f"*{dt}"},
                 dict(HAS_BIAS=True, K_CHUNKS=cfg.k_chunks, PARALLEL_CHUNKS=parallel, PROLOGUE=prologue,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+                     DOT_PRECISION=DOT_PRECISION),
                 cfg.num_warps, cfg.num_stages)
     if parallel:
         compile_for(linear_mod._chunk_combine_kernel, arch, {"ptr": f"*{dt}", "part_ptr": "*fp32"},
@@ -99,7 +208,7 @@ def test_attention_compiles(arch, dtype, head_dim):
                 {"ptr": f"*{TL_DTYPE[dtype]}", "kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32",
                  "scale": "fp32"},
                 dict(GROUP=6, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim,
-                     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+                     DOT_PRECISION=DOT_PRECISION),
                 cfg.num_warps, cfg.num_stages)
 
 
@@ -112,7 +221,7 @@ def test_paged_attention_compiles(dtype):
                 {"ptr": f"*{TL_DTYPE[dtype]}", "query_starts_ptr": "*i32", "seq_lens_ptr": "*i32",
                  "block_tables_ptr": "*i32", "scale": "fp32"},
                 dict(GROUP=6, PAGE_SIZE=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim,
-                     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+                     DOT_PRECISION=DOT_PRECISION),
                 cfg.num_warps, cfg.num_stages)
 
 
@@ -124,9 +233,15 @@ def test_row_kernels_compile(arch, dtype):
         block_rows, block_n, warps = rms_mod._launch_params(torch.device("cuda"), hidden)
         constexprs = dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n)
         compile_for(rms_mod._rms_norm_kernel, arch, {"ptr": dt, "eps": "fp32"}, constexprs, warps)
-        compile_for(rms_mod._rms_rstd_kernel, arch, {"ptr": dt, "rstd_ptr": "*fp32", "eps": "fp32"}, constexprs, warps)
     compile_for(silu_mod._silu_mul_kernel, arch, {"ptr": dt}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
     block_v = logprobs_mod.vocab_block("cuda", 151936)
     compile_for(logprobs_mod._token_logprobs_kernel, arch,
                 {"ptr": dt, "targets_ptr": "*i64", "logprob_ptr": "*fp32", "argmax_ptr": "*i32"},
                 dict(BLOCK_ROWS=1, BLOCK_V=block_v), 8)
+
+
+def test_reduction_rows_traces_without_graph_breaks():
+    """Under torch.compile (compiled decode) the row check reads no data pointer: one graph."""
+    copy_rows = torch.compile(lambda x: launch_mod.reduction_rows(x[:, :3]) * 2, backend="eager", fullgraph=True)
+    x = torch.randn(4, 8)
+    assert torch.equal(copy_rows(x), x[:, :3] * 2)

@@ -1,0 +1,257 @@
+"""Golden digests: SHA-256 of the logits and engine outputs of fixed models, so that any change of
+bits shows, whatever caused it.
+
+Each family gets a one-layer model whose weights, and every input, come from a counter-based
+integer formula (splitmix64 of a name and an index, in numpy integer arithmetic), scaled to
+values that bf16 and fp32 hold exactly. Nothing depends on transformers' initialisation or on a
+library's random stream. The model is written with ``save_pretrained`` and read back with
+``from_pretrained``, as users load checkpoints. Digests are kept per backend in
+``tests/golden/digests.json``: the CPU interpreter's (checked by CI) and one entry per GPU and
+toolchain (recorded by ``benchmarks/gpu_check.sh``).
+
+    python -m benchmarks.golden_digests                  # compare this backend with the committed digests
+    python -m benchmarks.golden_digests --write          # record them (with an entry in BITS.md)
+    python -m benchmarks.golden_digests --device cuda --out FILE   # write this backend's entry to FILE
+    python -m benchmarks.golden_digests --merge FILE     # add an entry written by --out
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import platform
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+import triton
+from transformers import AutoModelForCausalLM
+
+from invariant_infer.drift import logits_alone, logits_in_batch
+from invariant_infer.engine import Engine, SamplingParams
+from invariant_infer.families import FAMILIES
+from invariant_infer.patch import make_invariant
+
+GOLDEN_PATH = Path(__file__).resolve().parent.parent / "tests" / "golden" / "digests.json"
+REGENERATE = "python -m benchmarks.golden_digests --write"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ENGINE_FAMILY = "qwen2"
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=1, vocab_size=256, max_position_embeddings=128)
+# Every field that shapes the arithmetic is written out, so a preset or a default moving elsewhere
+# cannot move these models.
+CONFIGS = {
+    "qwen2": dict(_COMMON, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  use_sliding_window=False),
+    "qwen3": dict(_COMMON, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  attention_bias=False),
+    "llama": dict(_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                  rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "mistral": dict(_COMMON, num_key_value_heads=1, rope_theta=10000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, sliding_window=None),
+}
+SAMPLE_LENGTHS = (6, 1, 11, 3)
+# name -> (members in batch order, padding side, extra padding, inputs_embeds)
+BATCHINGS = {
+    "left_pad": ((0, 1, 2, 3), "left", 2, False),
+    "right_pad": ((3, 2, 1, 0), "right", 1, False),
+    "embeds_left_pad": ((2, 0, 3, 1), "left", 0, True),
+}
+ENGINE_REQUESTS = [  # (prompt length, sampling parameters): greedy and seeded, with logprobs
+    (7, dict(max_tokens=5, temperature=0.0, logprobs=2, prompt_logprobs=1)),
+    (4, dict(max_tokens=6, temperature=0.8, top_p=0.9, seed=7, logprobs=1)),
+    (10, dict(max_tokens=4, temperature=1.2, top_k=20, seed=11, logprobs=0)),
+    (2, dict(max_tokens=7, temperature=0.0, repetition_penalty=1.3, logprobs=0)),
+]
+
+
+# ---- the formula ------------------------------------------------------------------------------------
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def integers(name: str, count: int, low: int, high: int) -> np.ndarray:
+    """``count`` integers in [low, high), a pure function of (name, index)."""
+    counter = (np.uint64(zlib.crc32(name.encode())) << np.uint64(32)) | np.arange(count, dtype=np.uint64)
+    return (_splitmix64(counter) % np.uint64(high - low)).astype(np.int64) + low
+
+
+def parameter_values(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """fp32 values with at most 8 significant bits (exact in bf16): matrices j/128 / 2^round(log2(fan_in)/2),
+    biases j/4096, norm weights in [0.5, 1.5)."""
+    count = math.prod(shape)
+    if len(shape) == 2:
+        scale = 2.0 ** -(7 + round(math.log2(shape[1]) / 2))
+        values = integers(name, count, -127, 128) * scale
+    elif name.endswith("bias"):
+        values = integers(name, count, -127, 128) * 2.0 ** -12
+    else:
+        values = integers(name, count, 64, 192) * 2.0 ** -7
+    return torch.from_numpy(values.astype(np.float32).reshape(shape))
+
+
+def write_checkpoint(family: str, dtype: torch.dtype, path: Path) -> Path:
+    config = FAMILIES[family].config_class(**CONFIGS[family])
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights appear once
+            param.copy_(parameter_values(name, tuple(param.shape)))
+    model.to(dtype).save_pretrained(path)
+    return path
+
+
+def samples(family: str) -> list[torch.Tensor]:
+    vocab = CONFIGS[family]["vocab_size"]
+    return [torch.from_numpy(integers(f"{family}/sample{i}", n, 0, vocab)) for i, n in enumerate(SAMPLE_LENGTHS)]
+
+
+# ---- digests ----------------------------------------------------------------------------------------
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())  # bf16 -> fp32 is exact
+    return h.hexdigest()
+
+
+def model_digests(model, family: str, prefix: str) -> dict[str, str]:
+    seqs = samples(family)
+    out = {f"{prefix}/alone": _digest(logits_alone(model, s) for s in seqs)}
+    for name, (members, side, extra, embeds) in BATCHINGS.items():
+        rows = logits_in_batch(model, [seqs[i] for i in members], side=side, extra_pad=extra, embeds=embeds)
+        by_sample = dict(zip(members, rows))
+        out[f"{prefix}/{name}"] = _digest(by_sample[i] for i in sorted(by_sample))
+    return out
+
+
+def engine_digest(model, family: str) -> str:
+    """Tokens, logprobs and top logprobs of a few greedy and seeded requests, run together in
+    chunked steps (a small token budget), without a tokenizer."""
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=8, kv_cache_memory=1 << 22)
+    vocab = CONFIGS[family]["vocab_size"]
+    prompts = [integers(f"{family}/engine{i}", n, 0, vocab).tolist() for i, (n, _) in enumerate(ENGINE_REQUESTS)]
+    params = [SamplingParams(ignore_eos=True, **p) for _, p in ENGINE_REQUESTS]
+    record = []
+    for out in engine.generate(prompts, params):
+        record.append({"tokens": out.token_ids, "logprobs": [float(x).hex() for x in out.logprobs],
+                       "top": [sorted((t, float(x).hex()) for t, x in d.items()) for d in out.top_logprobs or []],
+                       "prompt_logprobs": [float(x).hex() for x in out.prompt_logprobs or []]})
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True, progress=None) -> dict[str, str]:
+    """Every digest for this device: {family/dtype/case: sha256 hex}."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families or CONFIGS:
+            for dtype_name in dtypes or DTYPES:
+                dtype = DTYPES[dtype_name]
+                path = write_checkpoint(family, dtype, Path(tmp) / f"{family}-{dtype_name}")
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+                make_invariant(model)
+                out.update(model_digests(model, family, f"{family}/{dtype_name}"))
+                if engine and family == ENGINE_FAMILY:
+                    out[f"{family}/{dtype_name}/engine"] = engine_digest(model, family)
+                if progress:
+                    progress(f"{family}/{dtype_name}")
+    return out
+
+
+# ---- backends and the committed file ------------------------------------------------------------------
+
+def backend_key(device: str = "cpu") -> str:
+    """Digests are comparable within one backend: the CPU interpreter (whose arithmetic the
+    interpreter harness defines), or one GPU model with one toolchain."""
+    if device == "cpu":
+        return "cpu-interpreter"
+    name = torch.cuda.get_device_name(0)
+    return f"cuda/{name}/torch-{torch.__version__}/triton-{triton.__version__}/cuda-{torch.version.cuda}"
+
+
+def environment(device: str = "cpu") -> dict[str, str]:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "transformers": transformers.__version__, "numpy": np.__version__, "machine": platform.machine()}
+    if device != "cpu":
+        env.update(gpu=torch.cuda.get_device_name(0), cuda=str(torch.version.cuda))
+    return env
+
+
+def load(path: Path = GOLDEN_PATH) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save(entries: dict, path: Path = GOLDEN_PATH) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+
+
+def differences(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
+    """One line per digest that moved, is missing or is new."""
+    lines = [f"moved:   {k}" for k in sorted(recorded.keys() & current.keys()) if recorded[k] != current[k]]
+    lines += [f"missing: {k}" for k in sorted(recorded.keys() - current.keys())]
+    lines += [f"new:     {k}" for k in sorted(current.keys() - recorded.keys())]
+    return lines
+
+
+def explain(key: str, entry: dict | None, current: dict[str, str], env: dict[str, str]) -> str | None:
+    """None when ``current`` equals the committed entry; otherwise what moved and how to regenerate."""
+    if entry is None:
+        return (f"no golden digests recorded for backend {key!r} in {GOLDEN_PATH}.\n"
+                f"Record them with `{REGENERATE}`{' --device cuda' if key != 'cpu-interpreter' else ''} "
+                "and an entry in BITS.md.")
+    lines = differences(entry["digests"], current)
+    if not lines:
+        return None
+    moved_env = {k: (entry.get("environment", {}).get(k), v) for k, v in env.items()
+                 if entry.get("environment", {}).get(k) != v}
+    return (f"{len(lines)} golden digest(s) of backend {key!r} changed:\n  " + "\n  ".join(lines) +
+            (f"\nenvironment (recorded, now): {moved_env}" if moved_env else "\nenvironment: as recorded") +
+            f"\nIf the change of bits is intended, regenerate with `{REGENERATE}` and add an entry to BITS.md "
+            "saying what changed them and why.")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.golden_digests", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--write", action="store_true", help=f"record this backend's digests in {GOLDEN_PATH}")
+    parser.add_argument("--out", type=Path, help="also write this backend's entry to this file")
+    parser.add_argument("--merge", type=Path, help="add the entries of a file written by --out, then exit")
+    args = parser.parse_args(argv)
+    entries = load()
+    if args.merge:
+        entries.update(load(args.merge))
+        save(entries)
+        print(f"merged {sorted(load(args.merge))} into {GOLDEN_PATH}")
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    key = backend_key(args.device)
+    current = compute(args.device, progress=lambda name: print(f"  {name}", file=sys.stderr))
+    entry = {"environment": environment(args.device), "digests": current}
+    if args.out:
+        save({key: entry}, args.out)
+    if args.write:
+        entries[key] = entry
+        save(entries)
+        print(f"wrote {len(current)} digests for {key!r} to {GOLDEN_PATH}")
+        return 0
+    problem = explain(key, entries.get(key), current, entry["environment"])
+    print(problem or f"{len(current)} digests of {key!r} equal the committed ones")
+    return 1 if problem else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
