@@ -8,8 +8,8 @@ score`` result, on one device kind and software stack.
 
 Faults: a worker that dies is restarted (at most ``max_restarts`` times) and its task retried. A
 small ledger actor records which rows each worker is scoring, so the retry scores the rows that
-were in flight one at a time; a row that kills its worker alone becomes an error row instead of
-being retried forever, and a row whose scoring raises becomes an error row at once.
+were in flight one at a time; a row that kills its worker again when alone becomes an error row
+instead of being retried forever, and a row whose scoring raises becomes an error row at once.
 
 Ray is an optional extra (``pip install "invariant-infer[ray]"``); this module imports it lazily.
 """
@@ -24,7 +24,7 @@ from .scoring import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence, plan
 
 DEFAULT_BATCH_ROWS = 64
 DEFAULT_MAX_RESTARTS = 3
-KILLED_ALONE = "its worker died each time it scored this row, in its batch and then alone"
+KILLED_ALONE = "its worker died each time it scored this row: twice, the second time with this row alone"
 
 
 def require_ray():
@@ -52,14 +52,21 @@ def _plain(value):
 
 class FaultLedger:
     """Rows being scored, by key, each with whether it runs alone. A worker marks a group before
-    scoring it and clears it after; a key still marked when a task starts was in flight when its
-    worker died (a row that raises is caught, so only a dead worker leaves a mark)."""
+    scoring it and clears it after (a row that raises is caught, so only a dead worker leaves a
+    mark). ``take_marks`` at the start of a task returns the task's rows that a dead attempt left
+    marked, with how many times a worker has died scoring each, and whether the last was alone."""
 
     def __init__(self):
         self.in_flight: dict[str, bool] = {}
+        self.deaths: dict[str, int] = {}
 
-    def marked(self, keys: list[str]) -> dict[str, bool]:
-        return {k: self.in_flight[k] for k in keys if k in self.in_flight}
+    def take_marks(self, keys: list[str]) -> dict[str, tuple[int, bool]]:
+        died = {}
+        for key in keys:
+            if key in self.in_flight:
+                self.deaths[key] = self.deaths.get(key, 0) + 1
+                died[key] = (self.deaths[key], self.in_flight.pop(key))
+        return died
 
     def mark(self, keys: list[str], alone: bool) -> None:
         self.in_flight.update(dict.fromkeys(keys, alone))
@@ -92,12 +99,14 @@ class _Scorer:
 
     def _score(self, requests: dict[int, tuple[list[int], int]], keys: list[str], results: list) -> None:
         """Score ``requests`` (row -> ids, prompt length) into ``results``, marking each group in the
-        ledger while it runs. Rows marked by a dead attempt run alone; a row that died alone fails."""
+        ledger while it runs. Rows a dead attempt left marked run alone; a row whose worker died
+        twice, the second time with the row alone, is not scored again."""
         import ray
         rows = list(requests)
-        died = ray.get(self.ledger.marked.remote([keys[i] for i in rows]))
+        died = ray.get(self.ledger.take_marks.remote([keys[i] for i in rows]))
         for i in rows:
-            if died.get(keys[i]):
+            deaths, alone = died.get(keys[i], (0, False))
+            if deaths >= 2 and alone:
                 results[i] = KILLED_ALONE
         clean = [i for i in rows if keys[i] not in died]
         groups = [[clean[j] for j in group] for group in
@@ -110,7 +119,6 @@ class _Scorer:
             for i, result in zip(group, scored):
                 results[i] = result
             ray.get(self.ledger.clear.remote(group_keys))
-        ray.get(self.ledger.clear.remote([keys[i] for i in rows if results[i] == KILLED_ALONE]))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         names = list(batch)
