@@ -1,6 +1,7 @@
 """``invariant-infer score`` end to end on a saved random checkpoint with a locally trained BPE
 tokenizer: digests independent of --max-batch-tokens, values near a stock fp32 log_softmax,
-the bad-input matrix, resume after a torn line and after a real kill -9, and --verify."""
+the bad-input matrix, a row whose scoring raises, resume after a torn line and after a real
+kill -9, and --verify."""
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from helpers import BAD_LINES, load_model, read_rows, score_requests, train_tokenizer, write_jsonl
-from invariant_infer import scoring_cli
+from invariant_infer import scoring, scoring_cli
 from invariant_infer.random_checkpoints import qwen2_config, save_random_checkpoint
 
 TOLERANCE_VS_STOCK_FP32 = {"bf16": 0.02, "fp16": 3e-3, "fp32": 1e-5}  # as in test_scoring.py
@@ -136,6 +137,26 @@ def test_bad_input_matrix(model_dir, tmp_path, capsys):
     ids = [json.dumps(r["id"]) for r in again if r["id"] is not None]
     assert len(ids) == len(set(ids))
     assert "0 scored, 3 already in output" in capsys.readouterr().err
+
+
+def test_row_whose_scoring_raises_is_an_error_row(model_dir, main_job, tmp_path, monkeypatch, capsys):
+    """Its batch is scored again row by row: the others keep their bits, it alone fails."""
+    _, inp, big = main_job
+    original = scoring.score_batch
+
+    def score_batch(model, sequences, prompt_lengths, **kwargs):
+        if any(list(seq[:2]) == [510, 511] for seq in sequences):
+            raise RuntimeError("poison row")
+        return original(model, sequences, prompt_lengths, **kwargs)
+
+    monkeypatch.setattr(scoring, "score_batch", score_batch)
+    lines = open(inp).read().splitlines() + ['{"id": "poison", "input_ids": [510, 511, 3, 4]}']
+    out = tmp_path / "out.jsonl"
+    assert score(model_dir, write_jsonl(tmp_path / "in.jsonl", lines), out, "--dtype", "fp32",
+                 "--max-batch-tokens", "100000") == 1  # one batch: the poison row with all the others
+    error = {"id": "poison", "line": 13, "error": "scoring failed: RuntimeError: poison row"}
+    assert out.read_bytes() == (json.dumps(error) + "\n").encode() + big.read_bytes()
+    assert ":13: scoring failed: RuntimeError: poison row" in capsys.readouterr().err
 
 
 def test_invalid_utf8_fails_its_line_only(model_dir, tmp_path, capsys):
