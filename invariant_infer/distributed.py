@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from .loading import DTYPES, LazyTokenizer, load_model, parse_request
 from .scoring import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence, plan_batches, score_group
@@ -200,8 +201,6 @@ def score_requests(requests, model: str, *, tokenizer: str | None = None, dtype:
     """Score requests (objects with ``ids`` and ``prompt_length``) on Ray; yields lists of
     ``(request, ScoreResult or error message)`` as tasks complete (in Ray's order). Requests are
     sent longest first, as the single-process job packs them, so tasks hold similar lengths."""
-    import torch
-
     ray = require_ray()
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].ids))
     if not order:

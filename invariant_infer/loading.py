@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from .patch import make_invariant
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
@@ -36,9 +39,6 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 def load_model(path: str, *, dtype: str | None = None, device: str | None = None, invariant: bool = True):
     """``AutoModelForCausalLM.from_pretrained(path)`` in ``dtype`` on ``device``, in eval mode, and
     wrapped by ``make_invariant`` unless ``invariant`` is False (the stock baselines)."""
-    from transformers import AutoModelForCausalLM
-
-    from .patch import make_invariant
     where = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, where)).to(where).eval()
     return make_invariant(model) if invariant else model
@@ -50,8 +50,6 @@ def load_tokenizer(path: str):
     Refuses a directory without tokenizer files (transformers 5 would build an empty tokenizer
     from ``config.json`` alone). A ``PreTrainedTokenizerFast`` config is loaded as that class:
     ``AutoTokenizer`` would build the model type's own tokenizer class around its files."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     folder = Path(path)
     if folder.is_dir():
         if not any((folder / name).exists() for name in TOKENIZER_FILES):

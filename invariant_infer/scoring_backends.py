@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from transformers import AutoConfig
+
 from .distributed import DEFAULT_MAX_RESTARTS, require_ray, score_requests
 from .loading import load_model
 from .scoring import ScoreResult, score_planned
@@ -51,7 +53,6 @@ class RayBackend:
             raise JobError("--num-workers and --rows-per-task must be at least 1")
         if max_restarts < -1:
             raise JobError("--max-restarts must be -1 (without limit) or at least 0")
-        from transformers import AutoConfig
         try:
             self.config = AutoConfig.from_pretrained(model)
         except Exception as exc:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
+from tqdm import tqdm
+
 from .loading import LazyTokenizer, RequestError, parse_request
 from .scoring import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence
 
@@ -201,7 +203,6 @@ def verify(backend: Backend, requests: list[Request], digests: dict[str, str], k
 
 def run_job(options: JobOptions, backend: Backend) -> JobSummary:
     """Validate, resume, score and write the job's rows; raises JobError."""
-    from tqdm import tqdm
     output = Path(options.output)
     try:
         digests = recover_output(output)
