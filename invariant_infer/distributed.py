@@ -179,6 +179,7 @@ def score_dataset(ds, model: str, *, tokenizer: str | None = None, dtype: str | 
         raise ValueError("num_workers and batch_size must be at least 1")
     if max_restarts < -1:
         raise ValueError("max_restarts must be -1 (without limit) or at least 0")
+    # Ray Data has no named parameter for restarts: they go in ray_remote_args (deprecated from Ray 2.60).
     remote_args: dict[str, Any] = {"max_restarts": max_restarts, "max_task_retries": -1}
     if gpus_per_worker:
         remote_args["num_gpus"] = gpus_per_worker
