@@ -188,6 +188,7 @@ def test_resume_repairs_torn_last_line(model_dir, main_job, tmp_path):
     assert score(model_dir, inp, out, "--dtype", "fp32", "--max-batch-tokens", "7") == 0
     rows = read_rows(out)
     assert len(rows) == len(lines) and by_id(rows) == by_id(read_rows(big))
+    assert out.read_bytes() == big.read_bytes()  # rewritten in the canonical order
 
 
 def test_kill_9_then_resume(model_dir, main_job, tmp_path):
@@ -215,6 +216,7 @@ def test_kill_9_then_resume(model_dir, main_job, tmp_path):
     assert len(ids) == len(set(ids)) == 12  # every id exactly once
     digests = lambda rows: {k: r["digest"] for k, r in by_id(rows).items()}  # noqa: E731
     assert digests(rows) == digests(read_rows(big))  # equal to the uninterrupted run
+    assert out.read_bytes() == big.read_bytes()  # byte for byte
 
 
 def test_verify_confirms_and_detects_mismatch(model_dir, main_job, tmp_path, capsys):
