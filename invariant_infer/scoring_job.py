@@ -48,6 +48,9 @@ class Backend(Protocol):
     def score(self, requests: list[Request], max_batch_tokens: int) -> Iterator[list[tuple[Request, ScoreResult | str]]]:
         """Batches of (request, result or error message), in any order; raises JobError."""
 
+    def close(self) -> None:
+        """Release what the backend holds (a Ray it started)."""
+
 
 def id_key(row_id) -> str:
     return json.dumps(row_id)  # keeps 1, 1.0, "1" and true apart
