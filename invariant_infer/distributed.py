@@ -51,30 +51,37 @@ def _plain(value):
     return value
 
 
-class FaultLedger:
-    """Rows being scored, by key, each with whether it runs alone. A worker marks a group before
-    scoring it and clears it after (a row that raises is caught, so only a dead worker leaves a
-    mark). ``take_marks`` at the start of a task returns the task's rows that a dead attempt left
-    marked, with how many times a worker has died scoring each, and whether the last was alone."""
+def _fault_ledger_class():
+    """The ledger's class, built in a function so that Ray ships it by value: the ledger's
+    process then starts without importing this package (torch, transformers) and holds no model.
 
-    def __init__(self):
-        self.in_flight: dict[str, bool] = {}
-        self.deaths: dict[str, int] = {}
+    The ledger holds the rows being scored, by key, each with whether it runs alone. A worker
+    marks a group before scoring it and clears it after (a row that raises is caught, so only a
+    dead worker leaves a mark). ``take_marks`` at the start of a task returns the task's rows
+    that a dead attempt left marked, with how many times a worker has died scoring each, and
+    whether the last time was alone."""
 
-    def take_marks(self, keys: list[str]) -> dict[str, tuple[int, bool]]:
-        died = {}
-        for key in keys:
-            if key in self.in_flight:
-                self.deaths[key] = self.deaths.get(key, 0) + 1
-                died[key] = (self.deaths[key], self.in_flight.pop(key))
-        return died
+    class FaultLedger:
+        def __init__(self):
+            self.in_flight: dict[str, bool] = {}
+            self.deaths: dict[str, int] = {}
 
-    def mark(self, keys: list[str], alone: bool) -> None:
-        self.in_flight.update(dict.fromkeys(keys, alone))
+        def take_marks(self, keys: list[str]) -> dict[str, tuple[int, bool]]:
+            died = {}
+            for key in keys:
+                if key in self.in_flight:
+                    self.deaths[key] = self.deaths.get(key, 0) + 1
+                    died[key] = (self.deaths[key], self.in_flight.pop(key))
+            return died
 
-    def clear(self, keys: list[str]) -> None:
-        for key in keys:
-            self.in_flight.pop(key, None)
+        def mark(self, keys: list[str], alone: bool) -> None:
+            self.in_flight.update(dict.fromkeys(keys, alone))
+
+        def clear(self, keys: list[str]) -> None:
+            for key in keys:
+                self.in_flight.pop(key, None)
+
+    return FaultLedger
 
 
 class _Scorer:
@@ -185,7 +192,7 @@ def score_dataset(ds, model: str, *, tokenizer: str | None = None, dtype: str | 
         remote_args["num_gpus"] = gpus_per_worker
     if cpus_per_worker is not None:
         remote_args["num_cpus"] = cpus_per_worker
-    ledger = ray.remote(num_cpus=0)(FaultLedger).remote()  # lives while the dataset holds its handle
+    ledger = ray.remote(num_cpus=0)(_fault_ledger_class()).remote()  # lives while the dataset holds its handle
     from ray.data import ActorPoolStrategy
     return ds.map_batches(
         _Scorer, batch_size=batch_size, batch_format="numpy", compute=ActorPoolStrategy(size=num_workers),
