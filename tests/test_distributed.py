@@ -1,8 +1,8 @@
 """``invariant-infer score --ray`` and ``distributed.score_dataset`` on a local Ray (2 CPUs, CPU
 through the interpreter). 2 workers, one of them killed from outside mid-task (SIGKILL), and 1
 worker resuming a torn output give the single-process file byte for byte (every row's bits, the
-error rows with their line numbers, the row order); --verify; poison rows (one whose scoring
-raises, one that kills its worker every time) become error rows; a worker that always dies ends
+error rows with their line numbers, the row order); poison rows (one whose scoring raises, one
+that kills its worker every time) become error rows; --verify; a worker that always dies ends
 the job after --max-restarts, the rows already written kept; the Python API on a
 ``ray.data.from_items`` dataset is row for row equal to score_sequences. Faults are put into the
 workers by ``ray_faults`` through Ray's worker_process_setup_hook."""
@@ -120,39 +120,28 @@ def test_two_workers_with_a_worker_killed_mid_task(model_dir, reference, faults,
     assert f"{inp}:4: malformed JSON" in err and "10 scored" in err and "3 errors" in err
 
 
-def test_one_worker_resumes_torn_output_and_verifies(model_dir, reference, tmp_path, capsys):
+def test_one_worker_resumes_torn_output_with_poison_rows_and_verifies(model_dir, reference, tmp_path, capsys):
+    """Two poison rows appended to the input: one whose scoring raises, one that kills its worker
+    each time (in its batch, then alone). Both end as error rows, the job ends, and without them
+    the file is the single-process one byte for byte."""
     inp, single = reference
+    poison = [{"id": "raises", "input_ids": RAISE_PREFIX + [1, 2]}, {"id": "kills", "input_ids": KILL_PREFIX + [1, 2]}]
+    poisoned = write_jsonl(tmp_path / "in.jsonl", Path(inp).read_text().splitlines() + poison)
     lines = single.read_bytes().splitlines(keepends=True)
     out = tmp_path / "resumed.jsonl"
     out.write_bytes(b"".join(lines[:6]) + lines[6][:len(lines[6]) // 2])  # a crash mid-write
-    assert score(model_dir, inp, out, "--ray", "--num-workers", "1", "--max-batch-tokens", "100000",
+    assert score(model_dir, poisoned, out, "--ray", "--num-workers", "1", "--max-batch-tokens", "100000",
                  "--verify", "3") == 1
     err = capsys.readouterr().err
-    assert "7 scored, 3 already in output" in err and "verify: 3 of 3 rows re-scored alone match" in err
-    assert_same_file(out, single)
-
-
-def test_poison_rows_become_error_rows(model_dir, reference, tmp_path, capsys):
-    """A row whose scoring raises, and one that kills its worker each time (in its batch, then
-    alone): both end as error rows, every other row keeps its bits, and the job ends."""
-    inp, single = reference
-    lines = Path(inp).read_text().splitlines()[:3]  # three valid requests
-    lines += [json.dumps({"id": "raises", "input_ids": RAISE_PREFIX + [1, 2]}),
-              json.dumps({"id": "kills", "input_ids": KILL_PREFIX + [1, 2]})]
-    poisoned = write_jsonl(tmp_path / "in.jsonl", lines)
-    out = tmp_path / "out.jsonl"
-    assert score(model_dir, poisoned, out, "--ray", "--num-workers", "1", "--rows-per-task", "3",
-                 "--max-restarts", "2") == 1
-    rows = {json.dumps(r["id"]): r for r in read_rows(out)}
-    assert rows.keys() == {json.dumps(json.loads(line)["id"]) for line in lines}
-    assert rows['"raises"']["error"] == "scoring failed: RuntimeError: poison row"
-    assert rows['"kills"']["error"] == KILLED_ALONE and rows['"kills"']["line"] == 5
-    expected = {json.dumps(r["id"]): r for r in read_rows(single) if "digest" in r}
-    for key, row in rows.items():
-        if "error" not in row:
-            assert {k: row[k] for k in FIELDS} == {k: expected[key][k] for k in FIELDS}, key
-    err = capsys.readouterr().err
-    assert f"{poisoned}:5: {KILLED_ALONE}" in err and "3 scored" in err and "2 errors" in err
+    assert "7 scored, 3 already in output, 5 errors" in err and "verify: 3 of 3 rows re-scored alone match" in err
+    assert f"{poisoned}:15: {KILLED_ALONE}" in err
+    rows = out.read_bytes().splitlines(keepends=True)
+    poisoned_rows = [json.loads(line) for line in rows if b'"line": 14,' in line or b'"line": 15,' in line]
+    assert poisoned_rows == [{"id": "raises", "line": 14, "error": "scoring failed: RuntimeError: poison row"},
+                             {"id": "kills", "line": 15, "error": KILLED_ALONE}]
+    clean = tmp_path / "clean.jsonl"
+    clean.write_bytes(b"".join(line for line in rows if json.loads(line) not in poisoned_rows))
+    assert_same_file(clean, single)
 
 
 def test_always_dying_worker_ends_the_job_keeping_rows(model_dir, reference, faults, tmp_path, capsys):
