@@ -15,10 +15,10 @@ from tqdm import tqdm
 
 from .drift import batch_drift
 from .families import FAMILIES
-from .random_checkpoints import random_config, random_model
+from .loading import DEVICES, DTYPES, load_model, resolve_device
 from .patch import make_invariant, restore
+from .random_checkpoints import random_config, random_model
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SAMPLE_LENGTHS = (1, 33, 7, 20)
 # The real widths each family's built-in random model takes (one layer, small vocab).
 DEMO_PRESETS = {"qwen2": "qwen2.5-1.5b", "qwen3": "qwen3-0.6b", "llama": "llama-3.2-1b", "mistral": "mistral-7b-v0.3"}
@@ -32,29 +32,26 @@ def add_parser(sub) -> None:
     p.add_argument("--family", choices=sorted(DEMO_PRESETS), default="qwen2",
                    help="the built-in random model's family and widths (ignored with --model)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", choices=DEVICES, help="default: cuda if available")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 
 
 def _load(args, device):
-    dtype = DTYPES[args.dtype]
     if args.model is None:
         preset = DEMO_PRESETS[args.family]
         config = random_config(args.family, preset, num_hidden_layers=1, vocab_size=2048,
                                max_position_embeddings=1024)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         heads = f"{config.num_attention_heads}/{config.num_key_value_heads} heads of {head_dim}"
-        return random_model(config, seed=args.seed, dtype=dtype).to(device), \
+        return random_model(config, seed=args.seed, dtype=DTYPES[args.dtype]).to(device), \
             (f"random-init, {preset} widths (hidden {config.hidden_size}, MLP {config.intermediate_size}, "
              f"{heads}), 1 layer, vocab 2048")
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    return model, args.model
+    return load_model(args.model, dtype=args.dtype, device=device.type, invariant=False), args.model
 
 
 def run(args) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     model, name = _load(args, device)
     g = torch.Generator().manual_seed(args.seed)
     samples = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in SAMPLE_LENGTHS]

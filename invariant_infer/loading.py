@@ -1,15 +1,22 @@
-"""Loading checkpoints as every CLI and job does: the dtype and device choice, the model and its
-tokenizer. One place, so the CLIs, the server and the Ray workers load a checkpoint alike."""
+"""Loading checkpoints and scoring requests as every CLI and job does: the dtype and device
+choice, the model and its tokenizer, and a scoring request's fields turned into token ids. One
+place, so the CLIs, the server and the Ray workers load a checkpoint and read a request alike."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from .patch import make_invariant
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# The four shapes of a scoring request, besides its id.
+REQUEST_FIELDS = (("input_ids",), ("text",), ("prompt", "completion"), ("prompt_ids", "completion_ids"))
+KNOWN_FIELDS = {"id"} | {name for fields in REQUEST_FIELDS for name in fields}
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -32,9 +39,6 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 def load_model(path: str, *, dtype: str | None = None, device: str | None = None, invariant: bool = True):
     """``AutoModelForCausalLM.from_pretrained(path)`` in ``dtype`` on ``device``, in eval mode, and
     wrapped by ``make_invariant`` unless ``invariant`` is False (the stock baselines)."""
-    from transformers import AutoModelForCausalLM
-
-    from .patch import make_invariant
     where = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, where)).to(where).eval()
     return make_invariant(model) if invariant else model
@@ -46,8 +50,6 @@ def load_tokenizer(path: str):
     Refuses a directory without tokenizer files (transformers 5 would build an empty tokenizer
     from ``config.json`` alone). A ``PreTrainedTokenizerFast`` config is loaded as that class:
     ``AutoTokenizer`` would build the model type's own tokenizer class around its files."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     folder = Path(path)
     if folder.is_dir():
         if not any((folder / name).exists() for name in TOKENIZER_FILES):
@@ -79,3 +81,48 @@ class LazyTokenizer:
         if self._error:
             raise OSError(self._error)
         return self._tokenizer
+
+
+class RequestError(ValueError):
+    """A scoring request that cannot be turned into token ids; the message says why."""
+
+
+def _token_list(value, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise RequestError(f"{name} must be a list of integers")
+    return value
+
+
+def _encode(tokenizer: LazyTokenizer, text, name: str) -> list[int]:
+    if not isinstance(text, str):
+        raise RequestError(f"{name} must be a string")
+    try:
+        loaded = tokenizer.get()
+    except OSError as exc:
+        raise RequestError(f"cannot tokenize: {exc}") from None
+    return loaded.encode(text, add_special_tokens=False)
+
+
+def parse_request(record: dict, tokenizer: LazyTokenizer) -> tuple[list[int], int]:
+    """(token ids, prompt length) of one scoring request: ``input_ids``, ``text``, ``prompt`` +
+    ``completion`` (tokenized separately, no special tokens, ids concatenated) or ``prompt_ids`` +
+    ``completion_ids``, besides an optional ``id``. Raises ``RequestError``."""
+    fields = set(record) - {"id"}
+    unknown = sorted(fields - KNOWN_FIELDS)
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown}")
+    if fields == {"input_ids"}:
+        return _token_list(record["input_ids"], "input_ids"), 1
+    if fields == {"text"}:
+        return _encode(tokenizer, record["text"], "text"), 1
+    if fields == {"prompt", "completion"}:
+        prompt = _encode(tokenizer, record["prompt"], "prompt")
+        return prompt + _encode(tokenizer, record["completion"], "completion"), len(prompt)
+    if fields == {"prompt_ids", "completion_ids"}:
+        prompt = _token_list(record["prompt_ids"], "prompt_ids")
+        return prompt + _token_list(record["completion_ids"], "completion_ids"), len(prompt)
+    for needed in REQUEST_FIELDS:
+        if fields and fields <= set(needed):
+            raise RequestError(f"missing field(s) {sorted(set(needed) - fields)}")
+    expected = " | ".join("+".join(f) for f in REQUEST_FIELDS)
+    raise RequestError(f"need exactly one of {expected}; got {sorted(fields) or 'none'}")

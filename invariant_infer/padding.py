@@ -47,14 +47,6 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int = 0, device=N
     return pad_sequences(sequences, side="left", pad_token_id=pad_token_id, device=device)
 
 
-def real_spans(attention_mask: torch.Tensor) -> list[slice]:
-    """Per row, the slice of its real tokens (the mask's ones must be contiguous)."""
-    mask = attention_mask.to(torch.long).cpu()
-    starts = mask.argmax(-1).tolist()
-    counts = mask.sum(-1).tolist()
-    return [slice(start, start + count) for start, count in zip(starts, counts)]
-
-
 def positions_from_mask(attention_mask: torch.Tensor, query_length: int) -> torch.Tensor:
     """position_ids for the last ``query_length`` columns: cumsum(mask) - 1, pads at 0."""
     mask = attention_mask.to(torch.long)

@@ -15,7 +15,7 @@ import hashlib
 import math
 import sys
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -182,3 +182,32 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
     if bar is not None:
         bar.close()
     return results
+
+
+
+def _score_or_error(model, sequences, prompt_lengths) -> list[ScoreResult] | str:
+    try:
+        return score_batch(model, sequences, prompt_lengths)
+    except Exception as exc:  # reported per row by score_group
+        return f"scoring failed: {type(exc).__name__}: {exc}"
+
+
+def score_group(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[ScoreResult | str]:
+    """``score_batch``, except that a batch whose scoring raises is scored again row by row (which
+    changes no bit of a row): one bad row never fails the others. A row that raises alone gets the
+    message of its exception, a str, in place of its ``ScoreResult``."""
+    scored = _score_or_error(model, sequences, prompt_lengths)
+    if not isinstance(scored, str):
+        return scored
+    if len(sequences) == 1:
+        return [scored]
+    alone = [_score_or_error(model, [seq], [start]) for seq, start in zip(sequences, prompt_lengths)]
+    return [r if isinstance(r, str) else r[0] for r in alone]
+
+
+def score_planned(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                  max_batch_tokens: int) -> Iterator[list[tuple[int, ScoreResult | str]]]:
+    """The batches of ``plan_batches`` scored by ``score_group``, one after another: per batch,
+    (index, result or error message) pairs."""
+    for batch in plan_batches([len(s) for s in sequences], max_batch_tokens):
+        yield list(zip(batch, score_group(model, [sequences[i] for i in batch], [prompt_lengths[i] for i in batch])))

@@ -1,6 +1,7 @@
-"""Everything built on make_invariant, for every family: generate (greedy and seeded, dynamic and
-static cache) batched == alone and decode == one forward pass; score_sequences and
-``invariant-infer score`` digests independent of batching; ``invariant-infer demo --model``."""
+"""The library built on make_invariant, for every family: generate (greedy and seeded, dynamic and
+static cache) batched == alone and decode == one forward pass; score_sequences independent of
+batching. The CLIs on top run on one family each besides the tiny Qwen2 of test_scoring_cli:
+``invariant-infer score`` digests independent of --max-batch-tokens, ``invariant-infer demo --model``."""
 from __future__ import annotations
 
 import json
@@ -67,7 +68,8 @@ def test_score_sequences_independent_of_batching(family_checkpoint):
     assert all(torch.equal(a.token_logprobs, p.token_logprobs) for a, p in zip(alone, packed))
 
 
-def test_score_command_digests_independent_of_batch_budget(family_checkpoint, tmp_path):
+def test_score_command_digests_independent_of_batch_budget(family_checkpoints, tmp_path):
+    family_checkpoint = family_checkpoints("llama")
     rows = [{"id": i, "input_ids": ids} for i, ids in enumerate(prompts_for(512, lengths=(7, 12, 3, 9), seed=3))]
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -82,6 +84,7 @@ def test_score_command_digests_independent_of_batch_budget(family_checkpoint, tm
     assert digests[0] == digests[1]
 
 
-def test_demo_with_model(family_checkpoint, capsys):
+def test_demo_with_model(family_checkpoints, capsys):
+    family_checkpoint = family_checkpoints("mistral")
     assert cli_main(["demo", "--model", str(family_checkpoint), "--dtype", "bf16", "--device", "cpu"]) == 0
     assert "every row bitwise equal" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """``invariant-infer score`` end to end on a saved random checkpoint with a locally trained BPE
 tokenizer: digests independent of --max-batch-tokens, values near a stock fp32 log_softmax,
-the bad-input matrix, resume after a torn line and after a real kill -9, and --verify."""
+the bad-input matrix, a row whose scoring raises, resume after a torn line and after a real
+kill -9, and --verify."""
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from helpers import BAD_LINES, load_model, read_rows, score_requests, train_tokenizer, write_jsonl
-from invariant_infer import scoring_cli
+from invariant_infer import scoring, scoring_cli
 from invariant_infer.random_checkpoints import qwen2_config, save_random_checkpoint
 
 TOLERANCE_VS_STOCK_FP32 = {"bf16": 0.02, "fp16": 3e-3, "fp32": 1e-5}  # as in test_scoring.py
@@ -138,6 +139,26 @@ def test_bad_input_matrix(model_dir, tmp_path, capsys):
     assert "0 scored, 3 already in output" in capsys.readouterr().err
 
 
+def test_row_whose_scoring_raises_is_an_error_row(model_dir, main_job, tmp_path, monkeypatch, capsys):
+    """Its batch is scored again row by row: the others keep their bits, it alone fails."""
+    _, inp, big = main_job
+    original = scoring.score_batch
+
+    def score_batch(model, sequences, prompt_lengths, **kwargs):
+        if any(list(seq[:2]) == [510, 511] for seq in sequences):
+            raise RuntimeError("poison row")
+        return original(model, sequences, prompt_lengths, **kwargs)
+
+    monkeypatch.setattr(scoring, "score_batch", score_batch)
+    lines = open(inp).read().splitlines() + ['{"id": "poison", "input_ids": [510, 511, 3, 4]}']
+    out = tmp_path / "out.jsonl"
+    assert score(model_dir, write_jsonl(tmp_path / "in.jsonl", lines), out, "--dtype", "fp32",
+                 "--max-batch-tokens", "100000") == 1  # one batch: the poison row with all the others
+    error = {"id": "poison", "line": 13, "error": "scoring failed: RuntimeError: poison row"}
+    assert out.read_bytes() == (json.dumps(error) + "\n").encode() + big.read_bytes()
+    assert ":13: scoring failed: RuntimeError: poison row" in capsys.readouterr().err
+
+
 def test_invalid_utf8_fails_its_line_only(model_dir, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b'{"id": 1, "input_ids": [1, 2, 3]}\n{"id": 2, "text": "caf\xe9"}\n{"id": 3, "input_ids": [4, 5]}\n')
@@ -167,6 +188,7 @@ def test_resume_repairs_torn_last_line(model_dir, main_job, tmp_path):
     assert score(model_dir, inp, out, "--dtype", "fp32", "--max-batch-tokens", "7") == 0
     rows = read_rows(out)
     assert len(rows) == len(lines) and by_id(rows) == by_id(read_rows(big))
+    assert out.read_bytes() == big.read_bytes()  # rewritten in the canonical order
 
 
 def test_kill_9_then_resume(model_dir, main_job, tmp_path):
@@ -194,6 +216,7 @@ def test_kill_9_then_resume(model_dir, main_job, tmp_path):
     assert len(ids) == len(set(ids)) == 12  # every id exactly once
     digests = lambda rows: {k: r["digest"] for k, r in by_id(rows).items()}  # noqa: E731
     assert digests(rows) == digests(read_rows(big))  # equal to the uninterrupted run
+    assert out.read_bytes() == big.read_bytes()  # byte for byte
 
 
 def test_verify_confirms_and_detects_mismatch(model_dir, main_job, tmp_path, capsys):
