@@ -20,6 +20,11 @@ from ..loading import load_model, load_tokenizer
 from .app import create_app
 from .state import ServerOptions
 
+# Each connection's kernel send buffer. Bounded so that a client that stops reading stalls its
+# stream (and --stream-write-timeout starts counting) after a few hundred KiB, not after the
+# megabytes Linux's autotuning would buffer; ample for event streams and ordinary responses.
+SEND_BUFFER_BYTES = 64 << 10
+
 
 def build(args):
     """The app for the checkpoint ``args.model``: the engine wraps the model itself."""
@@ -52,6 +57,7 @@ def serve(args) -> int:
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)  # inherited by each connection
     sock.bind((args.host, args.port))
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
