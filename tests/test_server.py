@@ -247,8 +247,19 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
     assert_error(post(server, "/v1/chat/completions", {**chat, "messages": "hi"}), 400, "messages")
     assert_error(post(server, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "top_logprobs")
     assert_error(post(server, "/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}), 400, "tools")
+    nested = {**chat, "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": 5}]}
+    assert_error(post(server, "/v1/chat/completions", nested), 400, "messages[1].content")
+    # the codes, and a JSON null meaning the default
+    assert assert_error(post(server, "/v1/completions", {**good, "n": "2"}), 400, "n")["code"] == "invalid_type"
+    assert assert_error(post(server, "/v1/completions", {**good, "n": 99}), 400, "n")["code"] == "invalid_value"
+    assert assert_error(post(server, "/v1/completions", {**good, "x": 1}), 400, "x")["code"] == "unsupported_parameter"
+    assert assert_error(post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")["code"] == \
+        "missing_required_parameter"
+    assert assert_error(post(server, "/v1/completions", content="{bad json"), 400)["code"] == "invalid_json"
+    assert completion(server, **good, temperature=None, stop=None)["choices"]
     # authentication, size limit, unknown paths
     assert_error(post(server, "/v1/completions", good, key=None), 401)
+    assert_error(post(server, "/v1/completions", {**good, "max_tokens": "3"}, key=None), 401)  # before the fields
     assert_error(post(server, "/v1/completions", good, key="wrong"), 401)
     assert_error(post(server, "/v1/chat/completions", chat, key=None), 401)
     assert requests.get(server.url + "/v1/models", timeout=30).status_code == 401
@@ -378,7 +389,7 @@ def test_a_stream_client_that_stops_reading_is_dropped_and_its_pages_freed(serve
     assert completion(server, prompt="x", max_tokens=1)["choices"]  # still serving
 
 
-SOAK_REQUESTS, SOAK_THREADS, SOAK_DEADLINE_S = 300, 6, 150
+SOAK_REQUESTS, SOAK_THREADS, SOAK_DEADLINE_S = 300, 6, 120
 BAD_BODIES = [{"prompt": "a", "max_tokens": "3"}, {"prompt": "a", "temperature": -1}, {"prompt": "a", "n": 99},
               {"prompt": [1, 2, 512]}, {"prompt": [7] * 600}, {"prompt": "a", "unknown": 1},
               {"prompt": "a", "logit_bias": {"1": 2}}, {"model": "gpt-4", "prompt": "a"}, {"prompt": []}]
