@@ -6,10 +6,10 @@ waits longer than ``write_timeout`` ends the response: the event source is close
 aborts its engine requests, and uvicorn closes the connection."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 from starlette.responses import StreamingResponse
 
 log = logging.getLogger("invariant_infer.server")
@@ -29,7 +29,7 @@ class EventStream(StreamingResponse):
     async def stream_response(self, send) -> None:
         async def send_in_time(message) -> None:
             try:
-                async with asyncio.timeout(self.write_timeout):
+                with anyio.fail_after(self.write_timeout):
                     await send(message)
             except TimeoutError:
                 raise StreamStalled from None
