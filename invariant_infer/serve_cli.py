@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .loading import DEVICES, DTYPES
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a checkpoint directory (or hub id) of a supported family")
     p.add_argument("--tokenizer", help="default: the --model directory")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (localhost only)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed on stdout)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--device", choices=DEVICES, help="default: cuda if available")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step at most")
     p.add_argument("--kv-cache-memory", type=int, help="bytes of KV cache (default: 256 MiB on cpu, half "
@@ -23,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="sequences queued beyond --max-num-seqs; more get 429 with Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body limit (413 past it)")
+    p.add_argument("--stream-write-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a streaming client that reads nothing for this long is dropped and its requests "
+                        "aborted, freeing their KV pages (default: 30)")
     p.add_argument("--disable-prefix-caching", action="store_true")
     p.add_argument("--kernels", choices=["invariant", "stock"], default="invariant",
                    help=argparse.SUPPRESS)  # stock: the negative control and benchmark baseline
@@ -30,9 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    try:
+    try:  # here, not at the top: --help and the other commands run without the serve extra
         from .server.main import serve
-        import fastapi, uvicorn, prometheus_client  # noqa: F401,E401
     except ImportError as exc:
         print(f"invariant-infer serve needs the serve extra (pip install 'invariant-infer[serve]'): {exc}",
               file=sys.stderr)

@@ -244,9 +244,19 @@ class ServerProcess:
         reader.join(START_TIMEOUT)
         return result[0] if result else None
 
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port), for raw sockets."""
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        return host.strip("[]"), int(port)
+
+    def metrics_text(self) -> str:
+        return requests.get(self.url + "/metrics", timeout=30).text
+
     def metrics(self) -> dict[str, float]:
-        text = requests.get(self.url + "/metrics", timeout=30).text
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(invariant_infer_\w+) (\S+)$", text, re.M)}
+        """The unlabelled metrics by name."""
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r"^(invariant_infer_\w+) (\S+)$", self.metrics_text(), re.M)}
 
     def wait_idle(self, timeout: float = 60) -> dict[str, float]:
         """Metrics once no sequence holds a KV page (fails after ``timeout``)."""

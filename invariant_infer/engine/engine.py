@@ -99,19 +99,19 @@ class Engine:
         """Raise ``RequestError`` if the request cannot run (checked before admission)."""
         params.check()
         if not prompt_ids:
-            raise RequestError("empty prompt")
+            raise RequestError("empty prompt", param="prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            raise RequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param="prompt")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_positions:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} is "
-                               f"more than the model's {self.max_positions} positions")
+                               f"more than the model's {self.max_positions} positions", param="max_tokens")
         if self.blocks.pages_for(total) > self.blocks.num_pages:
             raise RequestError(f"prompt + max_tokens needs {self.blocks.pages_for(total)} KV pages; the cache has "
-                               f"{self.blocks.num_pages} in all (raise kv_cache_memory)")
+                               f"{self.blocks.num_pages} in all (raise kv_cache_memory)", param="max_tokens")
         if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)")
+            raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)", param="stop")
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; returns its id. Raises ``RequestError`` for a request that cannot run."""
@@ -297,7 +297,7 @@ class Engine:
             try:
                 self.check_request(ids, p)
             except RequestError as exc:
-                raise RequestError(f"request {i}: {exc}") from None
+                raise RequestError(f"request {i}: {exc}", param=exc.param) from None
         ids = [self.add_request(prompt, p) for prompt, p in zip(encoded, params_list)]
         finished: dict[str, RequestOutput] = {}
         bar = None

@@ -7,7 +7,12 @@ from ..errors import InvariantInferError
 
 
 class RequestError(InvariantInferError, ValueError):
-    """A request the engine refuses at admission (its other requests keep running)."""
+    """A request the engine refuses at admission (its other requests keep running). ``param`` names
+    the offending field (a ``SamplingParams`` field, or "prompt"), None when no one field is at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 MAX_LOGPROBS = 20
@@ -29,26 +34,27 @@ class SamplingParams:
 
     def check(self) -> None:
         """Raise ``RequestError`` for values out of range or of the wrong type."""
-        def need(ok: bool, message: str):
+        def need(ok: bool, param: str, message: str):
             if not ok:
-                raise RequestError(message)
+                raise RequestError(message, param=param)
 
-        need(type(self.max_tokens) is int and self.max_tokens >= 0, f"max_tokens must be an integer >= 0, "
-             f"got {self.max_tokens!r}")
+        need(type(self.max_tokens) is int and self.max_tokens >= 0, "max_tokens",
+             f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "repetition_penalty"):
             value = getattr(self, name)
-            need(isinstance(value, (int, float)) and not isinstance(value, bool) and value == value,
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and value == value, name,
                  f"{name} must be a number, got {value!r}")
-        need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        need(type(self.top_k) is int and self.top_k >= 0, f"top_k must be an integer >= 0 (0: off), got "
-             f"{self.top_k!r}")
-        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        need(self.seed is None or (type(self.seed) is int and 0 <= self.seed < 2 ** 63),
+        need(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        need(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        need(type(self.top_k) is int and self.top_k >= 0, "top_k",
+             f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        need(self.repetition_penalty > 0, "repetition_penalty",
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        need(self.seed is None or (type(self.seed) is int and 0 <= self.seed < 2 ** 63), "seed",
              f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        need(all(type(t) is int for t in self.stop_token_ids), "stop_token_ids must be integers")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        need(all(type(t) is int for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be integers")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            need(value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS),
+            need(value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS), name,
                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")

@@ -1,13 +1,12 @@
 """``invariant-infer serve``: an OpenAI-compatible HTTP server over the engine (needs the ``serve``
-extra: fastapi, uvicorn, prometheus-client). ``app`` builds the FastAPI app from an ``AsyncEngine``;
-``protocol`` checks requests; ``main`` loads a checkpoint and runs uvicorn."""
-from __future__ import annotations
+extra: fastapi, uvicorn, prometheus-client).
+
+Files: ``protocol`` (the request bodies, pydantic), ``errors`` (OpenAI's error body and the
+handlers), ``formats`` (engine outputs in OpenAI's shapes), ``choices`` (running a response's
+choices, whole or streamed), ``streaming`` (server-sent events with a write timeout), ``metrics``
+(Prometheus), ``state``, ``routes``, ``app`` (``create_app``) and ``main`` (load a checkpoint and
+run uvicorn)."""
+from .app import create_app
+from .state import ServerOptions
 
 __all__ = ["create_app", "ServerOptions"]
-
-
-def __getattr__(name):
-    if name in __all__:
-        from . import app
-        return getattr(app, name)
-    raise AttributeError(name)

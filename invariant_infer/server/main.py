@@ -2,82 +2,68 @@
 
 The socket is bound before uvicorn starts, so ``--port 0`` picks a free port; once the model is
 loaded and the socket listens, one line ``invariant-infer serve: listening on http://HOST:PORT``
-goes to stdout. SIGTERM / SIGINT: uvicorn stops accepting, lets in-flight requests finish, then
-the engine stops and the process exits 0."""
+goes to stdout.
+
+SIGTERM / SIGINT close the listening socket in the signal handler itself, so from then on a new
+connection is refused; uvicorn then lets in-flight requests finish, the engine stops and the
+process exits 0. (uvicorn alone closes it only on its main loop's next tick, and a tick can wait
+behind the engine's lock; until then the kernel keeps completing new connections.)"""
 from __future__ import annotations
 
-import json
 import signal
 import socket
-import sys
-from pathlib import Path
 
-DTYPES = ("bf16", "fp16", "fp32")
+import uvicorn
 
+from ..engine import AsyncEngine, Engine
+from ..loading import load_model, load_tokenizer
+from .app import create_app
+from .state import ServerOptions
 
-def load_tokenizer(path: str):
-    """The tokenizer saved at ``path``. A ``PreTrainedTokenizerFast`` config is loaded as such:
-    ``AutoTokenizer`` would build the model type's own tokenizer class around it."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    config = Path(path) / "tokenizer_config.json"
-    if config.exists():
-        try:
-            if json.loads(config.read_text()).get("tokenizer_class") == "PreTrainedTokenizerFast":
-                return PreTrainedTokenizerFast.from_pretrained(path)
-        except ValueError:
-            pass
-    return AutoTokenizer.from_pretrained(path)
+# Each connection's kernel send buffer. Bounded so that a client that stops reading stalls its
+# stream (and --stream-write-timeout starts counting) after a few hundred KiB, not after the
+# megabytes Linux's autotuning would buffer; ample for event streams and ordinary responses.
+SEND_BUFFER_BYTES = 64 << 10
 
 
 def build(args):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from ..engine import AsyncEngine, Engine
-    from .app import ServerOptions, create_app
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
-        args.dtype or ("bf16" if device == "cuda" else "fp32")]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    """The app for the checkpoint ``args.model``: the engine wraps the model itself."""
+    model = load_model(args.model, dtype=args.dtype, device=args.device, invariant=False)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                     enable_prefix_caching=not args.disable_prefix_caching, kernels=args.kernels)
     options = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                            max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+                            max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                            stream_write_timeout=args.stream_write_timeout)
     return create_app(AsyncEngine(engine), tokenizer, options)
 
 
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM / SIGINT: stop listening at once, drain, and exit 0 after a graceful SIGTERM
+    (uvicorn re-raises the captured signal, which would end the process with -15)."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        for server in getattr(self, "servers", []):
+            server.close()  # the listening socket; connections already accepted go on
+        captured = getattr(self, "_captured_signals", None)
+        if sig == signal.SIGTERM and isinstance(captured, list):
+            captured[:] = [s for s in captured if s != signal.SIGTERM]
+
+
 def serve(args) -> int:
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """After a graceful shutdown on SIGTERM, exit 0 (uvicorn re-raises the signal, which would
-        end the process with -15)."""
-
-        def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            captured = getattr(self, "_captured_signals", None)
-            if sig == signal.SIGTERM and isinstance(captured, list):
-                captured[:] = [s for s in captured if s != signal.SIGTERM]
-
     app = build(args)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)  # inherited by each connection
     sock.bind((args.host, args.port))
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None, access_log=False)
-    server = GracefulServer(config)
+    server = DrainingServer(config)
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"invariant-infer serve: listening on http://{shown}:{port}", flush=True)
     server.run(sockets=[sock])
     return 0
-
-
-if __name__ == "__main__":
-    from ..serve_cli import main
-    sys.exit(main())

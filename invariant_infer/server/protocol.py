@@ -1,202 +1,200 @@
-"""The wire format: request validation (every refusal an OpenAI-style 4xx) and response pieces.
-
-Requests are plain JSON objects checked field by field here, so that each bad value gets a 400
-naming its ``param`` (FastAPI's own validation would answer 422 in its own shape)."""
+"""The request bodies as pydantic models, parsed by FastAPI. Types are strict (``"3"`` is not an
+integer, ``1`` is not a boolean), unknown fields are refused, and so are OpenAI options this server
+does not implement; ``errors.validation_error`` turns each refusal into OpenAI's 400 naming its
+``param``. A JSON ``null`` means the field's default."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from typing import Annotated, Any
 
-MAX_LOGPROBS = 20
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
 MAX_N = 16
+MAX_STOP = 16
 SEED_LIMIT = 2 ** 63
 
 
-class APIError(Exception):
-    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code = code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                             413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+def refuse(message: str, code: str = "invalid_value") -> PydanticCustomError:
+    return PydanticCustomError(code, message)
 
 
-def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
+def unsupported(accept):
+    """A field OpenAI defines that this server does not implement: refused unless its value is one
+    that changes nothing (``accept``), never silently ignored."""
+    def check(value):
+        if not accept(value):
+            raise refuse("not supported by this server", "unsupported_parameter")
+        return value
+    return Annotated[Any, AfterValidator(check)]
 
 
-def _is_int(value) -> bool:
-    return type(value) is int
+class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def get_int(body: dict, name: str, default, low: int | None = None, high: int | None = None, nullable=True):
-    value = body.get(name, default)
-    if value is None and nullable:
-        return default
-    if not _is_int(value):
-        raise bad(f"'{name}' must be an integer, got {value!r}", name, "invalid_type")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise bad(f"'{name}' must be in {bounds}, got {value}", name)
-    return value
-
-
-def get_number(body: dict, name: str, default: float, low: float | None = None, high: float | None = None,
-               low_open: bool = False) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not _is_number(value):
-        raise bad(f"'{name}' must be a number, got {value!r}", name, "invalid_type")
-    if low is not None and (value < low or (low_open and value == low)):
-        raise bad(f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}", name)
-    if high is not None and value > high:
-        raise bad(f"'{name}' must be <= {high}, got {value}", name)
-    return float(value)
-
-
-def get_bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(f"'{name}' must be a boolean, got {value!r}", name, "invalid_type")
-    return value
-
-
-def get_stop(body: dict) -> list[str]:
-    value = body.get("stop")
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
-    if len(value) > 16:
-        raise bad("'stop' takes at most 16 strings", "stop")
-    return [s for s in value if s]
-
-
-@dataclass
-class Sampling:
-    """The sampling fields shared by completions and chat completions."""
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    n: int
-    stream: bool
-    repetition_penalty: float = 1.0
+class Sampling(OpenAIRequest):
+    """The fields completions and chat completions share. ``max_tokens`` is None when not sent
+    (each endpoint has its own default)."""
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = 0
+    stop: list[str] = []
+    stream: bool = False
+    repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
-    extra: dict = field(default_factory=dict)
+    # accepted and ignored: they do not change the tokens
+    user: Any = None
+    stream_options: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    # refused unless they change nothing
+    suffix: unsupported(lambda v: v == "") = None
+    logit_bias: unsupported(lambda v: v == {}) = None
+    presence_penalty: unsupported(lambda v: v == 0) = None
+    frequency_penalty: unsupported(lambda v: v == 0) = None
+    min_p: unsupported(lambda v: v == 0) = None
+    tools: unsupported(lambda v: v == []) = None
+    tool_choice: unsupported(lambda v: v == "none") = None
+    functions: unsupported(lambda v: False) = None
+    function_call: unsupported(lambda v: False) = None
+    response_format: unsupported(lambda v: v == {"type": "text"}) = None
+    parallel_tool_calls: unsupported(lambda v: False) = None
+    audio: unsupported(lambda v: False) = None
+    modalities: unsupported(lambda v: v == ["text"]) = None
+    prediction: unsupported(lambda v: False) = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info: ValidationInfo):
+        if value != info.data.get("n", value):
+            raise refuse("values other than n are not supported", "unsupported_parameter")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seeds_fit(cls, value, info: ValidationInfo):
+        if value is not None and value + info.data.get("n", 1) - 1 >= SEED_LIMIT:
+            raise refuse("seed + n - 1 must be < 2**63 (choice i uses seed + i)")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value):
+        if value == -1:  # vLLM's "off"
+            return 0
+        if value < 0:
+            raise refuse("must be >= 0 (0 or -1: off)")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise refuse("must be a string or a list of strings", "invalid_type")
+        if len(value) > MAX_STOP:
+            raise refuse(f"takes at most {MAX_STOP} strings")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, value):
+        return [s for s in value if s]
+
+    def params(self, max_tokens: int, seed: int, logprobs: int | None,
+               prompt_logprobs: int | None = None) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=seed, stop=list(self.stop),
+                              repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
-# Fields OpenAI defines that this server does not implement: refused, not silently ignored.
-UNSUPPORTED = {
-    "suffix": lambda v: v is None or v == "",
-    "logit_bias": lambda v: v is None or v == {},
-    "presence_penalty": lambda v: v is None or v == 0,
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v == "none",
-    "functions": lambda v: v is None,
-    "function_call": lambda v: v is None,
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "parallel_tool_calls": lambda v: v is None,
-    "audio": lambda v: v is None,
-    "modalities": lambda v: v is None or v == ["text"],
-    "prediction": lambda v: v is None,
-    "min_p": lambda v: v is None or v == 0,
-}
-# Accepted and ignored: they do not change the tokens.
-IGNORED = {"model", "user", "stream_options", "metadata", "store", "service_tier", "reasoning_effort"}
+class CompletionRequest(Sampling):
+    prompt: list[str | list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int = Field(16, ge=0)  # OpenAI's default; after echo, which allows 0
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, value):
+        """A string, a list of strings, a list of token ids or a list of token-id lists -> a list of
+        prompts, each a string or a list of ints."""
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value):
+                return value
+            if all(type(t) is int for t in value):
+                return [value]
+            if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in value):
+                return value
+        raise refuse("must be a string, a list of strings, a list of token ids or a list of non-empty "
+                     "token-id lists (non-empty)", "invalid_type")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_needs_echo(cls, value, info: ValidationInfo):
+        if value == 0 and not info.data.get("echo", False):
+            raise refuse("must be >= 1 (0 is allowed with echo: prompt logprobs only)")
+        return value
 
 
-def check_fields(body: dict, known: set[str]) -> None:
-    for name, acceptable in UNSUPPORTED.items():
-        if name in body and not acceptable(body[name]):
-            raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
-    unknown = sorted(set(body) - known - IGNORED - set(UNSUPPORTED))
-    if unknown:
-        raise bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0], "unsupported_parameter")
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str
 
-
-SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "best_of",
-                   "repetition_penalty", "ignore_eos"}
-
-
-def parse_sampling(body: dict, default_max_tokens: int, max_tokens_name: str = "max_tokens") -> Sampling:
-    max_tokens = get_int(body, max_tokens_name, default_max_tokens, low=0)
-    n = get_int(body, "n", 1, low=1, high=MAX_N)
-    best_of = get_int(body, "best_of", n, low=1)
-    if best_of != n:
-        raise bad("'best_of' other than n is not supported", "best_of", "unsupported_parameter")
-    seed = get_int(body, "seed", None, low=0, high=SEED_LIMIT - 1)
-    if seed is not None and seed + n - 1 >= SEED_LIMIT:
-        raise bad(f"'seed' + n - 1 must be < 2**63 (choice i uses seed + i)", "seed")
-    return Sampling(
-        max_tokens=max_tokens,
-        temperature=get_number(body, "temperature", 1.0, low=0.0, high=2.0),
-        top_p=get_number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
-        top_k=_top_k(body),
-        seed=seed, stop=get_stop(body), n=n, stream=get_bool(body, "stream", False),
-        repetition_penalty=get_number(body, "repetition_penalty", 1.0, low=0.0, low_open=True),
-        ignore_eos=get_bool(body, "ignore_eos", False))
-
-
-def _top_k(body: dict) -> int:
-    value = body.get("top_k")
-    if value == -1:  # vLLM's "off"
-        return 0
-    return get_int(body, "top_k", 0, low=0)
-
-
-def parse_prompts(value) -> list:
-    """``prompt`` as a string, a list of strings, a list of token ids or a list of token-id lists ->
-    a list of prompts, each a string or a list of ints."""
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not value:
-        raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of token-id "
-                  "lists (non-empty)", "prompt", "invalid_type")
-    if all(isinstance(p, str) for p in value):
-        return list(value)
-    if all(_is_int(t) for t in value):
-        return [list(value)]
-    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
-        return [list(p) for p in value]
-    raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of non-empty "
-              "token-id lists", "prompt", "invalid_type")
-
-
-def parse_messages(value) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages", "invalid_type")
-    messages = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]", "invalid_type")
-        content = message.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value):
+        """``[{"type": "text", "text": ...}, ...]`` -> their text joined; other parts are refused."""
+        if isinstance(value, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
-                          "unsupported_parameter")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string", f"messages[{i}].content", "invalid_type")
-        messages.append({"role": message["role"], "content": content})
-    return messages
+                       for p in value):
+                raise refuse("only text parts are supported", "unsupported_parameter")
+            return "".join(p["text"] for p in value)
+        return value
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs", False):
+            raise refuse("needs 'logprobs': true")
+        return value
+
+
+class TokenizeRequest(BaseModel):
+    """lm-eval's remote tokenizer: a prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    tokens: list[int]

@@ -1,0 +1,61 @@
+"""What the routes share: the options, the engine, the tokenizer, the metrics and the choice runner,
+and the checks that need them (the model name, the chat template, the context length)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine import AsyncEngine, SamplingParams
+from .choices import ChoiceRunner
+from .errors import APIError, bad
+from .formats import Tokens
+from .metrics import Metrics
+from .protocol import Message
+
+DEFAULT_STREAM_WRITE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class ServerOptions:
+    model_name: str = "model"
+    api_key: str | None = None
+    max_waiting: int = 256               # sequences queued beyond max_num_seqs before 429
+    max_body_bytes: int = 16 << 20
+    stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a stream stalled that long is dropped
+
+
+class ServerState:
+    def __init__(self, async_engine: AsyncEngine, tokenizer, options: ServerOptions):
+        self.async_engine, self.engine, self.tokenizer, self.options = (async_engine, async_engine.engine,
+                                                                        tokenizer, options)
+        self.metrics = Metrics(async_engine)
+        self.tokens = Tokens(tokenizer)
+        self.runner = ChoiceRunner(async_engine, self.metrics, options.model_name,
+                                   capacity=self.engine.scheduler.max_num_seqs + options.max_waiting,
+                                   stream_write_timeout=options.stream_write_timeout)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.options.model_name:
+            raise APIError(404, f"the model '{model}' does not exist (this server serves "
+                           f"'{self.options.model_name}')", param="model", code="model_not_found")
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
+
+    def chat_prompt(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad("the tokenizer has no chat template: use /v1/completions", "messages", "no_chat_template")
+        try:
+            return self.tokenizer.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001  (a template that raises on these messages)
+            raise bad(f"the chat template failed on these messages: {exc}", "messages") from None
+
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """The context length here (OpenAI's code for it), then the engine's own checks: a
+        ``RequestError`` names its ``param`` and is answered by its handler."""
+        total = len(ids) + params.max_tokens
+        if ids and total > self.engine.max_positions:
+            raise bad(f"this model's context length is {self.engine.max_positions} tokens; the prompt has "
+                      f"{len(ids)} and max_tokens is {params.max_tokens} ({total} in all)", "max_tokens",
+                      "context_length_exceeded")
+        self.engine.check_request(ids, params)
