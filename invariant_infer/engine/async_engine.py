@@ -1,5 +1,8 @@
 """asyncio front for the engine: one background thread runs steps while requests are in
-flight; each request is an async iterator of its outputs, one per step it advanced in."""
+flight; each request is an async iterator of its outputs, one per step it advanced in.
+
+The event loop never waits for a step: adding a request waits for the engine's lock in an
+executor thread, and an abort is queued for the engine thread to apply before its next step."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +18,8 @@ class AsyncEngine:
         self.engine = engine
         self._lock = threading.Lock()          # the engine is not thread-safe: one caller at a time
         self._wake = threading.Event()
+        self._aborts: list[str] = []           # request ids to abort, applied by the engine thread
+        self._aborts_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="invariant-infer-engine", daemon=True)
@@ -24,6 +29,7 @@ class AsyncEngine:
         while not self._stopped:
             self._wake.wait()
             with self._lock:
+                self._apply_aborts()
                 if not self.engine.has_unfinished():
                     self._wake.clear()
                     continue
@@ -42,14 +48,36 @@ class AsyncEngine:
                     loop, queue = stream
                     loop.call_soon_threadsafe(queue.put_nowait, out)
 
+    def _apply_aborts(self) -> None:
+        with self._aborts_lock:
+            aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            self.engine.abort(request_id)
+
+    def _abort_later(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        with self._aborts_lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def _add(self, prompt, params, request_id, loop, queue) -> str:
+        with self._lock:
+            request_id = self.engine.add_request(prompt, params, request_id)
+            self._streams[request_id] = (loop, queue)
+        return request_id
+
     async def generate(self, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request (``RequestError`` for a bad one) and yield its outputs until it finishes.
         Leaving the iteration early (a client that went away) aborts it and frees its pages."""
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            request_id = self.engine.add_request(prompt, params, request_id)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+        adding = loop.run_in_executor(None, self._add, prompt, params, request_id, loop, queue)
+        try:
+            request_id = await asyncio.shield(adding)
+        except asyncio.CancelledError:  # the caller left while the request was being added
+            adding.add_done_callback(lambda f: f.cancelled() or f.exception() or self._abort_later(f.result()))
+            raise
         self._wake.set()
         finished = False
         try:
@@ -58,10 +86,10 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                with self._lock:
-                    self.engine.abort(request_id)
+            if finished:
+                self._streams.pop(request_id, None)
+            else:
+                self._abort_later(request_id)
 
     def stats(self) -> dict:
         with self._lock:
