@@ -157,8 +157,8 @@ def test_repetition_penalty_skips_left_padding(model, prompts):
     """Qwen2.5-Instruct's generation config sets repetition_penalty: padded rows must not penalise
     their pad token, so a row's tokens equal the prompt's alone."""
     batch = run_generate(model, prompts, extra_pad=3, repetition_penalty=1.3)
-    for row, prompt in enumerate(prompts):
-        tokens, logits = run_generate(model, [prompt], repetition_penalty=1.3)[0]
+    for row in (2, 1):  # the most and the least padded row
+        tokens, logits = run_generate(model, [prompts[row]], repetition_penalty=1.3)[0]
         assert torch.equal(batch[row][0], tokens) and torch.equal(batch[row][1], logits)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import load_model
+import invariant_infer.patch
+import invariant_infer.scoring
+from helpers import load_model, m_dependent_linear
 from invariant_infer import make_invariant
 from invariant_infer.scoring import (ScoreResult, logprob_digest, naive_token_logprobs, plan_batches,
                                      score_sequences, token_logprobs_from_hidden)
@@ -60,6 +62,19 @@ def test_bitwise_equal_for_any_batching_and_close_to_stock(tiny_checkpoint, stoc
         assert result.num_tokens == len(seq) - start
         ref = stock_logprobs(stock_fp32, seq, start)
         assert (result.token_logprobs - ref).abs().max().item() <= TOLERANCE_VS_STOCK_FP32[dtype]
+
+
+def test_negative_control_m_dependent_linear_is_caught(tiny_checkpoint, monkeypatch):
+    """The batching comparison fails when the linear (layers and lm_head) picks BLOCK_K by M:
+    3-token sequences alone run at M <= 4, packed at M > 4. (The tiny random model's logprobs sit
+    near -log(512), where one fp32 step is 5e-7: a reordering shows in some sequences, not all.)"""
+    model = make_invariant(load_model(tiny_checkpoint, torch.float32))
+    monkeypatch.setattr(invariant_infer.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.scoring, "linear", m_dependent_linear)
+    sequences = [seq[:3] for seq in random_sequences(9)]
+    alone = score_sequences(model, sequences, max_batch_tokens=1)
+    packed = score_sequences(model, sequences, max_batch_tokens=10_000)
+    assert not all(torch.equal(a.token_logprobs, b.token_logprobs) for a, b in zip(alone, packed))
 
 
 def test_result_fields():
