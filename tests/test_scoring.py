@@ -12,8 +12,9 @@ from invariant_infer.scoring import (ScoreResult, logprob_digest, naive_token_lo
                                      score_sequences, token_logprobs_from_hidden)
 
 # |invariant - stock fp32 HF + torch.log_softmax| per token logprob on the tiny random model;
-# bf16/fp16 also carry rounded weights. Measured max over 20 sequences: bf16 2.5e-3, fp16 3.3e-4, fp32 9.5e-7.
-TOLERANCE_VS_STOCK_FP32 = {torch.bfloat16: 0.02, torch.float16: 3e-3, torch.float32: 1e-5}
+# bf16 also carries rounded weights. Measured max over 20 sequences: bf16 2.5e-3, fp32 9.5e-7.
+# (fp16, like every dtype, is checked for invariance and accuracy at model level.)
+TOLERANCE_VS_STOCK_FP32 = {torch.bfloat16: 0.02, torch.float32: 1e-5}
 
 
 def random_sequences(count: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -47,7 +48,7 @@ def test_plan_batches_respects_budget_and_keeps_every_index():
     assert plan_batches(lengths, 1) == [[1], [3], [5], [4], [0], [6], [2]]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_bitwise_equal_for_any_batching_and_close_to_stock(tiny_checkpoint, stock_fp32, dtype):
     model = make_invariant(load_model(tiny_checkpoint, dtype))
     sequences = random_sequences(9)
