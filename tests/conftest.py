@@ -1,5 +1,7 @@
 """Shared fixtures: random-init checkpoints of every supported family, written with save_pretrained
-and loaded back with from_pretrained, the way users load real ones. GPU-marked tests skip without CUDA."""
+and loaded back with from_pretrained, the way users load real ones. Session-scoped: each is written
+once per pytest-xdist worker and reused by every test file that worker runs (loading one back takes
+about 20 ms). GPU-marked tests skip without CUDA."""
 from __future__ import annotations
 
 import pytest

@@ -11,8 +11,9 @@ from invariant_infer.kernels import interpreter_harness
 from invariant_infer.kernels.interpreter_harness import (
     bf16_bits_to_fp32, fixed_order_dot, fp32_to_bf16_bits_rne, interpreted, patched_interpreter, sequential_dot)
 
-# Bounds on the relative error of the 200x1536 @ 1536x512 product below against float64;
-# measured: bf16 1.7e-3, fp16 2.1e-4, fp32 1.8e-7.
+# Bounds on the relative error of the 200x1536 @ 1536x128 product below against float64;
+# measured on 1536x512: bf16 1.7e-3, fp16 2.1e-4, fp32 1.8e-7. (Each output element's order is
+# over K alone: two 64-wide N tiles test the same order as eight.)
 DOT_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
 
 
@@ -93,7 +94,7 @@ def _run_matmul(a, b, stock_dot: bool = False):
 def test_harnessed_dot_accuracy_and_row_invariance(dtype):
     torch.manual_seed(0)
     a = torch.randn(200, 1536).to(dtype)
-    b = (torch.randn(1536, 512) / 40).to(dtype)
+    b = (torch.randn(1536, 128) / 40).to(dtype)
     c = _run_matmul(a, b)
     ref = a.double() @ b.double()
     rel = ((c.double() - ref).norm() / ref.norm()).item()

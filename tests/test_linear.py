@@ -90,14 +90,29 @@ def test_linear_rejects_mixed_dtypes():
         linear(torch.randn(2, 16, dtype=torch.float64), w.double())
 
 
-@pytest.mark.slow
+def test_n_slice_of_the_weights_keeps_every_bit():
+    """A row's output column depends on its weight row and the K reduction order (K and the config)
+    only, not on N: the outputs of a slice of the weight rows are bitwise those columns of the full
+    product. The real-width tests below rely on this to run two N tiles of the real weights."""
+    n, k = 256, 1536  # Qwen2.5-1.5B's k/v projection, in full
+    cfg = LINEAR_CONFIGS[("cuda", torch.bfloat16, n, k)]
+    w, b = _weights(n, k, torch.bfloat16, "cpu")
+    x = torch.randn(5, k).bfloat16()
+    full = linear(x, w, b, config=cfg, parallel_chunks=True)
+    for tiles in (slice(0, 2), slice(3, 5)):
+        rows = slice(tiles.start * cfg.block_n, tiles.stop * cfg.block_n)
+        assert torch.equal(linear(x, w[rows], b[rows], config=cfg, parallel_chunks=True), full[:, rows])
+
+
 @pytest.mark.parametrize("shape", [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)])
 def test_gpu_shape_table_is_invariant_in_the_interpreter(shape):
-    """The CUDA per-weight-shape configs, run through the interpreter: both schedules give the
-    same bits, rows equal alone and in a batch, and accuracy holds."""
+    """The CUDA per-weight-shape configs, run through the interpreter on two N tiles of weights of
+    the real shape (the real K, so the real reduction order): both schedules give the same bits,
+    rows equal alone and in a batch, and accuracy holds."""
     n, k = shape
     cfg = LINEAR_CONFIGS[("cuda", torch.bfloat16, n, k)]
     w, b = _weights(n, k, torch.bfloat16, "cpu")
+    w, b = w[:2 * cfg.block_n], b[:2 * cfg.block_n]
     x = torch.randn(5, k).bfloat16()
     batch = linear(x, w, b, config=cfg, parallel_chunks=False)
     assert torch.equal(linear(x, w, b, config=cfg, parallel_chunks=True), batch)

@@ -19,23 +19,35 @@ def _relative_error(got, ref):
     return ((got - ref).norm() / ref.norm()).item()
 
 
+@pytest.fixture(scope="module")
+def logits():
+    """(checkpoint, dtype, "stock" or "invariant") -> the batch's real-token logits, each computed
+    once per module (the interpreter runs the invariant ones; both tests below use them)."""
+    cache = {}
+
+    def get(path, dtype, kind="stock"):
+        key = (str(path), dtype, kind)
+        if key not in cache:
+            model = load_model(path, dtype)
+            if kind == "invariant":
+                make_invariant(model)
+            cache[key] = logits_batched(model, make_samples(512), BATCHING)
+        return cache[key]
+    return get
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_invariant_error_at_most_twice_stock_error(family_checkpoint, dtype):
-    samples = make_samples(512)
-    reference = logits_batched(load_model(family_checkpoint, torch.float64), samples, BATCHING)
-    stock = logits_batched(load_model(family_checkpoint, dtype), samples, BATCHING)
-    invariant = logits_batched(make_invariant(load_model(family_checkpoint, dtype)), samples, BATCHING)
-    stock_error = _relative_error(stock, reference)
-    invariant_error = _relative_error(invariant, reference)
+def test_invariant_error_at_most_twice_stock_error(family_checkpoint, dtype, logits):
+    reference = logits(family_checkpoint, torch.float64)
+    stock_error = _relative_error(logits(family_checkpoint, dtype), reference)
+    invariant_error = _relative_error(logits(family_checkpoint, dtype, "invariant"), reference)
     assert 0 < invariant_error <= 2 * stock_error, (invariant_error, stock_error)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_error_against_stock_fp32(family_checkpoint, dtype):
+def test_half_precision_error_against_stock_fp32(family_checkpoint, dtype, logits):
     """The same bound with stock fp32 HF as the reference, the one users compare against (for fp32
     itself only a float64 reference can measure stock's own error)."""
-    samples = make_samples(512)
-    reference = logits_batched(load_model(family_checkpoint, torch.float32), samples, BATCHING)
-    stock = logits_batched(load_model(family_checkpoint, dtype), samples, BATCHING)
-    invariant = logits_batched(make_invariant(load_model(family_checkpoint, dtype)), samples, BATCHING)
-    assert _relative_error(invariant, reference) <= 2 * _relative_error(stock, reference)
+    reference = logits(family_checkpoint, torch.float32)
+    invariant_error = _relative_error(logits(family_checkpoint, dtype, "invariant"), reference)
+    assert invariant_error <= 2 * _relative_error(logits(family_checkpoint, dtype), reference)

@@ -33,16 +33,38 @@ def test_rms_norm_accuracy(dtype, device, hidden):
         4 * torch.finfo(dtype).eps * ref.abs().max().item()
 
 
+def row_mismatches(norm, x, w) -> list:
+    """The row subsets (slices, a permutation) whose outputs differ from theirs in the full batch."""
+    full = norm(x, w, 1e-6)
+    differ = [rows for rows in [slice(3, 4), slice(0, 1), slice(60, 70), slice(5, 38)]
+              if not torch.equal(norm(x[rows], w, 1e-6), full[rows])]
+    perm = torch.randperm(x.shape[0])
+    return differ + ([perm] if not torch.equal(norm(x[perm], w, 1e-6), full[perm]) else [])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_row_invariance(dtype, device):
     x = torch.randn(70, 1536).to(dtype).to(device)
     w = torch.randn(1536).to(dtype).to(device)
-    full = rms_norm(x, w, 1e-6)
-    for rows in [slice(3, 4), slice(0, 1), slice(60, 70), slice(5, 38)]:
-        assert torch.equal(rms_norm(x[rows], w, 1e-6), full[rows])
-    perm = torch.randperm(70)
-    assert torch.equal(rms_norm(x[perm], w, 1e-6), full[perm])
+    assert row_mismatches(rms_norm, x, w) == []
+
+
+def rows_keyed_rms_norm(x, weight, eps):
+    """Negative control: the kernel for up to 4 rows, a two-halves sum of squares for more (a
+    reduction tree picked by the row count, as a norm that switches strategy at some batch size has)."""
+    if x.reshape(-1, x.shape[-1]).shape[0] <= 4:
+        return rms_norm(x, weight, eps)
+    h = x.float()
+    half = h.shape[-1] // 2
+    squares = h[..., :half].pow(2).sum(-1, keepdim=True) + h[..., half:].pow(2).sum(-1, keepdim=True)
+    return weight * (h * torch.rsqrt(squares / h.shape[-1] + eps)).to(x.dtype)
+
+
+def test_negative_control_rows_keyed_reduction_is_caught():
+    x = torch.randn(70, 1536)
+    w = torch.randn(1536)
+    assert row_mismatches(rows_keyed_rms_norm, x, w) != []
 
 
 @pytest.mark.parametrize("device", DEVICES)

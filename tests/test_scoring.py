@@ -4,14 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import load_model
+import invariant_infer.patch
+import invariant_infer.scoring
+from helpers import load_model, m_dependent_linear
 from invariant_infer import make_invariant
 from invariant_infer.scoring import (ScoreResult, logprob_digest, naive_token_logprobs, plan_batches,
                                      score_sequences, token_logprobs_from_hidden)
 
 # |invariant - stock fp32 HF + torch.log_softmax| per token logprob on the tiny random model;
-# bf16/fp16 also carry rounded weights. Measured max over 20 sequences: bf16 2.5e-3, fp16 3.3e-4, fp32 9.5e-7.
-TOLERANCE_VS_STOCK_FP32 = {torch.bfloat16: 0.02, torch.float16: 3e-3, torch.float32: 1e-5}
+# bf16 also carries rounded weights. Measured max over 20 sequences: bf16 2.5e-3, fp32 9.5e-7.
+# (fp16, like every dtype, is checked for invariance and accuracy at model level.)
+TOLERANCE_VS_STOCK_FP32 = {torch.bfloat16: 0.02, torch.float32: 1e-5}
 
 
 def random_sequences(count: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -45,7 +48,7 @@ def test_plan_batches_respects_budget_and_keeps_every_index():
     assert plan_batches(lengths, 1) == [[1], [3], [5], [4], [0], [6], [2]]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_bitwise_equal_for_any_batching_and_close_to_stock(tiny_checkpoint, stock_fp32, dtype):
     model = make_invariant(load_model(tiny_checkpoint, dtype))
     sequences = random_sequences(9)
@@ -62,6 +65,19 @@ def test_bitwise_equal_for_any_batching_and_close_to_stock(tiny_checkpoint, stoc
         assert (result.token_logprobs - ref).abs().max().item() <= TOLERANCE_VS_STOCK_FP32[dtype]
 
 
+def test_negative_control_m_dependent_linear_is_caught(tiny_checkpoint, monkeypatch):
+    """The batching comparison fails when the linear (layers and lm_head) picks BLOCK_K by M:
+    3-token sequences alone run at M <= 4, packed at M > 4. (The tiny random model's logprobs sit
+    near -log(512), where one fp32 step is 5e-7: a reordering shows in some sequences, not all.)"""
+    model = make_invariant(load_model(tiny_checkpoint, torch.float32))
+    monkeypatch.setattr(invariant_infer.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.scoring, "linear", m_dependent_linear)
+    sequences = [seq[:3] for seq in random_sequences(9)]
+    alone = score_sequences(model, sequences, max_batch_tokens=1)
+    packed = score_sequences(model, sequences, max_batch_tokens=10_000)
+    assert not all(torch.equal(a.token_logprobs, b.token_logprobs) for a, b in zip(alone, packed))
+
+
 def test_result_fields():
     result = ScoreResult(torch.tensor([-1.5, -0.25], dtype=torch.float32), greedy=True)
     assert result.num_tokens == 2 and result.logprob == -1.75
@@ -72,8 +88,8 @@ def test_result_fields():
 
 def test_lean_logprobs_match_naive_and_ignore_chunking():
     g = torch.Generator().manual_seed(0)
-    hidden, weight = torch.randn(50, 64, generator=g), torch.randn(700, 64, generator=g) * 0.2
-    targets = torch.randint(0, 700, (50,), generator=g)
+    hidden, weight = torch.randn(20, 64, generator=g), torch.randn(700, 64, generator=g) * 0.2
+    targets = torch.randint(0, 700, (20,), generator=g)
     lean, lean_hit = token_logprobs_from_hidden(hidden, weight, targets)
     naive, naive_hit = naive_token_logprobs(hidden, weight, targets)
     assert (lean - naive).abs().max().item() < 1e-5 and torch.equal(lean_hit, naive_hit)

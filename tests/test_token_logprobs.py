@@ -2,12 +2,17 @@
 row invariance (a row alone has the same bits as in any batch)."""
 from __future__ import annotations
 
+from importlib import import_module
+
 import pytest
 import torch
 
 from helpers import DEVICES, DTYPES
 from invariant_infer.kernels import token_logprobs
 from invariant_infer.kernels.token_logprobs import vocab_block
+
+# The module (the package's ``token_logprobs`` attribute is the function).
+token_logprobs_module = import_module("invariant_infer.kernels.token_logprobs")
 
 # |kernel - float64 log_softmax of the exact fp32 logits|: dominated by rounding the logits to the dtype
 # (scale-3 logits; measured max 0.026 bf16, 0.003 fp16, 1e-6 fp32).
@@ -74,6 +79,18 @@ def test_row_alone_equals_row_in_batch(device, dtype):
         assert torch.equal(alone_lp, batch_lp[r:r + 1]) and torch.equal(alone_hit, batch_hit[r:r + 1])
         window_lp, _ = token_logprobs(logits[r // 2:r + 1], targets[r // 2:r + 1])  # other neighbours, offsets
         assert torch.equal(window_lp[-1], batch_lp[r])
+
+
+def test_negative_control_other_vocab_block_differs(monkeypatch):
+    """The comparison can fail: a row alone reduced over vocabulary blocks of another width (as a
+    block picked by the row count would be) has other bits than in the batch."""
+    vocab = 9000
+    logits = random_logits(40, vocab, seed=2)
+    targets = torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(3))
+    batch_lp, _ = token_logprobs(logits, targets)
+    monkeypatch.setattr(token_logprobs_module, "vocab_block", lambda device_type, vocab_size: 1024)
+    alone = [token_logprobs(logits[r:r + 1], targets[r:r + 1])[0] for r in (0, 17, 39)]
+    assert not all(torch.equal(a, batch_lp[r:r + 1]) for a, r in zip(alone, (0, 17, 39)))
 
 
 def test_rejects_bad_arguments():
