@@ -15,17 +15,16 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import fastapi  # noqa: F401  (the serve extra, installed by the test extra: missing fails)
+import openai
+import prometheus_client  # noqa: F401
 import pytest
+import requests
 import torch
+import uvicorn  # noqa: F401
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
-openai = pytest.importorskip("openai")
-requests = pytest.importorskip("requests")
-
-from helpers import CHAT_TEMPLATE, KEY, MODEL, ServerProcess, save_tokenizer  # noqa: E402
-from invariant_infer.random_checkpoints import random_config, save_random_checkpoint  # noqa: E402
+from helpers import CHAT_TEMPLATE, KEY, MODEL, ServerProcess, save_tokenizer
+from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
 
 WRITE_TIMEOUT_S = 2  # --stream-write-timeout of the module's server
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import random
 
+import fastapi  # noqa: F401  (the serve extra, installed by the test extra: missing fails)
+import lm_eval
 import pytest
+import uvicorn  # noqa: F401
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-lm_eval = pytest.importorskip("lm_eval")
-
-from invariant_infer.random_checkpoints import random_config, save_random_checkpoint  # noqa: E402
-from helpers import write_local_tasks  # noqa: E402
-from helpers import KEY, MODEL, ServerProcess, save_tokenizer  # noqa: E402
+from helpers import KEY, MODEL, ServerProcess, save_tokenizer, write_local_tasks
+from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
 
 MC_TASK, GEN_TASK = "serve_mc", "serve_gen"
 DOCS, CHOICES, MAX_GEN_TOKS, STOP = 4, 3, 4, "a"
