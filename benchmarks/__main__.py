@@ -13,7 +13,8 @@ from invariant_infer.families import FAMILIES
 
 from . import SECTIONS
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
-from .report import metadata, summary, validate, write_all
+from .report import summary, write_all
+from .schema import metadata, validate
 from .timing import Run, free_memory
 
 # Share of the time budget per section; time one section leaves unused passes to the next.
