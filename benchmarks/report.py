@@ -85,6 +85,7 @@ def markdown(results: dict) -> str:
         ("stock/invariant", "ratio")]))
     out.append(scoring_markdown(results))
     out.append(engine_markdown(results))
+    out.append(host_overhead_markdown(results))
     out.append(server_markdown(results))
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
@@ -160,6 +161,30 @@ def engine_markdown(results: dict) -> str:
         ("tok/s", "tokens_per_s"), ("TPOT ms", "tpot_ms"), ("TTFT ms", "ttft_ms"),
         ("÷ stock engine", "invariant_to_stock_engine"), ("÷ HF generate", "invariant_to_hf_generate"),
         ("equal alone", "_alone"), ("preemptions", "preemptions")]))
+    return "\n".join(out)
+
+
+def host_overhead_markdown(results: dict) -> str:
+    rows = results.get("host_overhead") or []
+    if not rows and "host_overhead" not in (results.get("sections") or []):
+        return ""
+    first = rows[0] if rows else {}
+    model = (f" ({first.get('preset')}, {first.get('layers')} layers, hidden {first.get('hidden')}, "
+             f"{first.get('dtype')})" if rows else "")
+    device = ("" if results.get("timings_meaningful") else
+              "\n> **Host phases are meaningful on CPU** (the same Python as on a GPU); **the device phases "
+              "(forward, logprobs) run through the Triton interpreter here: NOT meaningful.**\n")
+    out = [f"\n## Engine host overhead{model}: µs per decode step, per phase\n\n"
+           "`running` sequences decode together, one token each per step, greedy; mean over the timed steps. "
+           "Host: schedule (scheduler), metadata (packing the step into the runner's buffers), sampling (each "
+           "sequence's next token), output (bookkeeping, stop checks, outputs); device: forward (model + "
+           "lm_head) and logprobs (the token-logprob kernel), each phase boundary synchronized on CUDA. host µs "
+           f"/ seq = host µs ÷ running.\n{device}"]
+    out.append(table(rows, [
+        ("kernels", "kernels"), ("running", "running"), ("steps", "steps"), ("schedule", "schedule_us"),
+        ("metadata", "metadata_us"), ("sampling", "sampling_us"), ("output", "output_us"),
+        ("host µs", "host_us"), ("host µs / seq", "host_us_per_seq"), ("forward", "forward_us"),
+        ("logprobs", "logprobs_us"), ("host share", "host_fraction")]))
     return "\n".join(out)
 
 
@@ -284,6 +309,11 @@ def summary(results: dict) -> str:
                          f"{fmt(r['tpot_ms'])} ms; ÷ stock engine {fmt(r['invariant_to_stock_engine'])}, "
                          f"÷ HF generate {fmt(r['invariant_to_hf_generate'])}"
                          + (f"; equal alone {r['invariant_rows_equal']}/{checked}" if checked else ""))
+    for r in results.get("host_overhead") or []:
+        lines.append(f"host overhead {r['kernels']} running={r['running']}: host {fmt(r['host_us'])} µs/step "
+                     f"({fmt(r['host_us_per_seq'])} µs/seq; schedule {fmt(r['schedule_us'])}, metadata "
+                     f"{fmt(r['metadata_us'])}, sampling {fmt(r['sampling_us'])}, output {fmt(r['output_us'])}); "
+                     f"forward {fmt(r['forward_us'])} µs")
     for r in results.get("server") or []:
         checked = r.get("invariant_rows_checked")
         lines.append(f"server {r['mode']} c={r['concurrency']}: {fmt(r['tokens_per_s'])} tok/s, "

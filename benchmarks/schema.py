@@ -26,6 +26,8 @@ REQUIRED = {
     "engine": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "tpot_ms", "ttft_ms",
                "invariant_to_stock_engine", "invariant_to_hf_generate", "invariant_rows_checked",
                "invariant_rows_equal"),
+    "host_overhead": ("kernels", "running", "steps", "schedule_us", "metadata_us", "sampling_us", "output_us",
+                      "forward_us", "logprobs_us", "host_us", "device_us", "host_us_per_seq"),
     "server": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "requests_per_s", "p50_ms",
                "p99_ms", "errors", "invariant_to_stock", "invariant_rows_checked", "invariant_rows_equal"),
 }
@@ -84,7 +86,8 @@ def metadata(device: torch.device, quick: bool, family: str = "qwen2", preset: s
 def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
-    for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "server"):
+    for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
+                    "server"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing
