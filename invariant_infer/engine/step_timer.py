@@ -7,6 +7,7 @@ timed steps run slower than untimed ones). Host phases: schedule, metadata, samp
 device phases: forward (the model and lm_head) and logprobs (the token-logprob kernel)."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -19,9 +20,13 @@ PHASES = HOST_PHASES + DEVICE_PHASES
 class StepTimer:
     def __init__(self, device: torch.device):
         self.device = device
-        self.totals = dict.fromkeys(PHASES, 0.0)   # seconds
-        self.steps = 0
+        self.samples: dict[str, list[float]] = {phase: [] for phase in PHASES}  # seconds, one per step
+        self._step = dict.fromkeys(PHASES, 0.0)
         self._last = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.samples[PHASES[0]])
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -29,18 +34,21 @@ class StepTimer:
         return time.perf_counter()
 
     def start(self) -> None:
+        self._step = dict.fromkeys(PHASES, 0.0)
         self._last = self._now()
 
     def mark(self, phase: str) -> None:
         """Charge the time since the last mark to ``phase``."""
         now = self._now()
-        self.totals[phase] += now - self._last
+        self._step[phase] += now - self._last
         self._last = now
 
     def end_step(self, phase: str) -> None:
         self.mark(phase)
-        self.steps += 1
+        for name, seconds in self._step.items():
+            self.samples[name].append(seconds)
 
     def per_step_us(self) -> dict[str, float]:
-        """Mean microseconds per step, per phase."""
-        return {phase: 1e6 * total / max(self.steps, 1) for phase, total in self.totals.items()}
+        """Median microseconds per step, per phase (a median: one garbage-collector pause or
+        preemption by the OS does not move it)."""
+        return {phase: 1e6 * statistics.median(values) if values else 0.0 for phase, values in self.samples.items()}
