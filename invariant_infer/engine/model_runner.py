@@ -7,6 +7,10 @@ each token's absolute position; attention receives a ``paged_batch`` keyword tha
 forward passes through to its attention function (``invariant_infer.hf_attention``), which
 writes the step's K/V into the pages and attends over each sequence's own pages.
 
+The step's metadata is copied into buffers allocated once, and ``decode_buckets`` pads a
+decode-only step to a fixed number of rows, as CUDA-graph capture needs (benchmarks/README.md lists
+what capture needs besides).
+
 ``kernels="invariant"`` (the model is wrapped by ``make_invariant``) runs the paged Triton
 attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kernels="stock"``
 (an unwrapped model) runs stock linear layers and torch SDPA per sequence, for benchmarks.
