@@ -13,8 +13,9 @@ from helpers import FAMILY_NAMES, load_model, m_dependent_linear, train_tokenize
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.generation import seeded_sampling
+from invariant_infer.padding import left_pad
 
-NEW_TOKENS = 4
+NEW_TOKENS = 3
 
 
 def prompts_for(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
@@ -76,20 +77,22 @@ def test_any_schedule_equals_alone_generate_and_score(family_models, family):
     mixed = run_schedule(engine, prompts, arrivals=(0, 0, 3), preempt_at=(4,))
     assert engine.runner.padding_rows > 0 and engine.scheduler.num_preemptions > 0
     alone_engine = Engine(model)
-    scored = score_sequences(model, [prompt + mixed[i].token_ids for i, prompt in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
-        alone = alone_engine.generate([prompt], request_params(i))[0]
-        assert_same(mixed[i], alone)
-        # model.generate on the wrapped model: same tokens (seeded: same seed, same filters).
-        params = request_params(i)
+        assert_same(mixed[i], alone_engine.generate([prompt], request_params(i))[0])
+    # model.generate on the wrapped model (batch-invariant itself): the same tokens, the greedy requests
+    # in one left-padded batch, the seeded one with the same seed and filters.
+    for group in ([0, 2], [1]):
+        params = request_params(group[0])
         kwargs = {}
         if params.temperature:
             kwargs["logits_processor"] = seeded_sampling([params.seed], params.temperature, params.top_k, params.top_p)
-        ids = torch.tensor([prompt])
-        generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                   do_sample=False, pad_token_id=0, eos_token_id=None, **kwargs)
-        assert mixed[i].token_ids == generated[0, len(prompt):].tolist()
-        # score_sequences over prompt + generated: prompt logprobs, then the decode logprobs.
+        ids, mask = left_pad([prompts[i] for i in group])
+        generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None, **kwargs)
+        assert [mixed[i].token_ids for i in group] == generated[:, ids.shape[1]:].tolist()
+    # score_sequences over prompt + generated: prompt logprobs, then the decode logprobs.
+    scored = score_sequences(model, [prompt + mixed[i].token_ids for i, prompt in enumerate(prompts)])
+    for i in range(len(prompts)):
         assert torch.equal(torch.tensor(mixed[i].prompt_logprobs + mixed[i].logprobs, dtype=torch.float32),
                            scored[i].token_logprobs)
 
