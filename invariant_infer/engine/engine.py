@@ -234,10 +234,14 @@ class Engine:
             if timer:
                 timer.mark("logprobs")
         advanced, picked = [], []
+        greedy = [row for row, seq in sample_rows if self._plain_greedy(seq)]
+        # One argmax over every plain greedy row: per row the same first maximum as sample_next_token's,
+        # in one call (and one device sync) instead of one per sequence.
+        argmax = dict(zip(greedy, logits[greedy].float().argmax(-1).tolist())) if greedy else {}
         for row, seq in sample_rows:
             advanced.append(seq)
             try:
-                token = self._pick(seq, logits[row])
+                token = self._pick(seq, logits[row], argmax.get(row))
             except Exception as exc:  # noqa: BLE001  (one request's failure stays its own)
                 self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
                 continue
@@ -269,12 +273,21 @@ class Engine:
         values = self.runner.logprobs(logits_row[None].expand(k, -1), ids)[0].tolist()
         return dict(zip(ids.tolist(), values))
 
-    def _pick(self, seq: Sequence, logits_row: torch.Tensor) -> int | None:
-        """The sequence's next token, or None when it has all it asked for (max_tokens = 0)."""
+    @staticmethod
+    def _plain_greedy(seq: Sequence) -> bool:
+        """Its next token is the argmax of its logits (greedy, no penalty, tokens still to come)."""
+        params = seq.params
+        return params.temperature == 0 and params.repetition_penalty == 1.0 and len(seq.output_ids) < params.max_tokens
+
+    def _pick(self, seq: Sequence, logits_row: torch.Tensor, argmax: int | None = None) -> int | None:
+        """The sequence's next token (``argmax`` when a plain greedy one's is already known), or None
+        when it has all it asked for (max_tokens = 0)."""
         params = seq.params
         if len(seq.output_ids) >= params.max_tokens:
             self._finish(seq, "length")
             return None
+        if argmax is not None:
+            return argmax
         return sample_next_token(logits_row.float(), seq.tokens, step=len(seq.output_ids), seed=seq.seed,
                                  temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                  repetition_penalty=params.repetition_penalty)
