@@ -36,6 +36,10 @@ RUNNING, STEPS, WARMUP_STEPS = (1, 64, 256), 20, 2
 QUICK_RUNNING = {"stock": (1, 64, 256), "invariant": (1, 64)}
 QUICK_STEPS, QUICK_OVERRIDES = 3, {"num_hidden_layers": 1}
 PROMPT_LEN, PROMPT_SEED = 4, 5
+# On CPU the section runs with one torch thread: on a shared CPU, waking torch's intra-op pool adds
+# milliseconds to a small batched op (measured: a [64, 512] argmax took 9 ms with 2 threads, 71 µs
+# with 1), time a GPU run's host side does not have.
+CPU_THREADS = 1
 
 
 def measure(model, kernels: str, running: int, steps: int, warmup: int, device: torch.device) -> dict:
@@ -75,7 +79,21 @@ def run(ctx: Run, config=None, running: dict | None = None, steps=None, dtype=to
     model = build_model(ctx, config, dtype)
     info = {"preset": name, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
             "vocab": config.vocab_size, "dtype": str(dtype)[6:], "prompt_tokens": PROMPT_LEN,
-            "host_meaningful": True, "device_meaningful": ctx.on_gpu}
+            "host_meaningful": True, "device_meaningful": ctx.on_gpu,
+            "torch_threads": torch.get_num_threads() if ctx.on_gpu else CPU_THREADS}
+    threads = torch.get_num_threads()
+    if not ctx.on_gpu:  # see CPU_THREADS
+        torch.set_num_threads(CPU_THREADS)
+    try:
+        rows = _measure_all(ctx, model, running, steps, warmup, info)
+    finally:
+        torch.set_num_threads(threads)
+    del model
+    free_memory(ctx.device)
+    return {"host_overhead": rows}
+
+
+def _measure_all(ctx: Run, model, running: dict, steps: int, warmup: int, info: dict) -> list:
     rows = []
     for kernels in KERNELS:  # stock first: the invariant engine wraps the model (restored below)
         try:
@@ -91,6 +109,4 @@ def run(ctx: Run, config=None, running: dict | None = None, steps=None, dtype=to
         finally:
             restore(model)
             model.set_attn_implementation("sdpa")
-    del model
-    free_memory(ctx.device)
-    return {"host_overhead": rows}
+    return rows
