@@ -13,12 +13,13 @@ from invariant_infer.families import FAMILIES
 
 from . import SECTIONS
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
-from .report import metadata, summary, validate, write_all
+from .report import summary, write_all
+from .schema import metadata, validate
 from .timing import Run, free_memory
 
 # Share of the time budget per section; time one section leaves unused passes to the next.
 SHARES = {"matmul": 0.25, "norm_attention": 0.13, "e2e": 0.25, "scoring": 0.1, "divergence": 0.2, "engine": 0.15,
-          "server": 0.12}
+          "host_overhead": 0.05, "server": 0.12}
 DEFAULT_MODEL_PRESET = f"{DEFAULT_FAMILY}:{DEFAULT_PRESET}"
 
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     results.update({"budget_s": args.budget_s, "sections": args.only,
                     "matmul": [], "rmsnorm": [], "attention": [], "decode_attention": [], "e2e": [], "decode": [],
                     "scoring_memory": [], "scoring_throughput": [], "divergence": [], "engine": [],
-                    "server": []})
+                    "host_overhead": [], "server": []})
     out = args.out or Path("bench_out") / f"{time.strftime('%Y%m%d-%H%M%S')}-{results['device'].split(' (')[0].replace(' ', '-')}"
     for i, name in enumerate(args.only):
         if end is not None:  # this section's share of what is left

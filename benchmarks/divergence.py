@@ -59,10 +59,6 @@ QUICK_CASES = (
 QUICK_OVERRIDES = dict(num_hidden_layers=1, vocab_size=2048)
 
 
-def quick_config(family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET):
-    return preset_config(family, preset, **QUICK_OVERRIDES)[0]
-
-
 def _samples(case: Case, vocab: int, gen: torch.Generator) -> list:
     """One row of random token ids per length (unpadded; batch_drift pads them)."""
     return [torch.randint(0, vocab, (n,), generator=gen) for n in case.lengths]

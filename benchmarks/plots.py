@@ -10,9 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
-from .report import model_name  # noqa: E402
+from .schema import NOT_MEANINGFUL, model_name  # noqa: E402
 
-NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 STOCK, INVARIANT = "#1f77b4", "#d62728"
 
 

@@ -3,96 +3,13 @@ prints the short summary table."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
-REQUIRED = {
-    "top": ("device", "commit", "torch", "triton", "transformers", "matmul", "e2e", "divergence"),
-    "matmul": ("shape", "M", "N", "K", "stock_tflops", "invariant_tflops"),
-    "e2e": ("batch", "seq", "stock_tokens_per_s", "invariant_tokens_per_s", "stock_peak_gb", "invariant_peak_gb"),
-    "divergence": ("case", "stock_max_abs_diff", "invariant_max_abs_diff", "stock_rows_unequal",
-                   "invariant_rows_unequal"),
-    "scoring_memory": ("tokens", "hidden", "vocab", "chunk_rows", "naive_peak_gb", "ours_peak_gb", "peak_gb_method",
-                       "naive_ms", "ours_ms", "max_abs_diff", "is_argmax_agree"),
-    "scoring_throughput": ("sequences", "tokens", "max_batch_tokens", "stock_tokens_per_s", "invariant_tokens_per_s",
-                           "max_abs_diff", "digests_equal_across_budgets"),
-    "engine": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "tpot_ms", "ttft_ms",
-               "invariant_to_stock_engine", "invariant_to_hf_generate", "invariant_rows_checked",
-               "invariant_rows_equal"),
-    "server": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "requests_per_s", "p50_ms",
-               "p99_ms", "errors", "invariant_to_stock", "invariant_rows_checked", "invariant_rows_equal"),
-}
-NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
-
-
-# ---- metadata -------------------------------------------------------------------------------------
-
-def git_commit(repo: Path) -> str:
-    """``git rev-parse HEAD`` (+ "-dirty"), else $BENCH_COMMIT, else "unknown"."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except Exception:
-        return os.environ.get("BENCH_COMMIT", "unknown")
-
-
-def model_metadata(family: str, preset: str) -> dict:
-    """The preset the sections take their shapes from: names and its real (full-suite) widths."""
-    from invariant_infer.families import FAMILIES
-    from invariant_infer.random_checkpoints import random_config
-    config = random_config(family, preset)
-    heads = config.num_attention_heads
-    return {"name": f"{family}:{preset}", "family": family, "preset": preset, "hidden_size": config.hidden_size,
-            "intermediate_size": config.intermediate_size, "num_attention_heads": heads,
-            "num_key_value_heads": config.num_key_value_heads or heads,
-            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-            "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
-            "tie_word_embeddings": config.tie_word_embeddings, "rms_norm": FAMILIES[family].rms_norm.__name__}
-
-
-def model_name(results: dict) -> str:
-    """ "family:preset" of a results dict ("qwen2:qwen2.5-1.5b" for results written before the field)."""
-    return (results.get("model") or {}).get("name", "qwen2:qwen2.5-1.5b")
-
-
-def metadata(device: torch.device, quick: bool, family: str = "qwen2", preset: str = "qwen2.5-1.5b") -> dict:
-    import transformers
-    import triton
-    gpu = device.type == "cuda"
-    name = torch.cuda.get_device_name(device) if gpu else f"cpu ({platform.processor() or platform.machine()}, " \
-                                                           f"{os.cpu_count()} cores)"
-    return {
-        "device": name, "device_type": device.type, "commit": git_commit(Path(__file__).resolve().parents[1]),
-        "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "quick": quick, "timings_meaningful": gpu, "model": model_metadata(family, preset),
-        "timing_note": ("CUDA: triton.testing.do_bench medians with L2 flushed (kernels); CUDA-event medians (e2e)"
-                        if gpu else NOT_MEANINGFUL + ": invariant kernels run in Python; quick mode checks "
-                                                     "correctness and divergence only"),
-        "memory_note": ("torch.cuda.max_memory_allocated, weights included" if gpu
-                        else "null on CPU: torch's CPU allocator is invisible to tracemalloc and ru_maxrss is a "
-                             "process-lifetime high-water mark"),
-    }
-
-
-def validate(results: dict) -> list:
-    """Names of required fields that are missing (empty list = schema ok)."""
-    missing = [key for key in REQUIRED["top"] if key not in results]
-    for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "server"):
-        for i, row in enumerate(results.get(section) or []):
-            missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
-    return missing
+from .plots import make_plots
+from .schema import NOT_MEANINGFUL, git_commit, model_name, validate  # noqa: F401  (git_commit: benchmarks.fuzz)
 
 
 # ---- markdown -------------------------------------------------------------------------------------
@@ -168,6 +85,7 @@ def markdown(results: dict) -> str:
         ("stock/invariant", "ratio")]))
     out.append(scoring_markdown(results))
     out.append(engine_markdown(results))
+    out.append(host_overhead_markdown(results))
     out.append(server_markdown(results))
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
@@ -243,6 +161,30 @@ def engine_markdown(results: dict) -> str:
         ("tok/s", "tokens_per_s"), ("TPOT ms", "tpot_ms"), ("TTFT ms", "ttft_ms"),
         ("÷ stock engine", "invariant_to_stock_engine"), ("÷ HF generate", "invariant_to_hf_generate"),
         ("equal alone", "_alone"), ("preemptions", "preemptions")]))
+    return "\n".join(out)
+
+
+def host_overhead_markdown(results: dict) -> str:
+    rows = results.get("host_overhead") or []
+    if not rows and "host_overhead" not in (results.get("sections") or []):
+        return ""
+    first = rows[0] if rows else {}
+    model = (f" ({first.get('preset')}, {first.get('layers')} layers, hidden {first.get('hidden')}, "
+             f"{first.get('dtype')})" if rows else "")
+    device = ("" if results.get("timings_meaningful") else
+              "\n> **Host phases are meaningful on CPU** (the same Python as on a GPU); **the device phases "
+              "(forward, logprobs) run through the Triton interpreter here: NOT meaningful.**\n")
+    out = [f"\n## Engine host overhead{model}: µs per decode step, per phase\n\n"
+           "`running` sequences decode together, one token each per step, greedy; per phase the median of the timed steps, host µs = the sum of the host medians. "
+           "Host: schedule (scheduler), metadata (packing the step into the runner's buffers), sampling (each "
+           "sequence's next token), output (bookkeeping, stop checks, outputs); device: forward (model + "
+           "lm_head) and logprobs (the token-logprob kernel), each phase boundary synchronized on CUDA. host µs "
+           f"/ seq = host µs ÷ running.\n{device}"]
+    out.append(table(rows, [
+        ("kernels", "kernels"), ("running", "running"), ("steps", "steps"), ("schedule", "schedule_us"),
+        ("metadata", "metadata_us"), ("sampling", "sampling_us"), ("output", "output_us"),
+        ("host µs", "host_us"), ("host µs / seq", "host_us_per_seq"), ("forward", "forward_us"),
+        ("logprobs", "logprobs_us"), ("host share", "host_fraction")]))
     return "\n".join(out)
 
 
@@ -322,7 +264,6 @@ def _strip(results: dict) -> dict:
 def write_all(results: dict, out: Path, plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if plots:
-        from .plots import make_plots
         results["plots"] = make_plots(results, out)
     clean = _strip(results)
     (out / "results.json").write_text(json.dumps(clean, indent=1, default=str) + "\n")
@@ -368,6 +309,11 @@ def summary(results: dict) -> str:
                          f"{fmt(r['tpot_ms'])} ms; ÷ stock engine {fmt(r['invariant_to_stock_engine'])}, "
                          f"÷ HF generate {fmt(r['invariant_to_hf_generate'])}"
                          + (f"; equal alone {r['invariant_rows_equal']}/{checked}" if checked else ""))
+    for r in results.get("host_overhead") or []:
+        lines.append(f"host overhead {r['kernels']} running={r['running']}: host {fmt(r['host_us'])} µs/step "
+                     f"({fmt(r['host_us_per_seq'])} µs/seq; schedule {fmt(r['schedule_us'])}, metadata "
+                     f"{fmt(r['metadata_us'])}, sampling {fmt(r['sampling_us'])}, output {fmt(r['output_us'])}); "
+                     f"forward {fmt(r['forward_us'])} µs")
     for r in results.get("server") or []:
         checked = r.get("invariant_rows_checked")
         lines.append(f"server {r['mode']} c={r['concurrency']}: {fmt(r['tokens_per_s'])} tok/s, "

@@ -77,7 +77,6 @@ class Run:
     quick: bool
     deadline: float | None = None  # time.monotonic() value; None = no budget
     skipped: list = field(default_factory=list)  # {"section", "item", "reason"}
-    notes: list = field(default_factory=list)
     section: str = ""
 
     @property

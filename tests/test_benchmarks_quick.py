@@ -1,11 +1,13 @@
-"""A minimal in-process slice of the benchmark harness (the full ``python -m benchmarks --quick``
-runs in CI on its own): one matmul shape, one divergence case, a small scoring section, the report
-files and their schema; ``--model-preset`` (validation, shapes per family, and the cheap sections
-in quick mode for a Llama preset); the serving-engine section in quick mode; the HTTP server section
-in quick mode (two real ``invariant-infer serve`` subprocesses)."""
+"""The benchmark harness end to end: ``python -m benchmarks --quick`` runs once, as a subprocess, exactly as
+a user runs it (every section, the report files, the plots), and the tests check what it wrote: the schema,
+each section's rows against the quick settings, bitwise-equal invariant rows, and the report. Apart from that
+run: ``--model-preset`` (argument validation, shapes per family, the cheap sections and divergence with right
+padding for a Llama preset, in-process)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,87 +15,171 @@ import pytest
 import torch
 
 # benchmarks/ is a folder of the repository, not part of the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import divergence, matmul, scoring  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import SECTIONS, divergence, e2e, host_overhead, matmul, norm_attention, scoring  # noqa: E402
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
 from benchmarks.__main__ import main as bench_main  # noqa: E402
 from benchmarks.__main__ import parse  # noqa: E402
-from benchmarks.report import metadata, validate, write_all  # noqa: E402
+from benchmarks.schema import validate  # noqa: E402
 from benchmarks.timing import Run  # noqa: E402
-from invariant_infer.random_checkpoints import qwen2_config  # noqa: E402
+from invariant_infer.engine.step_timer import DEVICE_PHASES, HOST_PHASES  # noqa: E402
+
+QUICK_RUN_TIMEOUT_S = 1200
+PLOTS = ("overhead_vs_m.png", "throughput_vs_batch.png", "divergence.png", "kernels.png", "engine.png", "server.png")
 
 
 @pytest.fixture(scope="module")
-def results():
-    ctx = Run(device=torch.device("cpu"), quick=True)
-    out = metadata(ctx.device, quick=True)
-    out.update({"rmsnorm": [], "attention": [], "decode_attention": [], "e2e": [], "decode": []})
-    ctx.section = "matmul"
-    out.update(matmul.run(ctx, shapes={"q": (96, 96, True)}, ms=(1, 8)))
-    ctx.section = "divergence"
-    case = divergence.Case("left-pad B=3 lens 6/3/1", (6, 3, 1))
-    out.update(divergence.run(ctx, config=qwen2_config("tiny", num_hidden_layers=1), cases=[case]))
-    ctx.section = "scoring"
-    # T=96 with the quick chunk of 64 rows: two chunks, one partial. 4 sequences of 6-12 tokens:
-    # one batch under a 64-token budget, several under 16.
-    out.update(scoring.run(ctx, config=qwen2_config("tiny", num_hidden_layers=1), memory_shape=(32, 512),
-                           memory_tokens=(96,), throughput=(4, 6, 12, 64, 16)))
-    out["skipped"] = ctx.skipped
-    return out
+def quick_run(tmp_path_factory):
+    """(exit status, results.json, RESULTS.md, output folder, stdout) of one ``python -m benchmarks --quick``."""
+    out = tmp_path_factory.mktemp("quick")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=QUICK_RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "results.json").read_text()), (out / "RESULTS.md").read_text(), out, proc.stdout
 
 
-def test_sections_ran(results):
-    assert results["skipped"] == []
-    assert [(r["shape"], r["M"]) for r in results["matmul"]] == [("q", 1), ("q", 8)]
-    assert len(results["divergence"]) == 1
+@pytest.fixture(scope="module")
+def results(quick_run):
+    return quick_run[0]
 
 
-def test_schema_fields(results):
-    assert validate(results) == []
-    assert results["timings_meaningful"] is False and results["quick"] is True
+def test_run_is_complete_and_matches_the_schema(quick_run):
+    results, _, _, stdout = quick_run
+    assert validate(results) == [] and results["skipped"] == []
+    assert results["sections"] == list(SECTIONS) and results["quick"] is True
+    assert results["timings_meaningful"] is False and results["device_type"] == "cpu"
     assert results["model"]["name"] == "qwen2:qwen2.5-1.5b" and results["model"]["rms_norm"] == "Qwen2RMSNorm"
-    for row in results["matmul"]:
-        assert row["stock_tflops"] > 0 and row["invariant_tflops"] > 0
-        assert row["max_abs_diff"] < 0.1
+    assert not any(key.startswith("_") for rows in results.values() if isinstance(rows, list)
+                   for row in rows if isinstance(row, dict) for key in row)
+    assert "host overhead invariant running=64" in stdout and "timings NOT meaningful" in stdout  # the summary
 
 
-def test_invariant_rows_bitwise_equal(results):
-    row = results["divergence"][0]
-    assert row["invariant_rows_checked"] == 3 == row["stock_rows_checked"]
-    assert row["invariant_rows_unequal"] == 0
-    assert row["invariant_max_abs_diff"] == 0.0
-    assert all(r["invariant_row0_equal"] for r in results["matmul"])
+def test_matmul_rows(results):
+    shapes = {name: (max(16, n // 16), max(16, k // 16), bias)
+              for name, (n, k, bias) in matmul.model_shapes("qwen2", "qwen2.5-1.5b").items()}
+    rows = results["matmul"]
+    assert sorted((r["shape"], r["M"]) for r in rows) == sorted((s, m) for s in shapes for m in matmul.QUICK_MS)
+    for row in rows:
+        assert (row["N"], row["K"], row["bias"]) == shapes[row["shape"]]
+        assert row["stock_tflops"] > 0 and row["invariant_tflops"] > 0 and row["max_abs_diff"] < 0.1
+        assert row["invariant_row0_equal"] is True
 
 
-def test_scoring_fields(results):
-    (mem,) = results["scoring_memory"]
-    assert (mem["tokens"], mem["hidden"], mem["vocab"], mem["chunk_rows"]) == (96, 32, 512, 64)
-    assert mem["peak_gb_method"] == "estimate"  # CPU: analytic, labelled as such
-    assert mem["naive_peak_gb"] == mem["naive_estimate_gb"] == 96 * 512 * 8 / 1e9
-    assert 0 < mem["ours_peak_gb"] < mem["naive_peak_gb"] and mem["memory_ratio"] > 1
-    assert mem["naive_ms"] > 0 and mem["ours_ms"] > 0 and mem["naive_skipped"] is None is mem["ours_skipped"]
-    assert mem["max_abs_diff"] < 1e-3 and mem["is_argmax_agree"] is True and mem["argmax_targets"] == 48
+def test_norm_attention_rows(results):
+    assert [r["M"] for r in results["rmsnorm"]] == list(norm_attention.QUICK_NORM_MS)
+    assert all(r["N"] == 1536 and r["stock_class"] == "Qwen2RMSNorm" for r in results["rmsnorm"])
+    assert [(r["batch"], r["q_len"]) for r in results["attention"]] == norm_attention.QUICK_PREFILL_GRID
+    assert [(r["batch"], r["kv_len"]) for r in results["decode_attention"]] == norm_attention.QUICK_DECODE_GRID
+    for row in results["attention"] + results["decode_attention"]:
+        assert (row["heads"], row["kv_heads"], row["head_dim"]) == (4, 2, 64) and row["max_abs_diff"] < 0.05
+
+
+def test_e2e_rows(results):
+    assert [(r["batch"], r["seq"]) for r in results["e2e"]] == list(e2e.QUICK_SCORE_SHAPES)
+    assert [r["batch"] for r in results["decode"]] == [b for b, _, _ in e2e.QUICK_DECODE_SHAPES]
+    for row in results["e2e"]:
+        assert row["stock_tokens_per_s"] > 0 and row["invariant_tokens_per_s"] > 0
+        assert row["stock_peak_gb"] is None is row["invariant_peak_gb"]  # CPU
+
+
+def test_divergence_invariant_rows_bitwise_equal(results):
+    rows = {r["case"]: r for r in results["divergence"]}
+    assert list(rows) == [case.name for case in divergence.QUICK_CASES]
+    for case in divergence.QUICK_CASES:
+        row = rows[case.name]
+        assert (row["hidden"], row["layers"], row["vocab"]) == (1536, 1, 2048)
+        assert row["stock_rows_checked"] == len(case.lengths)
+        assert row["invariant_rows_checked"] == min(len(case.lengths), case.invariant_rows or len(case.lengths))
+        assert row["invariant_rows_unequal"] == 0 and row["invariant_max_abs_diff"] == 0.0
+
+
+def test_scoring_rows(results):
+    memory = results["scoring_memory"]
+    assert [r["tokens"] for r in memory] == list(scoring.QUICK_MEMORY_TOKENS)
+    for mem in memory:
+        tokens = mem["tokens"]
+        assert (mem["hidden"], mem["vocab"], mem["chunk_rows"]) == (64, scoring.QUICK_MEMORY_VOCAB,
+                                                                     scoring.QUICK_CHUNK_ROWS)
+        assert mem["peak_gb_method"] == "estimate"  # CPU: analytic, labelled as such
+        assert mem["naive_peak_gb"] == mem["naive_estimate_gb"] == tokens * scoring.QUICK_MEMORY_VOCAB * 8 / 1e9
+        assert 0 < mem["ours_peak_gb"] < mem["naive_peak_gb"] and mem["memory_ratio"] > 1
+        assert mem["naive_ms"] > 0 and mem["ours_ms"] > 0 and mem["naive_skipped"] is None is mem["ours_skipped"]
+        assert mem["max_abs_diff"] < 1e-3 and mem["is_argmax_agree"] is True and mem["argmax_targets"] == tokens // 2
     (thr,) = results["scoring_throughput"]
-    assert thr["sequences"] == 4 and thr["tokens"] == thr["scored_tokens"] + 4
-    assert thr["batches"] == 1 < thr["alt_batches"]
-    assert thr["stock_tokens_per_s"] > 0 and thr["invariant_tokens_per_s"] > 0
+    n_seq, _, _, budget, alt = scoring.QUICK_THROUGHPUT
+    assert (thr["sequences"], thr["max_batch_tokens"], thr["alt_max_batch_tokens"]) == (n_seq, budget, alt)
+    assert thr["tokens"] == thr["scored_tokens"] + n_seq and thr["batches"] < thr["alt_batches"]
+    assert thr["stock_tokens_per_s"] > 0 and thr["invariant_tokens_per_s"] > 0 and thr["max_abs_diff"] < 0.05
     assert thr["stock_peak_gb"] is None and thr["invariant_peak_gb"] is None  # CPU
-    assert thr["max_abs_diff"] < 0.05
     assert thr["digests_equal_across_budgets"] is True
 
 
-def test_report_files(results, tmp_path):
-    write_all(dict(results), tmp_path)
-    on_disk = json.loads((tmp_path / "results.json").read_text())
-    assert validate(on_disk) == []
-    assert not any(key.startswith("_") for row in on_disk["divergence"] for key in row)
-    text = (tmp_path / "RESULTS.md").read_text()
-    assert "NOT meaningful" in text and "left-pad B=3" in text
-    assert "## Scoring" in text and "analytic estimates, not measurements" in text
-    assert not any(key.startswith("_") for key in on_disk["scoring_memory"][0])
-    for name in ("overhead_vs_m.png", "divergence.png"):
-        assert (tmp_path / name).stat().st_size > 10_000
+def test_engine_rows(results):
+    rows = results["engine"]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [
+        (mode, conc) for conc in engine_bench.QUICK_CONCURRENCY for mode in engine_bench.MODES]
+    requests = dict(zip(engine_bench.QUICK_CONCURRENCY, engine_bench.QUICK_REQUESTS))
+    for row in rows:
+        assert row["preset"] == "qwen2:tiny" and row["max_tokens"] == engine_bench.QUICK_MAX_TOKENS
+        assert row["requests"] == requests[row["concurrency"]]
+        assert row["output_tokens"] == row["requests"] * row["max_tokens"] > 0  # ignore_eos / min_new_tokens
+        assert row["tokens_per_s"] > 0 and row["tpot_ms"] > 0 and row["ttft_ms"] > 0 and row["elapsed_s"] > 0
+        engine_mode = row["mode"] != "hf_generate"
+        assert (row["preemptions"] == 0) if engine_mode else (row["preemptions"] is None)
+        if row["mode"] == "invariant_engine":
+            assert row["invariant_to_stock_engine"] > 0 and row["invariant_to_hf_generate"] > 0
+        else:
+            assert row["invariant_to_stock_engine"] is None is row["invariant_to_hf_generate"]
+            assert row["invariant_rows_checked"] is None is row["invariant_rows_equal"]
+    checked = [r for r in rows if r["mode"] == "invariant_engine" and r["concurrency"] > 1]
+    assert checked and all(r["invariant_rows_checked"] == 2 == r["invariant_rows_equal"] for r in checked)
+
+
+def test_host_overhead_rows(results):
+    rows = results["host_overhead"]
+    assert [(r["kernels"], r["running"]) for r in rows] == [
+        (k, n) for k in host_overhead.KERNELS for n in host_overhead.QUICK_RUNNING[k]]
+    for row in rows:
+        assert (row["preset"], row["layers"], row["steps"]) == ("qwen2:tiny", 1, host_overhead.QUICK_STEPS)
+        assert row["host_meaningful"] is True and row["device_meaningful"] is False
+        assert all(row[f"{phase}_us"] > 0 for phase in HOST_PHASES + DEVICE_PHASES)
+        assert row["host_us"] == pytest.approx(sum(row[f"{p}_us"] for p in HOST_PHASES))  # a sum, not a bit
+        assert row["host_us_per_seq"] == pytest.approx(row["host_us"] / row["running"])
+
+
+def test_server_rows(results):
+    rows = results["server"]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [
+        (mode, conc) for conc in server_bench.QUICK_CONCURRENCY for mode in server_bench.MODES]
+    for row in rows:
+        assert (row["preset"], row["dtype"]) == ("qwen2:tiny", "float32")
+        assert row["errors"] == 0 and row["server_exit_code"] == 0
+        assert row["requests"] == dict(zip(server_bench.QUICK_CONCURRENCY, server_bench.QUICK_REQUESTS))[
+            row["concurrency"]]
+        assert row["output_tokens"] == row["requests"] * server_bench.QUICK_MAX_TOKENS > 0
+        assert row["tokens_per_s"] > 0 and row["requests_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+        if row["mode"] == "invariant":
+            assert row["invariant_to_stock"] > 0
+        else:
+            assert row["invariant_to_stock"] is None is row["invariant_rows_checked"]
+    checked = [r for r in rows if r["mode"] == "invariant" and r["concurrency"] > 1]
+    assert checked and all(r["invariant_rows_checked"] == 2 == r["invariant_rows_equal"] for r in checked)
+
+
+def test_report_and_plots(quick_run):
+    results, text, out, _ = quick_run
+    assert "NOT meaningful" in text and "left-pad B=4 lens 7/5/3/1" in text
+    for heading in ("## Divergence", "## Matmul", "## Scoring", "## Serving engine (qwen2:tiny",
+                    "## Engine host overhead (qwen2:tiny", "## HTTP server (qwen2:tiny", "## RMSNorm"):
+        assert heading in text
+    assert "analytic estimates, not measurements" in text and "÷ stock engine" in text and "| 2/2 |" in text
+    assert "Host phases are meaningful on CPU" in text
+    assert results["plots"] == list(PLOTS)
+    for name in PLOTS:
+        assert (out / name).stat().st_size > 10_000
 
 
 def test_model_preset_default_and_validation(capsys):
@@ -117,17 +203,11 @@ def test_matmul_shapes_follow_the_preset():
     assert (qwen3["q"], qwen3["k/v"], qwen3["o"]) == ((2048, 1024, False), (1024, 1024, False), (1024, 2048, False))
 
 
-@pytest.fixture(scope="module")
-def llama_run(tmp_path_factory):
+def test_quick_run_for_a_llama_preset(tmp_path):
     """python -m benchmarks --quick --model-preset llama:llama-3.2-1b, the cheap sections, in-process."""
-    out = tmp_path_factory.mktemp("llama")
     rc = bench_main(["--quick", "--model-preset", "llama:llama-3.2-1b", "--only", "matmul,norm_attention",
-                     "--out", str(out), "--no-plots"])
-    return rc, json.loads((out / "results.json").read_text()), (out / "RESULTS.md").read_text()
-
-
-def test_quick_run_for_a_llama_preset(llama_run):
-    rc, results, text = llama_run
+                     "--out", str(tmp_path), "--no-plots"])
+    results, text = json.loads((tmp_path / "results.json").read_text()), (tmp_path / "RESULTS.md").read_text()
     assert rc == 0 and results["skipped"] == [] and results["quick"] is True
     model = results["model"]
     assert (model["name"], model["family"], model["preset"]) == ("llama:llama-3.2-1b", "llama", "llama-3.2-1b")
@@ -154,80 +234,3 @@ def test_divergence_for_a_llama_preset():
     assert row["stock_rows_checked"] == 3 == row["invariant_rows_checked"]
     assert row["invariant_rows_unequal"] == 0 and row["invariant_max_abs_diff"] == 0.0
     assert row["invariant_frac_unequal"] == 0.0
-
-
-@pytest.fixture(scope="module")
-def engine_rows():
-    """The engine section as quick mode runs it: qwen2 tiny, concurrency 1 and 4 (2 and 4 requests), 4 tokens."""
-    ctx = Run(device=torch.device("cpu"), quick=True)
-    ctx.section = "engine"
-    out = engine_bench.run(ctx)
-    assert ctx.skipped == []
-    return out["engine"]
-
-
-def test_engine_rows_three_modes(engine_rows):
-    assert [(r["mode"], r["concurrency"]) for r in engine_rows] == [
-        (mode, conc) for conc in engine_bench.QUICK_CONCURRENCY for mode in engine_bench.MODES]
-    for row in engine_rows:
-        assert row["preset"] == "qwen2:tiny" and row["max_tokens"] == engine_bench.QUICK_MAX_TOKENS
-        assert row["requests"] == dict(zip(engine_bench.QUICK_CONCURRENCY, engine_bench.QUICK_REQUESTS))[
-            row["concurrency"]]
-        assert row["output_tokens"] == row["requests"] * row["max_tokens"] > 0  # ignore_eos / min_new_tokens
-        assert row["tokens_per_s"] > 0 and row["tpot_ms"] > 0 and row["ttft_ms"] > 0 and row["elapsed_s"] > 0
-        engine_mode = row["mode"] != "hf_generate"
-        assert (row["preemptions"] == 0) if engine_mode else (row["preemptions"] is None)
-        if row["mode"] == "invariant_engine":
-            assert row["invariant_to_stock_engine"] > 0 and row["invariant_to_hf_generate"] > 0
-        else:
-            assert row["invariant_to_stock_engine"] is None is row["invariant_to_hf_generate"]
-            assert row["invariant_rows_checked"] is None is row["invariant_rows_equal"]
-
-
-def test_engine_invariant_requests_equal_alone(engine_rows):
-    checked = [r for r in engine_rows if r["mode"] == "invariant_engine" and r["concurrency"] > 1]
-    assert checked
-    for row in checked:
-        assert row["invariant_rows_checked"] == 2 == row["invariant_rows_equal"]
-
-
-def test_engine_report(engine_rows, tmp_path):
-    results = metadata(torch.device("cpu"), quick=True)
-    results.update({"matmul": [], "e2e": [], "divergence": [], "engine": engine_rows})
-    assert validate(results) == []
-    write_all(results, tmp_path)
-    on_disk = json.loads((tmp_path / "results.json").read_text())
-    assert validate(on_disk) == [] and len(on_disk["engine"]) == len(engine_rows)
-    assert not any(key.startswith("_") for row in on_disk["engine"] for key in row)
-    text = (tmp_path / "RESULTS.md").read_text()
-    assert "## Serving engine (qwen2:tiny" in text and "÷ stock engine" in text and "| 2/2 |" in text
-    assert on_disk["plots"] == ["engine.png"] and (tmp_path / "engine.png").stat().st_size > 10_000
-
-
-def test_server_section_quick():
-    """Quick server section (qwen2 tiny with 1 layer, for CI time): both modes at concurrency 1 and 4, every
-    request 200 with max_tokens tokens, the invariant server's checked responses equal the same requests
-    alone; both servers exit 0 on SIGTERM."""
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("requests")
-    ctx = Run(device=torch.device("cpu"), quick=True)
-    ctx.section = "server"
-    rows = server_bench.run(ctx, config=qwen2_config("tiny", num_hidden_layers=1))["server"]
-    assert ctx.skipped == []
-    assert [(r["mode"], r["concurrency"]) for r in rows] == [
-        (mode, conc) for conc in server_bench.QUICK_CONCURRENCY for mode in server_bench.MODES]
-    for row in rows:
-        assert (row["preset"], row["layers"]) == ("qwen2:custom", 1)
-        assert row["errors"] == 0 and row["server_exit_code"] == 0 and row["requests"] == 4
-        assert row["output_tokens"] == row["requests"] * server_bench.QUICK_MAX_TOKENS > 0
-        assert row["tokens_per_s"] > 0 and row["requests_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
-        if row["mode"] == "invariant":
-            assert row["invariant_to_stock"] > 0
-        else:
-            assert row["invariant_to_stock"] is None is row["invariant_rows_checked"]
-    checked = [r for r in rows if r["mode"] == "invariant" and r["concurrency"] > 1]
-    assert checked and all(r["invariant_rows_checked"] == 2 == r["invariant_rows_equal"] for r in checked)
-    results = metadata(torch.device("cpu"), quick=True)
-    results.update({"matmul": [], "e2e": [], "divergence": [], "server": rows})
-    assert validate(results) == []

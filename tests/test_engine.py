@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import invariant_infer.engine.engine as engine_module
-from helpers import FAMILY_NAMES, load_model
+import invariant_infer.patch
+from helpers import FAMILY_NAMES, load_model, m_dependent_linear, train_tokenizer
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.generation import seeded_sampling
-from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
+from invariant_infer.padding import left_pad
 
-NEW_TOKENS = 4
+NEW_TOKENS = 3
 
 
 def prompts_for(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
@@ -58,10 +59,10 @@ def assert_same(a, b):
 def family_models(family_checkpoints):
     cache = {}
 
-    def get(family):
-        if family not in cache:
-            cache[family] = make_invariant(load_model(family_checkpoints(family), torch.bfloat16))
-        return cache[family]
+    def get(family, dtype=torch.bfloat16):
+        if (family, dtype) not in cache:
+            cache[family, dtype] = make_invariant(load_model(family_checkpoints(family), dtype))
+        return cache[family, dtype]
     return get
 
 
@@ -70,24 +71,66 @@ def test_any_schedule_equals_alone_generate_and_score(family_models, family):
     model = family_models(family)
     prompts = prompts_for(model.config.vocab_size, (9, 3, 14), seed=1)
     # Token budget 5 chunks every prefill and mixes chunks with decode tokens; the third request
-    # arrives mid-decode; the latest sequence is preempted once and recomputed.
-    mixed = run_schedule(Engine(model, max_num_seqs=3, max_num_batched_tokens=5), prompts, arrivals=(0, 0, 3),
-                         preempt_at=(4,))
+    # arrives mid-decode; the latest sequence is preempted once and recomputed; decode-only steps are
+    # padded to 4 rows (as CUDA-graph buckets would be).
+    engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=5, decode_buckets=(4,))
+    mixed = run_schedule(engine, prompts, arrivals=(0, 0, 3), preempt_at=(4,))
+    assert engine.runner.padding_rows > 0 and engine.scheduler.num_preemptions > 0
+    alone_engine = Engine(model)
     for i, prompt in enumerate(prompts):
-        alone = Engine(model).generate([prompt], request_params(i))[0]
-        assert_same(mixed[i], alone)
-        # model.generate on the wrapped model: same tokens (seeded: same seed, same filters).
-        params = request_params(i)
+        assert_same(mixed[i], alone_engine.generate([prompt], request_params(i))[0])
+    # model.generate on the wrapped model (batch-invariant itself): the same tokens, the greedy requests
+    # in one left-padded batch, the seeded one with the same seed and filters.
+    for group in ([0, 2], [1]):
+        params = request_params(group[0])
         kwargs = {}
         if params.temperature:
             kwargs["logits_processor"] = seeded_sampling([params.seed], params.temperature, params.top_k, params.top_p)
-        ids = torch.tensor([prompt])
-        generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                   do_sample=False, pad_token_id=0, eos_token_id=None, **kwargs)
-        assert mixed[i].token_ids == generated[0, len(prompt):].tolist()
-        # score_sequences over prompt + generated: prompt logprobs, then the decode logprobs.
-        scored = score_sequences(model, [prompt + mixed[i].token_ids])[0].token_logprobs
-        assert torch.equal(torch.tensor(mixed[i].prompt_logprobs + mixed[i].logprobs, dtype=torch.float32), scored)
+        ids, mask = left_pad([prompts[i] for i in group])
+        generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None, **kwargs)
+        assert [mixed[i].token_ids for i in group] == generated[:, ids.shape[1]:].tolist()
+    # score_sequences over prompt + generated: prompt logprobs, then the decode logprobs.
+    scored = score_sequences(model, [prompt + mixed[i].token_ids for i, prompt in enumerate(prompts)])
+    for i in range(len(prompts)):
+        assert torch.equal(torch.tensor(mixed[i].prompt_logprobs + mixed[i].logprobs, dtype=torch.float32),
+                           scored[i].token_logprobs)
+
+
+def _decode_step(model, prompts, bucket: int):
+    """An engine whose sequences have their prompts in the cache, and its next step's (decode) chunks."""
+    engine = Engine(model, decode_buckets=(bucket,))
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    chunks = engine.scheduler.schedule()
+    assert [chunk.num_tokens for chunk in chunks] == [1] * len(prompts)
+    return engine.runner, chunks
+
+
+def padded_and_plain(model, prompts, bucket: int):
+    runner, chunks = _decode_step(model, prompts, bucket)
+    padded = runner.hidden_states(chunks)
+    runner.decode_buckets = []
+    plain = runner.hidden_states(chunks)
+    assert runner.padding_rows == bucket - len(chunks)
+    return padded, plain
+
+
+def test_decode_padding_rows_do_not_change_real_rows(family_models):
+    """A decode step padded to a bucket (rows on scratch pages): the real rows' hidden states are
+    bitwise those of the unpadded step. (fp32: bf16 would round much of a reordering away.)"""
+    model = family_models("qwen2", torch.float32)
+    padded, plain = padded_and_plain(model, prompts_for(model.config.vocab_size, (9, 3, 14), seed=8), bucket=8)
+    assert padded.shape == plain.shape == (3, model.config.hidden_size) and torch.equal(padded, plain)
+
+
+def test_negative_control_padding_changes_an_m_dependent_linear(family_models, monkeypatch):
+    """The same padding with projections that pick BLOCK_K by M (3 rows vs 8): the real rows change."""
+    model = family_models("qwen2", torch.float32)
+    monkeypatch.setattr(invariant_infer.patch, "linear", m_dependent_linear)
+    padded, plain = padded_and_plain(model, prompts_for(model.config.vocab_size, (9, 3, 14), seed=8), bucket=8)
+    assert not torch.equal(padded, plain)
 
 
 def test_engine_score_equals_score_sequences(family_models):
@@ -138,7 +181,7 @@ def test_unseeded_request_returns_its_seed_and_replays(family_models):
     assert 0 <= first.seed < 2 ** 63 and replay.token_ids == first.token_ids and replay.logprobs == first.logprobs
 
 
-@pytest.mark.parametrize("prompt, params, match", [
+BAD_REQUESTS = [
     ([], SamplingParams(), "empty prompt"),
     ([1, 99999], SamplingParams(), "outside the vocabulary"),
     ([1, 2], SamplingParams(max_tokens=10_000), "positions"),
@@ -148,11 +191,21 @@ def test_unseeded_request_returns_its_seed_and_replays(family_models):
     ([1, 2], SamplingParams(logprobs=21), "logprobs"),
     ([1, 2], SamplingParams(stop=["x"]), "tokenizer"),
     ("text", SamplingParams(), "tokenizer"),
-])
-def test_bad_requests_are_refused_and_the_engine_keeps_serving(family_models, prompt, params, match):
+]
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(family_models):
     engine = Engine(family_models("qwen2"))
-    with pytest.raises(RequestError, match=match):
-        engine.add_request(prompt, params)
+    running = engine.add_request([4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    for prompt, params, match in BAD_REQUESTS:
+        with pytest.raises(RequestError, match=match):
+            engine.add_request(prompt, params)
+    assert list(engine.sequences) == [running]  # nothing of the refused requests stayed behind
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].request_id == running and outputs[-1].finish_reason == "length"
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
 
 
@@ -188,29 +241,23 @@ def test_abort_frees_pages(family_models):
     assert engine.blocks.num_used == 0 and not engine.has_unfinished()
 
 
-@pytest.mark.slow
-def test_negative_control_stock_engine_differs_at_real_widths(tmp_path):
-    """The same engine with stock kernels: a request's logprobs change with its batch-mates. (On
-    this CPU, stock fp32 linear layers round differently at M = 1 than at M > 1, so decode steps
-    alone and in a batch differ; bf16 happens to be M-invariant here.)"""
-    config = random_config("qwen2", "qwen2.5-1.5b", num_hidden_layers=1, vocab_size=2048, max_position_embeddings=1024)
-    model = load_model(save_random_checkpoint(tmp_path / "m", config, seed=3), torch.float32)
-    prompts = prompts_for(config.vocab_size, (33, 1, 20, 7), seed=7)
-    params = SamplingParams(max_tokens=3, prompt_logprobs=0, ignore_eos=True)
-    batched = Engine(model, kernels="stock", max_num_batched_tokens=64).generate(prompts, params)
-    alone = [Engine(model, kernels="stock").generate([p], params)[0] for p in prompts]
+def test_negative_control_m_dependent_linear_changes_a_request_with_its_batch(family_models, monkeypatch):
+    """The same schedule with projections that pick BLOCK_K by M: a request's results change with its
+    batch-mates (here the 3-token prompt, whose prefill alone has M <= 4). fp32, as above."""
+    model = family_models("qwen2", torch.float32)
+    monkeypatch.setattr(invariant_infer.patch, "linear", m_dependent_linear)
+    prompts = prompts_for(model.config.vocab_size, (9, 3, 14), seed=1)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0, ignore_eos=True)
+    batched = Engine(model).generate(prompts, params)
+    alone = [Engine(model).generate([p], params)[0] for p in prompts]
     assert any(a.prompt_logprobs != b.prompt_logprobs or a.logprobs != b.logprobs for a, b in zip(batched, alone))
 
 
-def test_text_prompts_and_stop_strings(tmp_path):
+def test_text_prompts_and_stop_strings(family_models, tmp_path):
     from transformers import AutoTokenizer
-
-    from helpers import train_tokenizer
-    path = save_random_checkpoint(tmp_path / "m", random_config("qwen2", "tiny"), seed=4)
-    train_tokenizer(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = make_invariant(load_model(path, torch.bfloat16))
-    engine = Engine(model, tokenizer)
+    train_tokenizer(tmp_path)  # 320 tokens, inside the model's vocabulary
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    engine = Engine(family_models("qwen2"), tokenizer)
     free = engine.generate(["the cat runs"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert free.prompt_token_ids == tokenizer.encode("the cat runs", add_special_tokens=False)
     assert free.text == tokenizer.decode(free.token_ids, skip_special_tokens=True) and free.text

@@ -24,6 +24,7 @@ from .model_runner import ModelRunner
 from .sampling_params import RequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, Status
+from .step_timer import StepTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5   # of the free memory at start
@@ -48,7 +49,8 @@ class RequestOutput:
 
 class Engine:
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant"):
+                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
+                 decode_buckets: tuple[int, ...] = ()):
         if kernels not in ("invariant", "stock"):
             raise ValueError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -72,7 +74,9 @@ class Engine:
         num_pages = min(kv_cache_memory // page_bytes, max_num_seqs * -(-self.max_positions // page_size))
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each)")
-        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant")
+        self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant",
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  decode_buckets=decode_buckets)
         self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.sequences: dict[str, Sequence] = {}
@@ -81,6 +85,7 @@ class Engine:
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        self.timer: StepTimer | None = None  # set one to time each step's phases (benchmarks)
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -145,13 +150,18 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of every request that advanced (finished ones last time)."""
+        timer = self.timer
+        if timer:
+            timer.start()
         chunks = self.scheduler.schedule()
+        if timer:
+            timer.mark("schedule")
         if not chunks:
             return []
         advanced: list[Sequence] = []
-        for group, hidden in self._forward(chunks):
+        for group, hidden, error in self._forward(chunks):
             if hidden is None:  # this request's forward failed alone
-                self._finish(group[0].seq, "error", error=self._last_error)
+                self._finish(group[0].seq, "error", error=error)
                 advanced.append(group[0].seq)
                 continue
             try:
@@ -164,24 +174,31 @@ class Engine:
         for seq in advanced:
             if seq.finished:
                 self.sequences.pop(seq.request_id, None)
+        if timer:
+            timer.end_step("output")
         return outputs
 
     def _forward(self, chunks: list[ScheduledChunk]):
-        """(chunks, hidden) pairs: the whole step at once, or, if that raises, each request alone, so
-        that an exception fails only the request that raises it."""
+        """(chunks, hidden, error) triples: the whole step at once, or, if that raises, each request
+        alone, so that an exception fails only the request that raises it (hidden None, error set)."""
+        timer = self.timer
         try:
-            return [(chunks, self.runner.hidden_states(chunks))]
+            inputs = self.runner.prepare(chunks)
+            if timer:
+                timer.mark("metadata")
+            hidden = self.runner.forward(inputs)
+            if timer:
+                timer.mark("forward")
+            return [(chunks, hidden, None)]
         except Exception as exc:  # noqa: BLE001
-            self._last_error = f"{type(exc).__name__}: {exc}"
             if len(chunks) == 1:
-                return [(chunks, None)]
+                return [(chunks, None, f"{type(exc).__name__}: {exc}")]
         results = []
         for chunk in chunks:
             try:
-                results.append(([chunk], self.runner.hidden_states([chunk])))
+                results.append(([chunk], self.runner.hidden_states([chunk]), None))
             except Exception as exc:  # noqa: BLE001
-                self._last_error = f"{type(exc).__name__}: {exc}"
-                results.append(([chunk], None))
+                results.append(([chunk], None, f"{type(exc).__name__}: {exc}"))
         return results
 
     def _process(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[Sequence]:
@@ -202,26 +219,41 @@ class Engine:
                 sample_rows.append((len(rows), seq))
                 rows.append(offset + chunk.num_tokens - 1)
             offset += chunk.num_tokens
+        timer = self.timer
+        if timer:
+            timer.mark("output")
         if not rows:
             return []
         logits = self.runner.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if timer:
+            timer.mark("forward")
         if prompt_targets:
             sampled = {r for r, _ in sample_rows}
             prompt_rows = [i for i in range(len(rows)) if i not in sampled]
             self._record_prompt_logprobs(logits[prompt_rows], prompt_targets, prompt_owners)
+            if timer:
+                timer.mark("logprobs")
         advanced, picked = [], []
+        greedy = [row for row, seq in sample_rows if self._plain_greedy(seq)]
+        # One argmax over every plain greedy row: per row the same first maximum as sample_next_token's,
+        # in one call (and one device sync) instead of one per sequence.
+        argmax = dict(zip(greedy, logits[greedy].float().argmax(-1).tolist())) if greedy else {}
         for row, seq in sample_rows:
             advanced.append(seq)
             try:
-                token = self._pick(seq, logits[row])
+                token = self._pick(seq, logits[row], argmax.get(row))
             except Exception as exc:  # noqa: BLE001  (one request's failure stays its own)
                 self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
                 continue
             if token is not None:
                 picked.append((row, seq, token))
+        if timer:
+            timer.mark("sampling")
         if picked:  # the sampled tokens' logprobs, in one launch (each row is reduced alone)
             tokens = torch.tensor([token for _, _, token in picked], device=logits.device)
             values = self.runner.logprobs(logits[[row for row, _, _ in picked]], tokens)[0].tolist()
+            if timer:
+                timer.mark("logprobs")
             for (row, seq, token), value in zip(picked, values):
                 self._append(seq, token, value, logits[row])
         return advanced
@@ -241,12 +273,21 @@ class Engine:
         values = self.runner.logprobs(logits_row[None].expand(k, -1), ids)[0].tolist()
         return dict(zip(ids.tolist(), values))
 
-    def _pick(self, seq: Sequence, logits_row: torch.Tensor) -> int | None:
-        """The sequence's next token, or None when it has all it asked for (max_tokens = 0)."""
+    @staticmethod
+    def _plain_greedy(seq: Sequence) -> bool:
+        """Its next token is the argmax of its logits (greedy, no penalty, tokens still to come)."""
+        params = seq.params
+        return params.temperature == 0 and params.repetition_penalty == 1.0 and len(seq.output_ids) < params.max_tokens
+
+    def _pick(self, seq: Sequence, logits_row: torch.Tensor, argmax: int | None = None) -> int | None:
+        """The sequence's next token (``argmax`` when a plain greedy one's is already known), or None
+        when it has all it asked for (max_tokens = 0)."""
         params = seq.params
         if len(seq.output_ids) >= params.max_tokens:
             self._finish(seq, "length")
             return None
+        if argmax is not None:
+            return argmax
         return sample_next_token(logits_row.float(), seq.tokens, step=len(seq.output_ids), seed=seq.seed,
                                  temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                  repetition_penalty=params.repetition_penalty)

@@ -7,6 +7,10 @@ each token's absolute position; attention receives a ``paged_batch`` keyword tha
 forward passes through to its attention function (``invariant_infer.hf_attention``), which
 writes the step's K/V into the pages and attends over each sequence's own pages.
 
+The step's metadata is copied into buffers allocated once, and ``decode_buckets`` pads a
+decode-only step to a fixed number of rows, as CUDA-graph capture needs (benchmarks/README.md lists
+what capture needs besides).
+
 ``kernels="invariant"`` (the model is wrapped by ``make_invariant``) runs the paged Triton
 attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kernels="stock"``
 (an unwrapped model) runs stock linear layers and torch SDPA per sequence, for benchmarks.
@@ -79,8 +83,18 @@ class PagedBatch:
         return out
 
 
+@dataclass
+class StepInputs:
+    """What one forward reads: views of the runner's persistent buffers."""
+    input_ids: torch.Tensor        # long [1, T]
+    position_ids: torch.Tensor     # long [1, T]
+    batch: PagedBatch
+    num_real_tokens: int           # the first rows; padding rows follow
+
+
 class ModelRunner:
-    def __init__(self, model, *, num_pages: int, page_size: int, invariant: bool):
+    def __init__(self, model, *, num_pages: int, page_size: int, invariant: bool, max_num_seqs: int,
+                 max_num_batched_tokens: int, decode_buckets: tuple[int, ...] = ()):
         self.model, self.invariant = model, invariant
         config = model.config
         self.base = model.model
@@ -89,10 +103,30 @@ class ModelRunner:
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = _head_dim(config)
-        self.page_size = page_size
-        shape = (num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        self.page_size, self.num_pages = page_size, num_pages
+        self.decode_buckets = sorted(set(decode_buckets))
+        if any(type(b) is not int or b < 1 for b in self.decode_buckets):
+            raise ValueError(f"decode_buckets must be positive integers, got {decode_buckets!r}")
+        if self.decode_buckets and config.max_position_embeddings < page_size:
+            raise ValueError("decode_buckets: padding rows take positions up to the page size "
+                             f"{page_size}, more than max_position_embeddings {config.max_position_embeddings}")
+        # Padding row i writes slot i of the scratch pages that follow the block manager's pages.
+        max_bucket = max(self.decode_buckets, default=0)
+        self.scratch_pages = -(-max_bucket // page_size)
+        self.padding_rows = 0  # padding rows run, since start
+        shape = (num_pages + self.scratch_pages, self.page_size, self.num_kv_heads, self.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        # Step metadata lives in buffers allocated once (a captured graph reads fixed addresses).
+        max_tokens, max_seqs = max(max_num_batched_tokens, max_bucket), max(max_num_seqs, max_bucket)
+        max_pages = -(-config.max_position_embeddings // page_size)
+
+        def buffer(*size, dtype):
+            return torch.zeros(size, dtype=dtype, device=self.device)
+        self.input_ids, self.positions = buffer(max_tokens, dtype=torch.long), buffer(max_tokens, dtype=torch.long)
+        self.slot_mapping = buffer(max_tokens, dtype=torch.int64)
+        self.query_starts, self.seq_lens = buffer(max_seqs + 1, dtype=torch.int32), buffer(max_seqs, dtype=torch.int32)
+        self.block_tables = buffer(max_seqs, max_pages, dtype=torch.int32)
         if not invariant:
             AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, _paged_stock_attention)
             model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
@@ -107,8 +141,19 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * page_size * config.num_key_value_heads * _head_dim(config) * element
 
-    def _batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
-        ids, positions, slots, starts, lens = [], [], [], [0], []
+    def bucket(self, chunks: list[ScheduledChunk]) -> int:
+        """Rows of the step: a decode-only step is padded to the smallest bucket that holds it."""
+        if all(chunk.num_tokens == 1 for chunk in chunks):
+            for size in self.decode_buckets:
+                if size >= len(chunks):
+                    return size
+        return len(chunks)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """Pack the chunks' tokens and paged metadata into the persistent buffers. Padding rows (one
+        token each, at position i % page_size of scratch page i // page_size, attending to the
+        scratch keys before it) compute alone, like every row, so no real row's bits change."""
+        ids, positions, slots, starts, lens, tables = [], [], [], [0], [], []
         for chunk in chunks:
             seq, end = chunk.seq, chunk.start + chunk.num_tokens
             ids += seq.tokens[chunk.start:end]
@@ -117,25 +162,39 @@ class ModelRunner:
             slots += [seq.pages[p // self.page_size] * self.page_size + p % self.page_size for p in span]
             starts.append(starts[-1] + chunk.num_tokens)
             lens.append(end)
-        width = max(len(chunk.seq.pages) for chunk in chunks)
-        tables = [chunk.seq.pages + [0] * (width - len(chunk.seq.pages)) for chunk in chunks]
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-        batch = PagedBatch(self.k_caches, self.v_caches, tensor(slots, torch.int64), tensor(starts, torch.int32),
-                           tensor(lens, torch.int32), tensor(tables, torch.int32),
-                           max(c.num_tokens for c in chunks), starts, lens, self.invariant)
-        return tensor(ids, torch.long)[None], tensor(positions, torch.long)[None], batch
+            tables.append(seq.pages)
+        num_real = len(ids)
+        for i in range(self.bucket(chunks) - len(chunks)):
+            page, offset = self.num_pages + i // self.page_size, i % self.page_size
+            ids.append(0)
+            positions.append(offset)
+            slots.append(page * self.page_size + offset)
+            starts.append(starts[-1] + 1)
+            lens.append(offset + 1)
+            tables.append([page])
+        self.padding_rows += len(ids) - num_real
+        tokens, seqs, width = len(ids), len(lens), max(map(len, tables))
+        for buf, values in ((self.input_ids, ids), (self.positions, positions), (self.slot_mapping, slots),
+                            (self.query_starts, starts), (self.seq_lens, lens)):
+            buf[:len(values)].copy_(torch.tensor(values, dtype=buf.dtype))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        self.block_tables[:seqs, :width].copy_(table)
+        batch = PagedBatch(self.k_caches, self.v_caches, self.slot_mapping[:tokens], self.query_starts[:seqs + 1],
+                           self.seq_lens[:seqs], self.block_tables[:seqs, :width],
+                           max(starts[s + 1] - starts[s] for s in range(seqs)), starts, lens, self.invariant)
+        return StepInputs(self.input_ids[:tokens][None], self.positions[:tokens][None], batch, num_real)
 
     @torch.inference_mode()
-    def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Final hidden states [T, H] of the step's packed tokens."""
-        input_ids, position_ids, batch = self._batch(chunks)
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states [T, H] of the step's real packed tokens."""
         # A prepared 4-D mask: transformers passes it through untouched (attention ignores it here).
-        mask = sequence_bounds(None, 1, input_ids.shape[1], 0, self.device)
-        out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
-                        **{PAGED_BATCH_KWARG: batch})
-        return out.last_hidden_state[0]
+        mask = sequence_bounds(None, 1, inputs.input_ids.shape[1], 0, self.device)
+        out = self.base(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=mask,
+                        use_cache=False, **{PAGED_BATCH_KWARG: inputs.batch})
+        return out.last_hidden_state[0, :inputs.num_real_tokens]
+
+    def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        return self.forward(self.prepare(chunks))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

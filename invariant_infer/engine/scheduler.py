@@ -52,19 +52,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.release(seq)
-        seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-
     def preempt_latest(self) -> Sequence | None:
-        """Preempt the most recently admitted running sequence (also used by tests)."""
+        """Free the pages of the most recently admitted running sequence and put it first in the
+        waiting queue (it is recomputed from its tokens); returns it, or None if none runs."""
         if not self.running:
             return None
         victim = max(self.running, key=lambda s: s.arrival)
-        self._preempt(victim)
+        self.running.remove(victim)
+        self.blocks.release(victim)
+        victim.status = Status.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
         return victim
 
     def schedule(self) -> list[ScheduledChunk]:
@@ -77,9 +75,7 @@ class Scheduler:
                 continue
             count = min(seq.num_tokens - seq.num_computed, budget)
             while not self.blocks.can_allocate(seq, count):
-                victim = max(self.running, key=lambda s: s.arrival)
-                self._preempt(victim)
-                if victim is seq:
+                if self.preempt_latest() is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
