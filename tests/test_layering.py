@@ -1,0 +1,148 @@
+"""Dependencies point one way: kernels <- model adapters and patching <- generation, scoring,
+engine <- server and distributed jobs <- CLIs, with benchmarks on top. Every import counts,
+function-level ones too (they must not hide a cycle); a package's ``__init__`` re-exports count as
+imports of its modules."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"invariant_infer": ROOT / "invariant_infer", "invariant_infer.kernels": ROOT / "kernels",
+            "benchmarks": ROOT / "benchmarks"}
+
+# Lower layers never import higher ones; a module not listed here fails the test (say where it goes).
+LAYERS = [
+    ["invariant_infer.kernels"],
+    ["invariant_infer.errors", "invariant_infer.families", "invariant_infer.padding", "invariant_infer.hf_attention",
+     "invariant_infer.patch", "invariant_infer.random_checkpoints"],
+    ["invariant_infer.drift", "invariant_infer.sampling", "invariant_infer.generation", "invariant_infer.scoring",
+     "invariant_infer.engine", "invariant_infer.loading", "invariant_infer"],
+    ["invariant_infer.server", "invariant_infer.distributed", "invariant_infer.scoring_job",
+     "invariant_infer.scoring_backends"],
+    ["invariant_infer.cli", "invariant_infer.demo", "invariant_infer.scoring_cli", "invariant_infer.serve_cli"],
+    ["benchmarks"],
+]
+
+
+def module_files() -> dict[str, Path]:
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            if package != "invariant_infer.kernels" and path.is_relative_to(ROOT / "kernels"):
+                continue
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[0] == "kernels" and package == "invariant_infer":
+                continue  # a symlink to kernels/ in some checkouts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            for alias in node.names:  # `from pkg import module` imports the module, else pkg's name
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in MODULES else target)
+    return {module for module in found if module in MODULES and module != name}
+
+
+GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (rank, len(prefix))
+    assert best is not None, f"{module} is in no layer of tests/test_layering.py: add it where it belongs"
+    return best[0]
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_upward_import(module):
+    upward = sorted(m for m in GRAPH[module] if layer_of(m) > layer_of(module))
+    assert not upward, f"{module} (layer {layer_of(module)}) imports higher layers: {upward}"
+
+
+def test_kernels_know_nothing_of_transformers_or_the_library():
+    for module, path in MODULES.items():
+        if not module.startswith("invariant_infer.kernels"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for imported in names:
+                top = imported.split(".")[0]
+                assert top not in ("transformers", "invariant_infer", "kernels"), f"{module} imports {imported}"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def without_package_inits(graph):
+    """A package's own modules may import each other through the package; re-exports in an
+    ``__init__`` are edges from the package to its modules, not from the modules back."""
+    return {m: {d for d in deps if not (m.startswith(d + ".") and MODULES[d].name == "__init__.py")}
+            for m, deps in graph.items()}
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(without_package_inits(GRAPH))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_negative_control_a_cycle_and_an_upward_import_are_found():
+    graph = without_package_inits({**GRAPH, "invariant_infer.scoring": GRAPH["invariant_infer.scoring"]
+                                   | {"invariant_infer.scoring_cli"}})
+    assert find_cycle(graph) is not None
+    assert layer_of("invariant_infer.scoring_cli") > layer_of("invariant_infer.scoring")
+
+
+def test_the_library_never_imports_tests():
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            assert not any(n.split(".")[0] in ("tests", "helpers", "conftest") for n in names), module
