@@ -58,6 +58,11 @@ def serve(args) -> int:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)  # inherited by each connection
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
+        # A connection whose client reads nothing for this long is reset by the kernel. The app's
+        # write timeout ends a stalled stream, but closing its connection waits for the unread
+        # bytes to drain, which would keep a graceful shutdown waiting forever.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(args.stream_write_timeout * 1000)))
     sock.bind((args.host, args.port))
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
