@@ -246,7 +246,7 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _csv(value: str, allowed, what: str) -> list[str]:
+def csv_choices(value: str, allowed, what: str) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [v for v in items if v not in allowed]
     if unknown or not items:
@@ -260,9 +260,9 @@ def parse(argv=None):
                                 "row compared bitwise with the same sample alone.")
     p.add_argument("--batchings", type=int, default=100, help="how many batchings to draw (default 100)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--families", type=lambda v: _csv(v, FAMILIES, "families"), default=sorted(FAMILIES),
+    p.add_argument("--families", type=lambda v: csv_choices(v, FAMILIES, "families"), default=sorted(FAMILIES),
                    help=f"comma list (default all: {','.join(sorted(FAMILIES))})")
-    p.add_argument("--dtypes", type=lambda v: _csv(v, DTYPES, "dtypes"), default=list(DTYPES),
+    p.add_argument("--dtypes", type=lambda v: csv_choices(v, DTYPES, "dtypes"), default=list(DTYPES),
                    help="comma list of bf16,fp16,fp32 (default all)")
     p.add_argument("--device", default="cpu", help="cpu (default; kernels in the Triton interpreter) or cuda")
     p.add_argument("--out", type=Path, default=None, help="JSON summary, rewritten every --save-every batchings")

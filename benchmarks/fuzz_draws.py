@@ -121,16 +121,34 @@ def fuzz_overrides(family: str) -> dict:
     return {**FUZZ_OVERRIDES, **FAMILY_OVERRIDES.get(family, {})}
 
 
+class Models:
+    """One patched model per (family, dtype), from a random checkpoint saved once per family under
+    ``workdir`` and loaded with ``from_pretrained(dtype=...)``, on first use."""
+
+    def __init__(self, families, seed: int, device: str, workdir: Path):
+        self.seed, self.device, self.workdir = seed, device, workdir
+        self.configs = {f: random_config(f, "tiny", **fuzz_overrides(f)) for f in families}
+        self.loaded: dict[tuple, torch.nn.Module] = {}
+
+    def __call__(self, family: str, dtype: str):
+        key = (family, dtype)
+        if key not in self.loaded:
+            path = self.workdir / family
+            if not path.exists():
+                save_random_checkpoint(path, self.configs[family], seed=self.seed)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(self.device).eval()
+            self.loaded[key] = make_invariant(model)
+        return self.loaded[key]
+
+
 class Pools:
-    """One patched model per (family, dtype), loaded on first use; each sample's alone logits cached."""
+    """The padded fuzz's models and sample pools; each sample's alone logits cached per model."""
 
     def __init__(self, families, seed: int, device: str, workdir: Path, pool_size: int, max_len: int,
                  long_len: int):
-        self.seed, self.device, self.workdir = seed, device, workdir
-        self.configs = {f: random_config(f, "tiny", **fuzz_overrides(f)) for f in families}
+        self.models = Models(families, seed, device, workdir)
         self.samples = {f: pool_samples(seed, f, c.vocab_size, pool_size, max_len, long_len)
-                        for f, c in self.configs.items()}
-        self.models: dict[tuple, torch.nn.Module] = {}
+                        for f, c in self.models.configs.items()}
         self.alone: dict[tuple, list] = {}
         self.alone_s = 0.0
         self.alone_forwards = 0
@@ -139,15 +157,8 @@ class Pools:
         return {f: [len(s) for s in samples] for f, samples in self.samples.items()}
 
     def model(self, family: str, dtype: str):
-        key = (family, dtype)
-        if key not in self.models:
-            path = self.workdir / family
-            if not path.exists():
-                save_random_checkpoint(path, self.configs[family], seed=self.seed)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(self.device).eval()
-            self.models[key] = make_invariant(model)
-            self.alone[key] = [None] * len(self.samples[family])
-        return self.models[key]
+        self.alone.setdefault((family, dtype), [None] * len(self.samples[family]))
+        return self.models(family, dtype)
 
     def alone_logits(self, family: str, dtype: str, members) -> list[torch.Tensor]:
         model, cache = self.model(family, dtype), self.alone[(family, dtype)]
