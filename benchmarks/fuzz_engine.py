@@ -202,12 +202,16 @@ def _coverage(s: Schedule, engine, steps: int) -> list[str]:
 def schedules(args, indices):
     """Runs each schedule of ``indices`` and yields its outcome: what ``run`` aggregates."""
     quiet_libraries(args.threads)
-    cpu_started = time.process_time()
+    started, cpu_started = time.monotonic(), time.process_time()
     with tempfile.TemporaryDirectory(prefix="fuzz-engine-ckpt-") as workdir:
         runner = Runner(args.families, args.seed, args.device, Path(workdir))
         vocab, page_sizes = draw_context(args.families, args.dtypes, args.device)
         with batch_variant_linear() if args.negative_control else contextlib.nullcontext():
             for index in indices:
+                if args.time_limit_s is not None and time.monotonic() - started > args.time_limit_s:
+                    yield {"stopped": True, "stats": {"alone_s": runner.alone_s,
+                                                      "cpu_s": time.process_time() - cpu_started}}
+                    return
                 s = draw(args.seed, index, args.families, args.dtypes, vocab, page_sizes)
                 together, engine, steps = runner.together(s)
                 mismatches = []
@@ -236,7 +240,7 @@ def run(args) -> dict:
               "dtypes": args.dtypes, "model_overrides": {f: fuzz_overrides(f) for f in args.families},
               "max_requests": MAX_REQUESTS, "max_prompt": MAX_PROMPT, "max_new_tokens": MAX_NEW_TOKENS,
               "max_arrival": MAX_ARRIVAL, "max_extra_pages": MAX_EXTRA_PAGES, "start": indices[0],
-              "schedules_requested": len(indices), "workers": args.workers}
+              "schedules_requested": len(indices), "time_limit_s": args.time_limit_s, "workers": args.workers}
     totals = dict(schedules=0, requests=0, requests_unequal=0, schedules_unequal=0, steps=0, tokens=0,
                   preemptions=0, prefix_hit_tokens=0)
     table = {f"{f}/{d}": {"schedules": 0, "requests": 0, "requests_unequal": 0}
@@ -244,13 +248,15 @@ def run(args) -> dict:
     coverage: dict[str, int] = {}
     failures: list[dict] = []
     stats = [{"alone_s": 0.0, "cpu_s": 0.0} for _ in range(args.workers)]
+    stopped = False
 
     def summary(done: bool) -> dict:
         elapsed = time.monotonic() - started
         cpu = time.process_time() - cpu_started + (sum(s["cpu_s"] for s in stats) if args.workers > 1 else 0)
         failures.sort(key=lambda f: f["index"])
         return {**result, **totals, "elapsed_s": round(elapsed, 1), "cpu_s": round(cpu, 1),
-                "alone_s": round(sum(s["alone_s"] for s in stats), 1), "finished": done, "per_model": table,
+                "alone_s": round(sum(s["alone_s"] for s in stats), 1), "stopped_by_time_limit": stopped,
+                "finished": done, "per_model": table,
                 "coverage": dict(sorted(coverage.items())), "failures": failures}
 
     bar = tqdm(total=len(indices), desc="engine fuzz" + (" (negative control)" if args.negative_control else ""),
@@ -259,6 +265,9 @@ def run(args) -> dict:
     try:
         for worker, item in stream:
             stats[worker] = item["stats"]
+            if item.get("stopped"):
+                stopped = True
+                continue
             s, unequal = item["schedule"], len(item["mismatches"])
             if args.replay is not None:
                 bar.write(f"replay {s.describe()}", file=sys.stderr)
@@ -319,6 +328,7 @@ def parse(argv=None):
                    help="the same schedules with a linear that picks BLOCK_K by M: must report mismatches")
     p.add_argument("--replay", type=int, default=None, metavar="I", help="run schedule I only (same other options)")
     p.add_argument("--start", type=int, default=0, help="first schedule index (default 0)")
+    p.add_argument("--time-limit-s", type=float, default=None, help="start no schedule after this many seconds")
     p.add_argument("--workers", type=int, default=1, help="worker processes, each taking every N-th schedule")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per process")
     p.add_argument("--save-every", type=int, default=10)
