@@ -180,7 +180,7 @@ class Runner:
         return out
 
 
-def _coverage(s: Schedule, engine, steps: int) -> list[str]:
+def _coverage(s: Schedule, engine) -> list[str]:
     params = [dict(r.params) for r in s.requests]
     keys = [f"requests={len(s.requests)}", f"prefix_caching={'on' if s.enable_prefix_caching else 'off'}"]
     keys += ["sampled" if p.get("temperature") else "greedy" for p in params]
@@ -213,20 +213,30 @@ def schedules(args, indices):
                                                       "cpu_s": time.process_time() - cpu_started}}
                     return
                 s = draw(args.seed, index, args.families, args.dtypes, vocab, page_sizes)
-                together, engine, steps = runner.together(s)
-                mismatches = []
-                for i, r in enumerate(s.requests):
-                    alone = runner.alone(s, r)
-                    fields = differences(together[i], alone)
-                    if together[i].error or alone.error:
-                        fields.append(f"error: {together[i].error or alone.error}")
-                    if fields:
-                        mismatches.append({"request": i, "fields": fields})
-                yield {"schedule": s, "requests": len(s.requests), "mismatches": mismatches, "steps": steps,
-                       "tokens": sum(len(o.token_ids) for o in together),
-                       "preemptions": engine.scheduler.num_preemptions, "prefix_hit_tokens": engine.blocks.prefix_hits,
-                       "coverage": _coverage(s, engine, steps),
-                       "stats": {"alone_s": runner.alone_s, "cpu_s": time.process_time() - cpu_started}}
+                yield {**check(runner, s), "stats": {"alone_s": runner.alone_s,
+                                                     "cpu_s": time.process_time() - cpu_started}}
+
+
+def check(runner: Runner, s: Schedule) -> dict:
+    """Schedule ``s`` together, then each request alone: the outcome ``run`` aggregates. An engine
+    that raises or stops making progress fails the schedule, and the run goes on."""
+    try:
+        together, engine, steps = runner.together(s)
+        mismatches = []
+        for i, r in enumerate(s.requests):
+            alone = runner.alone(s, r)
+            fields = differences(together[i], alone)
+            if together[i].error or alone.error:
+                fields.append(f"error: {together[i].error or alone.error}")
+            if fields:
+                mismatches.append({"request": i, "fields": fields})
+    except Exception as exc:  # noqa: BLE001
+        return {"schedule": s, "requests": len(s.requests), "steps": 0, "tokens": 0, "preemptions": 0,
+                "prefix_hit_tokens": 0, "coverage": [],
+                "mismatches": [{"request": None, "fields": [f"raised {type(exc).__name__}: {exc}"]}]}
+    return {"schedule": s, "requests": len(s.requests), "mismatches": mismatches, "steps": steps,
+            "tokens": sum(len(o.token_ids) for o in together), "preemptions": engine.scheduler.num_preemptions,
+            "prefix_hit_tokens": engine.blocks.prefix_hits, "coverage": _coverage(s, engine)}
 
 
 def run(args) -> dict:

@@ -175,6 +175,18 @@ def test_engine_fuzz_catches_a_batch_variant_linear(tmp_path):
     assert invariant_infer.patch.linear is not fuzz.m_dependent_linear
 
 
+def test_engine_fuzz_records_an_engine_that_raises_and_goes_on(tmp_path, monkeypatch, capsys):
+    def stalls(self, schedule):
+        raise RuntimeError(f"schedule {schedule.index}: no progress")
+    monkeypatch.setattr(fuzz_engine.Runner, "together", stalls)
+    out = tmp_path / "raises.json"
+    assert fuzz_engine.main(["--schedules", "2", "--out", str(out), *ENGINE_SMALL]) == 1
+    summary = json.loads(out.read_text())
+    assert summary["schedules"] == 2 and [f["index"] for f in summary["failures"]] == [0, 1]
+    assert summary["failures"][1]["mismatches"][0]["fields"] == ["raised RuntimeError: schedule 1: no progress"]
+    assert "--replay 0" in capsys.readouterr().err
+
+
 def _schedules(indices, seed: int = 0, families=sorted(FAMILIES), dtypes=list(fuzz.DTYPES)):
     vocab, pages = fuzz_engine.draw_context(families, dtypes, "cpu")
     return [fuzz_engine.draw(seed, i, families, dtypes, vocab, pages) for i in indices]
