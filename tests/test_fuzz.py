@@ -128,8 +128,9 @@ def test_workers_split_by_index_and_a_failed_worker_stops_all():
 
 
 POOL_SCRIPT = """
-import sys, parallel_work
+import signal, parallel_work
 from benchmarks.fuzz_parallel import outcomes
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if pytest's process ignores it
 for _, item in outcomes(parallel_work.forever, None, range(4), 2):
     print(item["pid"], flush=True)
 """
