@@ -19,6 +19,8 @@ Every draw is a pure function of (seed, batching index, families, dtypes, pool o
 ``--replay I`` with the same options runs batching I again. Exit status 1 if any row differs;
 with ``--negative-control`` (the linear picks BLOCK_K by M, as batch-size-keyed heuristics do),
 exit status 1 if NO row differs, i.e. the fuzzer failed to catch a batch-variant path.
+``--workers N`` runs the batchings in N processes (worker k takes every N-th index); the
+summary is the same as one process's.
 """
 from __future__ import annotations
 
@@ -28,177 +30,29 @@ import datetime
 import json
 import os
 import platform
-import random
 import shlex
 import sys
 import tempfile
 import time
-import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 
+import numpy
 import torch
+import transformers
+import triton
 from tqdm import tqdm
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Speed: the interpreter pays per kernel launch and per program (attention runs B x heads programs),
-# so the fuzz models are each family's "tiny" preset with 1 layer (every kernel still runs and any
-# batch dependence reaches the logits), 2 query heads sharing 1 KV head (still GQA) and a 128-token
-# vocabulary (one lm_head tile, as with 512): about 2x the batchings/s of 2 layers and 4 heads.
-# What makes each family different stays (see the module docstring); qwen3's head_dim 16 keeps
-# head_dim != hidden / heads (64 / 2 = 32).
-FUZZ_OVERRIDES = dict(num_hidden_layers=1, vocab_size=128, num_attention_heads=2, num_key_value_heads=1)
-FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16)}
-SAMPLES_PER_POOL = 24
-MAX_LEN = 40
-# One longer sample per pool: on CPU the attention's KV block is 64 keys and blocks start at a
-# row's first real key, so only a sample past 64 tokens runs the online softmax across blocks.
-LONG_LEN = 72
-MAX_BATCH = 8
-MAX_EXTRA_PAD = 8
-SMALL_M = 32  # negative control: the linear's BLOCK_K is 16 at M <= SMALL_M rows
+from invariant_infer.drift import batch_drift
+from invariant_infer.families import FAMILIES
+from invariant_infer.loading import DTYPES
 
+from .fuzz_draws import (LONG_LEN, MAX_BATCH, MAX_EXTRA_PAD, MAX_LEN, SAMPLES_PER_POOL, Batching, Pools,
+                         batch_variant_linear, draw, fuzz_overrides, m_dependent_linear, pool_lengths)
+from .fuzz_parallel import WorkerFailed, outcomes
+from .report import git_commit
 
-@dataclass(frozen=True)
-class Batching:
-    index: int
-    family: str
-    dtype: str
-    members: tuple[int, ...]  # pool indices, in batch order (repeats allowed)
-    lengths: tuple[int, ...]  # real tokens of each member
-    side: str                 # "left" or "right" padding
-    extra_pad: int            # columns beyond the longest member
-    embeds: bool              # inputs_embeds instead of input_ids
-    explicit_positions: bool  # position_ids = cumsum(mask) - 1 passed, else derived by the model
-
-    def options(self) -> dict:
-        return dict(side=self.side, extra_pad=self.extra_pad, embeds=self.embeds,
-                    explicit_positions=self.explicit_positions)
-
-    def describe(self) -> str:
-        return (f"#{self.index} {self.family} {self.dtype} B={len(self.members)} members={list(self.members)} "
-                f"lengths={list(self.lengths)} side={self.side} extra_pad={self.extra_pad} "
-                f"{'inputs_embeds' if self.embeds else 'input_ids'} "
-                f"{'explicit' if self.explicit_positions else 'derived'} positions")
-
-
-def draw(seed: int, index: int, families: list[str], dtypes: list[str], pool_lengths: dict[str, list[int]],
-         max_batch: int = MAX_BATCH, max_extra_pad: int = MAX_EXTRA_PAD) -> Batching:
-    """Batching ``index`` of the run seeded ``seed``: independent of every other index."""
-    rng = random.Random(f"fuzz/{seed}/{index}")
-    family = rng.choice(families)
-    dtype = rng.choice(dtypes)
-    lengths = pool_lengths[family]
-    size = rng.randint(1, max_batch)
-    members = tuple(rng.randrange(len(lengths)) for _ in range(size))  # with replacement, in drawn order
-    return Batching(index=index, family=family, dtype=dtype, members=members,
-                    lengths=tuple(lengths[m] for m in members), side=rng.choice(("left", "right")),
-                    extra_pad=rng.randint(0, max_extra_pad), embeds=rng.random() < 0.5,
-                    explicit_positions=rng.random() < 0.5)
-
-
-def pool_lengths(seed: int, family: str, size: int = SAMPLES_PER_POOL, max_len: int = MAX_LEN,
-                 long_len: int = LONG_LEN) -> list[int]:
-    """1, max_len, long_len (if > 0), then uniform in 1..max_len: ``size`` lengths."""
-    g = _generator(seed, family)
-    fixed = [1, max_len] + ([long_len] if long_len > 0 else [])
-    return (fixed + torch.randint(1, max_len + 1, (size,), generator=g).tolist())[:size]
-
-
-def pool_samples(seed: int, family: str, vocab: int, size: int = SAMPLES_PER_POOL, max_len: int = MAX_LEN,
-                 long_len: int = LONG_LEN) -> list[torch.Tensor]:
-    """The family's samples (the same for every dtype): token ids uniform in the vocabulary."""
-    g = _generator(seed, family)
-    g.manual_seed(g.initial_seed() + 1)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in pool_lengths(seed, family, size, max_len, long_len)]
-
-
-def _generator(seed: int, family: str) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(family.encode()))
-
-
-def m_dependent_linear(x, weight, bias=None):
-    """Negative control: BLOCK_K 16 for at most SMALL_M rows, the shape's own config above, as
-    batch-size-keyed heuristics and autotuners do (tests/test_linear.py has the same idea)."""
-    from invariant_infer.kernels import linear
-    try:
-        from invariant_infer.kernels.configs import linear_config
-    except ImportError:  # before the configs module
-        from invariant_infer.kernels.linear import linear_config
-
-    m = x.reshape(-1, x.shape[-1]).shape[0]
-    config = linear_config(x.device.type, x.dtype, *weight.shape)
-    if m <= SMALL_M:
-        config = replace(config, block_k=16)
-    return linear(x, weight, bias, config=config)
-
-
-@contextlib.contextmanager
-def batch_variant_linear():
-    """Every patched projection goes through ``m_dependent_linear`` for the block."""
-    import invariant_infer.patch as patch
-
-    original = patch.linear
-    patch.linear = m_dependent_linear
-    try:
-        yield
-    finally:
-        patch.linear = original
-
-
-def fuzz_overrides(family: str) -> dict:
-    return {**FUZZ_OVERRIDES, **FAMILY_OVERRIDES.get(family, {})}
-
-
-class Pools:
-    """One patched model per (family, dtype), loaded on first use; each sample's alone logits cached."""
-
-    def __init__(self, families, seed: int, device: str, workdir: Path, pool_size: int, max_len: int,
-                 long_len: int):
-        from invariant_infer.random_checkpoints import random_config
-
-        self.seed, self.device, self.workdir = seed, device, workdir
-        self.configs = {f: random_config(f, "tiny", **fuzz_overrides(f)) for f in families}
-        self.samples = {f: pool_samples(seed, f, c.vocab_size, pool_size, max_len, long_len)
-                        for f, c in self.configs.items()}
-        self.models: dict[tuple, torch.nn.Module] = {}
-        self.alone: dict[tuple, list] = {}
-        self.alone_s = 0.0
-        self.alone_forwards = 0
-
-    def lengths(self) -> dict[str, list[int]]:
-        return {f: [len(s) for s in samples] for f, samples in self.samples.items()}
-
-    def model(self, family: str, dtype: str):
-        key = (family, dtype)
-        if key not in self.models:
-            from transformers import AutoModelForCausalLM
-
-            from invariant_infer import make_invariant
-            from invariant_infer.random_checkpoints import save_random_checkpoint
-
-            path = self.workdir / family
-            if not path.exists():
-                save_random_checkpoint(path, self.configs[family], seed=self.seed)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(self.device).eval()
-            self.models[key] = make_invariant(model)
-            self.alone[key] = [None] * len(self.samples[family])
-        return self.models[key]
-
-    def alone_logits(self, family: str, dtype: str, members) -> list[torch.Tensor]:
-        from invariant_infer.drift import logits_alone
-
-        model, cache = self.model(family, dtype), self.alone[(family, dtype)]
-        for m in members:
-            if cache[m] is None:
-                t0 = time.perf_counter()
-                logits = logits_alone(model, self.samples[family][m])
-                if not torch.isfinite(logits).all():  # NaN != NaN would read as a mismatch
-                    raise RuntimeError(f"{family} {dtype}: sample {m} alone has non-finite logits")
-                cache[m] = logits
-                self.alone_s += time.perf_counter() - t0
-                self.alone_forwards += 1
-        return [cache[m] for m in members]
+__all__ = ["Batching", "DTYPES", "draw", "m_dependent_linear", "pool_lengths", "main", "parse", "run"]
 
 
 def _new_cell() -> dict:
@@ -218,102 +72,143 @@ def _coverage(batching: Batching, max_len: int) -> list[str]:
     return keys
 
 
-def run(args) -> dict:
-    """The fuzz run ``args`` describes (see ``parse``); returns the JSON summary."""
-    from invariant_infer.drift import batch_drift
-
-    import transformers
-    import triton
-
-    from .report import git_commit
-
-    device = args.device
+def quiet_libraries(threads: int | None) -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def batchings(args, indices):
+    """Runs each batching of ``indices`` and yields its outcome: what ``run`` aggregates. Yields
+    ``{"stopped": True}`` and ends when ``--time-limit-s`` has passed."""
+    quiet_libraries(args.threads)
     started, cpu_started = time.monotonic(), time.process_time()
-    indices = [args.replay] if args.replay is not None else list(range(args.start, args.start + args.batchings))
-    result = {
-        "command": " ".join(["python -m benchmarks.fuzz"] + [shlex.quote(a) for a in args.argv]),
-        "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": git_commit(Path(__file__).resolve().parents[1]),
-        "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton.__version__,
-        "python": platform.python_version(),
-        "device": (torch.cuda.get_device_name(device) if device.startswith("cuda")
-                   else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                        f"{torch.get_num_threads()} torch threads)"),
-        "negative_control": args.negative_control, "seed": args.seed, "families": args.families,
-        "dtypes": args.dtypes, "model_overrides": {f: fuzz_overrides(f) for f in args.families},
-        "pool_size": args.pool_size, "max_len": args.max_len, "long_len": args.long_len, "max_batch": args.max_batch,
-        "max_extra_pad": args.max_extra_pad,
-        "members_drawn": "with replacement", "batchings_requested": len(indices),
-        "time_limit_s": args.time_limit_s,
-    }
-    table = {f"{f}/{d}": _new_cell() for f in args.families for d in args.dtypes}
-    coverage: dict[str, int] = {}
-    failures = []
-    totals = _new_cell()
     batch_s = 0.0
-    stopped = False
-
-    def summary(done: bool) -> dict:
-        elapsed, cpu = time.monotonic() - started, time.process_time() - cpu_started
-        return {**result, **{k: totals[k] for k in ("batchings", "rows", "rows_unequal", "batchings_unequal")},
-                "max_abs_diff": totals["max_abs_diff"], "elapsed_s": round(elapsed, 1),
-                "cpu_s": round(cpu, 1),  # this process's CPU time: the wall time less what other processes took
-                "alone_forwards": pools.alone_forwards, "alone_s": round(pools.alone_s, 1),
-                "batch_forward_s": round(batch_s, 1),
-                "batchings_per_s": round(totals["batchings"] / elapsed, 3) if elapsed else None,
-                "batchings_per_cpu_s": round(totals["batchings"] / cpu, 3) if cpu else None,
-                "stopped_by_time_limit": stopped, "finished": done, "per_model": table,
-                "coverage": dict(sorted(coverage.items())), "failures": failures}
-
     with tempfile.TemporaryDirectory(prefix="fuzz-ckpt-") as workdir:
-        pools = Pools(args.families, args.seed, device, Path(workdir), args.pool_size, args.max_len,
+        pools = Pools(args.families, args.seed, args.device, Path(workdir), args.pool_size, args.max_len,
                       args.long_len)
         lengths = pools.lengths()
-        variant = batch_variant_linear() if args.negative_control else contextlib.nullcontext()
-        bar = tqdm(indices, desc="fuzz" + (" (negative control)" if args.negative_control else ""),
-                   unit="batching", file=sys.stderr, disable=args.quiet, dynamic_ncols=True)
-        with variant:
-            for n, index in enumerate(bar):
+
+        def stats() -> dict:
+            return {"alone_forwards": pools.alone_forwards, "alone_s": pools.alone_s, "batch_forward_s": batch_s,
+                    "cpu_s": time.process_time() - cpu_started}
+
+        with batch_variant_linear() if args.negative_control else contextlib.nullcontext():
+            for index in indices:
                 if args.time_limit_s is not None and time.monotonic() - started > args.time_limit_s:
-                    stopped = True
-                    break
+                    yield {"stopped": True, "stats": stats()}
+                    return
                 b = draw(args.seed, index, args.families, args.dtypes, lengths, args.max_batch, args.max_extra_pad)
-                if args.replay is not None:
-                    bar.write(f"replay {b.describe()}", file=sys.stderr)
                 model = pools.model(b.family, b.dtype)
                 alone = pools.alone_logits(b.family, b.dtype, b.members)
                 samples = [pools.samples[b.family][m] for m in b.members]
                 t0 = time.perf_counter()
                 drift = batch_drift(model, samples, **b.options(), alone=alone)
                 batch_s += time.perf_counter() - t0
-                for cell in (table[f"{b.family}/{b.dtype}"], totals):
-                    cell["batchings"] += 1
-                    cell["rows"] += drift.rows
-                    cell["rows_unequal"] += drift.rows_unequal
-                    cell["batchings_unequal"] += bool(drift.rows_unequal)
-                    cell["max_abs_diff"] = max(cell["max_abs_diff"], drift.max_abs_diff)
-                for key in _coverage(b, args.max_len):
-                    coverage[key] = coverage.get(key, 0) + 1
-                if drift.rows_unequal:
-                    failure = {**asdict(b), "mismatches": [{"row": r, "member": b.members[r], "max_abs_diff": d}
-                                                           for r, d in drift.mismatches],
-                               "replay": replay_command(args, index)}
-                    failures.append(failure)
-                    if not args.negative_control or len(failures) <= 3:
-                        bar.write(f"MISMATCH {b.describe()}: rows {[r for r, _ in drift.mismatches]} max |diff| "
-                                  f"{drift.max_abs_diff:.3g}\n  replay: {failure['replay']}", file=sys.stderr)
-                bar.set_postfix(rows=totals["rows"], unequal=totals["rows_unequal"], refresh=False)
-                if args.out and (n + 1) % args.save_every == 0:
-                    write_json(summary(False), args.out)
+                yield {"batching": b, "rows": drift.rows, "rows_unequal": drift.rows_unequal,
+                       "max_abs_diff": drift.max_abs_diff, "mismatches": drift.mismatches, "stats": stats()}
+
+
+def run(args) -> dict:
+    """The fuzz run ``args`` describes (see ``parse``); returns the JSON summary."""
+    quiet_libraries(args.threads if args.workers == 1 else None)
+    started, cpu_started = time.monotonic(), time.process_time()
+    indices = [args.replay] if args.replay is not None else list(range(args.start, args.start + args.batchings))
+    result = {
+        "command": " ".join(["python -m benchmarks.fuzz"] + [shlex.quote(a) for a in args.argv]),
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": git_commit(Path(__file__).resolve().parents[1]),
+        **versions(),
+        "device": device_name(args),
+        "negative_control": args.negative_control, "seed": args.seed, "families": args.families,
+        "dtypes": args.dtypes, "model_overrides": {f: fuzz_overrides(f) for f in args.families},
+        "pool_size": args.pool_size, "max_len": args.max_len, "long_len": args.long_len, "max_batch": args.max_batch,
+        "max_extra_pad": args.max_extra_pad,
+        "members_drawn": "with replacement", "start": indices[0], "batchings_requested": len(indices),
+        "time_limit_s": args.time_limit_s, "workers": args.workers,
+    }
+    table = {f"{f}/{d}": _new_cell() for f in args.families for d in args.dtypes}
+    coverage: dict[str, int] = {}
+    failures = []
+    totals = _new_cell()
+    worker_stats = [dict(alone_forwards=0, alone_s=0.0, batch_forward_s=0.0, cpu_s=0.0) for _ in range(args.workers)]
+    worker_batchings = [0] * args.workers
+    stopped = False
+
+    def summary(done: bool) -> dict:
+        elapsed = time.monotonic() - started
+        cpu = time.process_time() - cpu_started + (sum(s["cpu_s"] for s in worker_stats) if args.workers > 1 else 0)
+        failures.sort(key=lambda f: f["index"])
+        return {**result, **{k: totals[k] for k in ("batchings", "rows", "rows_unequal", "batchings_unequal")},
+                "max_abs_diff": totals["max_abs_diff"], "elapsed_s": round(elapsed, 1),
+                "cpu_s": round(cpu, 1),  # CPU time of this process and its workers
+                "alone_forwards": sum(s["alone_forwards"] for s in worker_stats),
+                "alone_s": round(sum(s["alone_s"] for s in worker_stats), 1),
+                "batch_forward_s": round(sum(s["batch_forward_s"] for s in worker_stats), 1),
+                "batchings_per_s": round(totals["batchings"] / elapsed, 3) if elapsed else None,
+                "batchings_per_cpu_s": round(totals["batchings"] / cpu, 3) if cpu else None,
+                "worker_batchings": worker_batchings,
+                "stopped_by_time_limit": stopped, "finished": done, "per_model": table,
+                "coverage": dict(sorted(coverage.items())), "failures": failures}
+
+    bar = tqdm(total=len(indices), desc="fuzz" + (" (negative control)" if args.negative_control else ""),
+               unit="batching", file=sys.stderr, disable=args.quiet, dynamic_ncols=True)
+    stream = outcomes(batchings, args, indices, args.workers)
+    try:
+        for worker, item in stream:
+            worker_stats[worker] = item["stats"]
+            if item.get("stopped"):
+                stopped = True
+                continue
+            b = item["batching"]
+            if args.replay is not None:
+                bar.write(f"replay {b.describe()}", file=sys.stderr)
+            worker_batchings[worker] += 1
+            for cell in (table[f"{b.family}/{b.dtype}"], totals):
+                cell["batchings"] += 1
+                cell["rows"] += item["rows"]
+                cell["rows_unequal"] += item["rows_unequal"]
+                cell["batchings_unequal"] += bool(item["rows_unequal"])
+                cell["max_abs_diff"] = max(cell["max_abs_diff"], item["max_abs_diff"])
+            for key in _coverage(b, args.max_len):
+                coverage[key] = coverage.get(key, 0) + 1
+            if item["rows_unequal"]:
+                failure = {**asdict(b), "mismatches": [{"row": r, "member": b.members[r], "max_abs_diff": d}
+                                                       for r, d in item["mismatches"]],
+                           "replay": replay_command(args, b.index)}
+                failures.append(failure)
+                if not args.negative_control or len(failures) <= 3:
+                    bar.write(f"MISMATCH {b.describe()}: rows {[r for r, _ in item['mismatches']]} max |diff| "
+                              f"{item['max_abs_diff']:.3g}\n  replay: {failure['replay']}", file=sys.stderr)
+            bar.update(1)
+            bar.set_postfix(rows=totals["rows"], unequal=totals["rows_unequal"], refresh=False)
+            if args.out and totals["batchings"] % args.save_every == 0:
+                write_json(summary(False), args.out)
+    except BaseException as error:  # Ctrl-C, SIGTERM or a failed worker: keep what was done
+        if args.out:
+            write_json({**summary(False), "interrupted": f"{type(error).__name__}: {error}"[:2000]}, args.out)
+        raise
+    finally:
+        stream.close()  # stops the workers now, also when this loop raised
         bar.close()
-        out = summary(True)
+    out = summary(True)
     if args.out:
         write_json(out, args.out)
     return out
+
+
+def versions() -> dict:
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "triton": triton.__version__,
+            "numpy": numpy.__version__, "python": platform.python_version()}
+
+
+def device_name(args) -> str:
+    if args.device.startswith("cuda"):
+        return torch.cuda.get_device_name(args.device)
+    threads = args.threads or torch.get_num_threads()
+    return (f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.workers} "
+            f"worker process{'es' if args.workers > 1 else ''} x {threads} torch threads)")
 
 
 def replay_command(args, index: int) -> str:
@@ -351,7 +246,7 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _csv(value: str, allowed, what: str) -> list[str]:
+def csv_choices(value: str, allowed, what: str) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [v for v in items if v not in allowed]
     if unknown or not items:
@@ -360,16 +255,14 @@ def _csv(value: str, allowed, what: str) -> list[str]:
 
 
 def parse(argv=None):
-    from invariant_infer.families import FAMILIES
-
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.fuzz", description="Random batch compositions, every "
                                 "row compared bitwise with the same sample alone.")
     p.add_argument("--batchings", type=int, default=100, help="how many batchings to draw (default 100)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--families", type=lambda v: _csv(v, FAMILIES, "families"), default=sorted(FAMILIES),
+    p.add_argument("--families", type=lambda v: csv_choices(v, FAMILIES, "families"), default=sorted(FAMILIES),
                    help=f"comma list (default all: {','.join(sorted(FAMILIES))})")
-    p.add_argument("--dtypes", type=lambda v: _csv(v, DTYPES, "dtypes"), default=list(DTYPES),
+    p.add_argument("--dtypes", type=lambda v: csv_choices(v, DTYPES, "dtypes"), default=list(DTYPES),
                    help="comma list of bf16,fp16,fp32 (default all)")
     p.add_argument("--device", default="cpu", help="cpu (default; kernels in the Triton interpreter) or cuda")
     p.add_argument("--out", type=Path, default=None, help="JSON summary, rewritten every --save-every batchings")
@@ -383,12 +276,19 @@ def parse(argv=None):
     p.add_argument("--long-len", type=int, default=LONG_LEN, help="one longer sample per pool (0: none)")
     p.add_argument("--max-batch", type=int, default=MAX_BATCH)
     p.add_argument("--max-extra-pad", type=int, default=MAX_EXTRA_PAD)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--workers", type=int, default=1, help="worker processes, each taking every N-th batching "
+                   "(default 1: this process); the summary is the same for any N")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads per process (default: torch's, or cores / workers with --workers)")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.batchings < 1 or args.pool_size < 1 or args.max_len < 1 or args.max_batch < 1 or args.max_extra_pad < 0:
         p.error("--batchings, --pool-size, --max-len and --max-batch must be >= 1, --max-extra-pad >= 0")
+    if args.workers < 1 or (args.replay is not None and args.workers != 1):
+        p.error("--workers must be >= 1, and 1 with --replay")
+    if args.workers > 1 and args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 1) // args.workers)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
     args.argv = argv
@@ -397,7 +297,15 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    summary = run(args)
+    try:
+        summary = run(args)
+    except WorkerFailed as error:
+        print(f"[fuzz] STOPPED: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("[fuzz] interrupted; every worker stopped" + (f", partial summary in {args.out}" if args.out else ""),
+              file=sys.stderr)
+        return 130
     print(format_table(summary))
     print(f"[fuzz] {summary['batchings']} batchings, {summary['rows']} rows, {summary['rows_unequal']} unequal "
           f"in {summary['elapsed_s']:.0f} s ({summary['batchings_per_s']} batchings/s; "

@@ -1,11 +1,22 @@
-"""The fuzz command (python -m benchmarks.fuzz), in-process and small: it finds no mismatch on the
-patched models, checks exactly the rows it drew, and catches a batch-variant linear."""
+"""The fuzz commands, small: ``benchmarks.fuzz`` finds no mismatch on the patched models, checks
+exactly the rows it drew, catches a batch-variant linear, and gives the same summary in 2 worker
+processes as in one; the worker pool stops every worker when one fails or its parent is stopped;
+``benchmarks.fuzz_engine`` finds every request equal to the request alone and catches the
+batch-variant linear too."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 import invariant_infer.patch
-from benchmarks import fuzz
+import parallel_work
+from benchmarks import fuzz, fuzz_engine
+from benchmarks.fuzz_parallel import WorkerFailed, outcomes
 from invariant_infer.families import FAMILIES
 
 # Small draws so that CI stays fast: 4 samples of up to 12 tokens per family, batches of 1-4.
@@ -73,3 +84,119 @@ def test_draws_are_reproducible():
 def test_unknown_family_is_rejected():
     with pytest.raises(SystemExit):
         fuzz.parse(["--families", "gpt2"])
+
+
+def test_two_workers_give_the_summary_of_one(tmp_path):
+    """Split by index over 2 processes, the negative control's batchings (mismatches included, to
+    the bit of each max |diff|) merge into exactly the one-process summary."""
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    args = ["--batchings", "6", "--families", "qwen2", "--dtypes", "fp32,fp16", "--negative-control", *SMALL]
+    assert fuzz.main([*args, "--out", str(one)]) == 0
+    assert fuzz.main([*args, "--out", str(two), "--workers", "2"]) == 0
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert a["failures"], "the negative control found no mismatch to compare"
+    for key in ("batchings", "rows", "rows_unequal", "batchings_unequal", "max_abs_diff", "per_model", "coverage",
+                "failures"):
+        assert a[key] == b[key], key
+    assert b["workers"] == 2 and b["worker_batchings"] == [3, 3] and b["finished"]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_workers_split_by_index_and_a_failed_worker_stops_all():
+    items = sorted((item["index"], item["square"]) for _, item in outcomes(parallel_work.squares, None, range(7), 3))
+    assert items == [(i, i * i) for i in range(7)]
+    pids = set()
+    with pytest.raises(WorkerFailed, match="index 3 is poison"):
+        for _, item in outcomes(parallel_work.fails_at_3, None, range(100), 2):
+            pids.add(item["pid"])
+    assert len(pids) == 2 and _wait_gone(pids, timeout=1.0)  # stopped before outcomes returned
+
+
+POOL_SCRIPT = """
+import signal, parallel_work
+from benchmarks.fuzz_parallel import outcomes
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if pytest's process ignores it
+for _, item in outcomes(parallel_work.forever, None, range(4), 2):
+    print(item["pid"], flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_stopping_the_parent_stops_every_worker(sig):
+    """SIGTERM and Ctrl-C: the parent terminates its workers; SIGKILL: the orphans exit themselves."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    parent = subprocess.Popen([sys.executable, "-c", POOL_SCRIPT], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(parent.stdout.readline()) for _ in range(2)]
+        parent.send_signal(sig)
+        assert parent.wait(timeout=20) != 0
+        assert _wait_gone(pids), f"workers {pids} still running after {sig.name}"
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+ENGINE_SMALL = ["--quiet"]
+
+
+def test_engine_fuzz_finds_every_request_equal_alone(tmp_path):
+    out = tmp_path / "engine.json"
+    assert fuzz_engine.main(["--schedules", "3", "--out", str(out), *ENGINE_SMALL]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["schedules"] == 3 and summary["requests_unequal"] == 0 and summary["failures"] == []
+    assert summary["requests"] == sum(len(s.requests) for s in _schedules(range(3)))
+    for key in ("greedy", "sampled", "staggered_arrivals", "chunked_prefill", "prefix_hit"):
+        assert summary["coverage"].get(key, 0) > 0, key
+
+
+def test_engine_fuzz_catches_a_batch_variant_linear(tmp_path):
+    out = tmp_path / "engine-neg.json"
+    # Schedule 2 of seed 0 on qwen2 fp32: two prompts of 86 and 58 tokens with a shared prefix,
+    # chunked by a 48-token budget (one schedule keeps the test short).
+    narrow = ["--families", "qwen2", "--dtypes", "fp32", "--start", "2", "--schedules", "1", *ENGINE_SMALL]
+    assert fuzz_engine.main([*narrow, "--negative-control", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["requests_unequal"] > 0 and "--replay" in summary["failures"][0]["replay"]
+    assert invariant_infer.patch.linear is not fuzz.m_dependent_linear
+
+
+def test_engine_fuzz_records_an_engine_that_raises_and_goes_on(tmp_path, monkeypatch, capsys):
+    def stalls(self, schedule):
+        raise RuntimeError(f"schedule {schedule.index}: no progress")
+    monkeypatch.setattr(fuzz_engine.Runner, "together", stalls)
+    out = tmp_path / "raises.json"
+    assert fuzz_engine.main(["--schedules", "2", "--out", str(out), *ENGINE_SMALL]) == 1
+    summary = json.loads(out.read_text())
+    assert summary["schedules"] == 2 and [f["index"] for f in summary["failures"]] == [0, 1]
+    assert summary["failures"][1]["mismatches"][0]["fields"] == ["raised RuntimeError: schedule 1: no progress"]
+    assert "--replay 0" in capsys.readouterr().err
+
+
+def _schedules(indices, seed: int = 0, families=sorted(FAMILIES), dtypes=list(fuzz.DTYPES)):
+    vocab, pages = fuzz_engine.draw_context(families, dtypes, "cpu")
+    return [fuzz_engine.draw(seed, i, families, dtypes, vocab, pages) for i in indices]
+
+
+def test_engine_schedules_are_reproducible():
+    first = _schedules(range(40))
+    assert first == _schedules(range(40)) and _schedules([7]) == [first[7]]
+    assert first != _schedules(range(40), seed=1)
+    assert all(2 <= len(s.requests) <= fuzz_engine.MAX_REQUESTS and 1 <= s.max_num_seqs <= len(s.requests)
+               for s in first)
+    assert any(s.shared_prefix for s in first) and any(not s.shared_prefix for s in first)
