@@ -5,6 +5,7 @@ imports of its modules."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,12 @@ def test_the_library_never_imports_tests():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             assert not any(n.split(".")[0] in ("tests", "helpers", "conftest") for n in names), module
+
+
+def test_every_subpackage_ships():
+    """A non-editable install gets only the packages pyproject.toml lists."""
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, re.M | re.S).group(1)))
+    present = {name for name, path in MODULES.items()
+               if path.name == "__init__.py" and name.startswith("invariant_infer")}
+    assert present == listed, f"missing from pyproject.toml: {sorted(present - listed)}"
