@@ -72,8 +72,9 @@ def pinning_problem(traced: bool) -> str | None:
     return None
 
 
-# Read once: Triton reads these variables when it is imported, and a launch must stay cheap.
-_EAGER_PROBLEM = pinning_problem(traced=False)
+# Triton reads its knobs (and their environment variables) at every compile, so eager launches
+# check them at every launch (a few lookups). A traced launch uses the value read at import:
+# dynamo would otherwise trace the lookups into the graph.
 _TRACED_PROBLEM = pinning_problem(traced=True)
 
 
@@ -98,8 +99,9 @@ def launch(kernel, grid, device: torch.device, *args, **kwargs):
             if _TRACED_PROBLEM:
                 raise RuntimeError(_TRACED_PROBLEM)
             return kernel[grid](*args, **kwargs)
-        if _EAGER_PROBLEM:
-            raise RuntimeError(_EAGER_PROBLEM)
+        problem = pinning_problem(traced=False)
+        if problem:
+            raise RuntimeError(problem)
         return kernel[grid](*args, **kwargs, **PINNED_OPTIONS)
     if device.type != "cpu":
         raise ValueError(f"invariant kernels run on 'cuda' or 'cpu' tensors, got {device.type!r}")

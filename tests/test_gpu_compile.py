@@ -114,6 +114,18 @@ def test_launch_passes_pinned_options_to_cuda_launches():
     assert seen["kwargs"] == {"BLOCK": 16, "num_warps": 4, **launch_mod.PINNED_OPTIONS}
 
 
+def test_a_variable_set_after_import_is_refused_at_the_next_launch(monkeypatch):
+    """Triton reads its knobs at every compile, so the check runs at every eager launch, not once."""
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    launch_mod.launch(Kernel(), (1,), torch.device("cuda"), 1)
+    monkeypatch.setenv("TRITON_FORCE_DISABLE_FP_FUSION", "1")
+    with pytest.raises(RuntimeError, match="TRITON_FORCE_DISABLE_FP_FUSION"):
+        launch_mod.launch(Kernel(), (1,), torch.device("cuda"), 1)
+
+
 def _reduction_layouts(compiled) -> list[str]:
     """The operand and result types, layouts spelled out, of every dot and reduction in the TTGIR:
     the layouts fix which thread sums which elements, so equal layouts mean equal summation trees."""
