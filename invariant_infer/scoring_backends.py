@@ -77,7 +77,8 @@ class RayBackend:
             yield from score_requests(requests, self.model, max_batch_tokens=max_batch_tokens, **self.options)
         except ActorDiedError as exc:
             reason = str(exc).splitlines()[0]
-            raise JobError(f"a Ray worker died after {self.max_restarts} restarts (--max-restarts): {reason}; "
+            restarts = "its restarts" if self.max_restarts == -1 else f"{self.max_restarts} restarts"
+            raise JobError(f"a Ray worker died after {restarts} (--max-restarts): {reason}; "
                            "the rows written so far are kept: re-run to resume") from None
         except Exception as exc:
             raise JobError(f"the Ray job failed: {type(exc).__name__}: {exc}") from None

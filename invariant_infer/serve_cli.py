@@ -4,9 +4,17 @@ function of its own request, whatever else is in flight. Needs ``pip install inv
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from .loading import DEVICES, DTYPES
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="sequences queued beyond --max-num-seqs; more get 429 with Retry-After")
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body limit (413 past it)")
-    p.add_argument("--stream-write-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--stream-write-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="a streaming client that reads nothing for this long is dropped and its requests "
                         "aborted, freeing their KV pages (default: 30)")
     p.add_argument("--disable-prefix-caching", action="store_true")

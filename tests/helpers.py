@@ -273,4 +273,5 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
+        self.proc.stdout.close()
         self.log.close()

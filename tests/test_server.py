@@ -341,6 +341,14 @@ def test_cli_help_and_serve_without_the_serve_extra():
     assert run.returncode == 2 and "invariant-infer[serve]" in run.stderr
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_stream_write_timeout_must_be_positive_and_finite(value, capsys):
+    from invariant_infer.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "x", "--stream-write-timeout", value])
+    assert exit_info.value.code == 2 and "--stream-write-timeout" in capsys.readouterr().err
+
+
 # ---- faults: a client that stops reading, a soak, SIGTERM (last: it stops the module's server) ----------
 
 
