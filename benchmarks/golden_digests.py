@@ -35,11 +35,12 @@ from transformers import AutoModelForCausalLM
 from invariant_infer.drift import logits_alone, logits_in_batch
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.families import FAMILIES
+from invariant_infer.loading import DTYPES as LOADING_DTYPES
 from invariant_infer.patch import make_invariant
 
 GOLDEN_PATH = Path(__file__).resolve().parent.parent / "tests" / "golden" / "digests.json"
 REGENERATE = "python -m benchmarks.golden_digests --write"
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {name: LOADING_DTYPES[name] for name in ("bf16", "fp32")}
 ENGINE_FAMILY = "qwen2"
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -71,7 +71,8 @@ def measure(model, kernels: str, running: int, steps: int, warmup: int, device: 
 
 def run(ctx: Run, config=None, running: dict | None = None, steps=None, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY,
         preset: str = "tiny") -> dict:
-    # A tiny model whatever the suite's preset: the point is the engine's time, not the model's.
+    # A tiny model whatever the suite's preset (taken as every section takes it): the point is the
+    # engine's time, not the model's.
     config, name = preset_config(family, "tiny", config, **(QUICK_OVERRIDES if ctx.quick else {}))
     running = running or (QUICK_RUNNING if ctx.quick else dict.fromkeys(KERNELS, RUNNING))
     steps = steps or (QUICK_STEPS if ctx.quick else STEPS)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from .errors import InvariantInferError
 from .patch import make_invariant
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -83,34 +84,34 @@ class LazyTokenizer:
         return self._tokenizer
 
 
-class RequestError(ValueError):
+class ScoringRequestError(InvariantInferError, ValueError):
     """A scoring request that cannot be turned into token ids; the message says why."""
 
 
 def _token_list(value, name: str) -> list[int]:
     if not isinstance(value, list) or not all(type(t) is int for t in value):
-        raise RequestError(f"{name} must be a list of integers")
+        raise ScoringRequestError(f"{name} must be a list of integers")
     return value
 
 
 def _encode(tokenizer: LazyTokenizer, text, name: str) -> list[int]:
     if not isinstance(text, str):
-        raise RequestError(f"{name} must be a string")
+        raise ScoringRequestError(f"{name} must be a string")
     try:
         loaded = tokenizer.get()
     except OSError as exc:
-        raise RequestError(f"cannot tokenize: {exc}") from None
+        raise ScoringRequestError(f"cannot tokenize: {exc}") from None
     return loaded.encode(text, add_special_tokens=False)
 
 
 def parse_request(record: dict, tokenizer: LazyTokenizer) -> tuple[list[int], int]:
     """(token ids, prompt length) of one scoring request: ``input_ids``, ``text``, ``prompt`` +
     ``completion`` (tokenized separately, no special tokens, ids concatenated) or ``prompt_ids`` +
-    ``completion_ids``, besides an optional ``id``. Raises ``RequestError``."""
+    ``completion_ids``, besides an optional ``id``. Raises ``ScoringRequestError``."""
     fields = set(record) - {"id"}
     unknown = sorted(fields - KNOWN_FIELDS)
     if unknown:
-        raise RequestError(f"unknown field(s) {unknown}")
+        raise ScoringRequestError(f"unknown field(s) {unknown}")
     if fields == {"input_ids"}:
         return _token_list(record["input_ids"], "input_ids"), 1
     if fields == {"text"}:
@@ -123,6 +124,6 @@ def parse_request(record: dict, tokenizer: LazyTokenizer) -> tuple[list[int], in
         return prompt + _token_list(record["completion_ids"], "completion_ids"), len(prompt)
     for needed in REQUEST_FIELDS:
         if fields and fields <= set(needed):
-            raise RequestError(f"missing field(s) {sorted(set(needed) - fields)}")
+            raise ScoringRequestError(f"missing field(s) {sorted(set(needed) - fields)}")
     expected = " | ".join("+".join(f) for f in REQUEST_FIELDS)
-    raise RequestError(f"need exactly one of {expected}; got {sorted(fields) or 'none'}")
+    raise ScoringRequestError(f"need exactly one of {expected}; got {sorted(fields) or 'none'}")

@@ -7,7 +7,7 @@ from typing import Iterator
 
 from transformers import AutoConfig
 
-from .distributed import DEFAULT_MAX_RESTARTS, require_ray, score_requests
+from .distributed import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS, require_ray, score_requests
 from .loading import load_model
 from .scoring import ScoreResult, score_planned
 from .scoring_job import JobError, Request
@@ -43,7 +43,7 @@ class RayBackend:
 
     def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str | None = None,
                  device: str | None = None, address: str | None = None, num_workers: int = 1,
-                 gpus_per_worker: float | None = None, rows_per_task: int = 64,
+                 gpus_per_worker: float | None = None, rows_per_task: int = DEFAULT_BATCH_ROWS,
                  max_restarts: int = DEFAULT_MAX_RESTARTS):
         try:
             self.ray = require_ray()

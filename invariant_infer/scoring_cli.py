@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .distributed import DEFAULT_MAX_RESTARTS
-from .loading import DTYPES
+from .distributed import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS
+from .loading import DEVICES, DTYPES
 from .scoring import DEFAULT_MAX_BATCH_TOKENS
 from .scoring_backends import LocalBackend, RayBackend
 from .scoring_job import JobError, JobOptions, run_job
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
                         help="padded tokens per batch (rows x longest); results do not depend on it")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    parser.add_argument("--device", choices=DEVICES, help="default: cuda if available")
     parser.add_argument("--verify", type=int, default=0, metavar="K",
                         help="re-score K random rows alone and check their digests bitwise")
     ray = parser.add_argument_group("scale out on Ray Data (pip install \"invariant-infer[ray]\")")
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--num-workers", type=int, default=1, metavar="N", help="actors, each loading the model once")
     ray.add_argument("--gpus-per-worker", type=float, metavar="G",
                      help="GPUs per actor (default: 1 where the cluster has GPUs, else 0)")
-    ray.add_argument("--rows-per-task", type=int, default=64, metavar="R",
+    ray.add_argument("--rows-per-task", type=int, default=DEFAULT_BATCH_ROWS, metavar="R",
                      help="rows per Ray task (each task is packed by --max-batch-tokens); results do not depend on it")
     ray.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="N",
                      help="restarts of each actor before the job fails (-1: without limit; default %(default)s)")

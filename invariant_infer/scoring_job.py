@@ -24,7 +24,7 @@ from typing import Iterable, Iterator, Protocol
 
 from tqdm import tqdm
 
-from .loading import LazyTokenizer, RequestError, parse_request
+from .loading import LazyTokenizer, ScoringRequestError, parse_request
 from .scoring import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence
 
 
@@ -93,24 +93,24 @@ def _reject_constant(name: str):
 
 
 def _record(raw: bytes, n: int) -> dict:
-    """Line ``n`` -> its JSON object, with a valid id; raises RequestError."""
+    """Line ``n`` -> its JSON object, with a valid id; raises ScoringRequestError."""
     try:
         text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
     except UnicodeDecodeError as exc:
-        raise RequestError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raise ScoringRequestError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
         record = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:  # the decoder's own "line 1" would be misleading
-        raise RequestError(f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+        raise ScoringRequestError(f"malformed JSON: {exc.msg} at column {exc.colno}") from None
     except ValueError as exc:  # NaN / Infinity
-        raise RequestError(f"malformed JSON: {exc}") from None
+        raise ScoringRequestError(f"malformed JSON: {exc}") from None
     if not isinstance(record, dict):
-        raise RequestError("expected a JSON object")
+        raise ScoringRequestError("expected a JSON object")
     if "id" not in record:
-        raise RequestError("missing field 'id'")
+        raise ScoringRequestError("missing field 'id'")
     row_id = record["id"]
     if row_id is None or isinstance(row_id, (dict, list)) or (isinstance(row_id, float) and not math.isfinite(row_id)):
-        raise RequestError("id must be a JSON string, finite number or boolean")
+        raise ScoringRequestError("id must be a JSON string, finite number or boolean")
     return record
 
 
@@ -128,16 +128,16 @@ def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, s
                 record = _record(raw, n)
                 key = id_key(record["id"])
                 if key in first_line:  # the output keeps one row per id; this line's row gets id null
-                    raise RequestError(f"duplicate id {key} (first on line {first_line[key]})")
+                    raise ScoringRequestError(f"duplicate id {key} (first on line {first_line[key]})")
                 first_line[key] = n
                 row_id = record["id"]
                 ids, prompt_length = parse_request(record, tokenizer)
                 try:
                     check_sequence(ids, prompt_length, config.vocab_size, config.max_position_embeddings)
                 except ValueError as exc:
-                    raise RequestError(str(exc)) from None
+                    raise ScoringRequestError(str(exc)) from None
                 requests.append(Request(n, row_id, ids, prompt_length))
-            except RequestError as exc:
+            except ScoringRequestError as exc:
                 if id_key(row_id) not in done:
                     write_error(n, row_id, str(exc))
     return requests, lines

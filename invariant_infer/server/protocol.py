@@ -40,8 +40,8 @@ class OpenAIRequest(BaseModel):
 
 
 class Sampling(OpenAIRequest):
-    """The fields completions and chat completions share. ``max_tokens`` is None when not sent
-    (each endpoint has its own default)."""
+    """The fields completions and chat completions share (each endpoint has its own
+    ``max_tokens`` and its default)."""
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = None
