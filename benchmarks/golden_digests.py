@@ -140,17 +140,22 @@ def model_digests(model, family: str, prefix: str) -> dict[str, str]:
 
 def engine_digest(model, family: str) -> str:
     """Tokens, logprobs and top logprobs of a few greedy and seeded requests, run together in
-    chunked steps (a small token budget), without a tokenizer."""
-    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=8, kv_cache_memory=1 << 22)
+    chunked steps (a small token budget), without a tokenizer; once as they come and once with
+    decode steps padded to a bucket, which must give the same record (else this raises)."""
     vocab = CONFIGS[family]["vocab_size"]
     prompts = [integers(f"{family}/engine{i}", n, 0, vocab).tolist() for i, (n, _) in enumerate(ENGINE_REQUESTS)]
     params = [SamplingParams(ignore_eos=True, **p) for _, p in ENGINE_REQUESTS]
-    record = []
-    for out in engine.generate(prompts, params):
-        record.append({"tokens": out.token_ids, "logprobs": [float(x).hex() for x in out.logprobs],
-                       "top": [sorted((t, float(x).hex()) for t, x in d.items()) for d in out.top_logprobs or []],
-                       "prompt_logprobs": [float(x).hex() for x in out.prompt_logprobs or []]})
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+    records = []
+    for buckets in ((), (4,)):
+        engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=8, kv_cache_memory=1 << 22,
+                        decode_buckets=buckets)
+        records.append([{"tokens": out.token_ids, "logprobs": [float(x).hex() for x in out.logprobs],
+                         "top": [sorted((t, float(x).hex()) for t, x in d.items()) for d in out.top_logprobs or []],
+                         "prompt_logprobs": [float(x).hex() for x in out.prompt_logprobs or []]}
+                        for out in engine.generate(prompts, params)])
+    if records[0] != records[1]:
+        raise AssertionError("decode steps padded to a bucket changed the engine's outputs")
+    return hashlib.sha256(json.dumps(records[0], sort_keys=True).encode()).hexdigest()
 
 
 def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True, progress=None) -> dict[str, str]:

@@ -237,7 +237,14 @@ class Engine:
         greedy = [row for row, seq in sample_rows if self._plain_greedy(seq)]
         # One argmax over every plain greedy row: per row the same first maximum as sample_next_token's,
         # in one call (and one device sync) instead of one per sequence.
-        argmax = dict(zip(greedy, logits[greedy].float().argmax(-1).tolist())) if greedy else {}
+        if greedy:
+            if timer:
+                timer.mark("sampling")
+            argmax = dict(zip(greedy, logits[greedy].float().argmax(-1).tolist()))
+            if timer:
+                timer.mark("forward")  # device work, charged with the model's
+        else:
+            argmax = {}
         for row, seq in sample_rows:
             advanced.append(seq)
             try:

@@ -4,7 +4,8 @@ Off by default (``Engine.timer`` is None): the step then only tests that attribu
 boundary. On, each boundary reads ``time.perf_counter`` and, on CUDA, first waits for the device,
 so that queued kernels are charged to the phase that launched them (this serializes the step;
 timed steps run slower than untimed ones). Host phases: schedule, metadata, sampling, output;
-device phases: forward (the model and lm_head) and logprobs (the token-logprob kernel)."""
+device phases: forward (the model, lm_head and the greedy rows' argmax) and logprobs (the
+token-logprob kernel)."""
 from __future__ import annotations
 
 import statistics
