@@ -7,6 +7,7 @@ Nothing here knows about transformers.
 from .attention import attention
 from .configs import LINEAR_CONFIGS, AttentionConfig, LinearConfig, attention_config, linear_config
 from .linear import linear
+from .linear_autograd import LinearFunction, linear_with_grad
 from .paged_attention import paged_attention, write_kv
 from .rms_norm import rms_norm
 from .silu_mul import silu_mul
@@ -14,7 +15,7 @@ from .token_logprobs import token_logprobs
 
 __all__ = [
     "AttentionConfig", "attention", "attention_config",
-    "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config",
+    "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config", "LinearFunction", "linear_with_grad",
     "paged_attention", "write_kv",
     "rms_norm", "silu_mul", "token_logprobs",
 ]
