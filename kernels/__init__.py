@@ -10,6 +10,7 @@ from .linear import linear
 from .paged_attention import paged_attention, write_kv
 from .rms_norm import rms_norm
 from .silu_mul import silu_mul
+from .silu_mul_autograd import SiluMulFunction, silu_mul_autograd
 from .token_logprobs import token_logprobs
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config",
     "paged_attention", "write_kv",
     "rms_norm", "silu_mul", "token_logprobs",
+    "SiluMulFunction", "silu_mul_autograd",
 ]
