@@ -9,6 +9,7 @@ from .configs import LINEAR_CONFIGS, AttentionConfig, LinearConfig, attention_co
 from .linear import linear
 from .paged_attention import paged_attention, write_kv
 from .rms_norm import rms_norm
+from .rms_norm_autograd import RMSNormFunction, rms_norm_autograd
 from .silu_mul import silu_mul
 from .silu_mul_autograd import SiluMulFunction, silu_mul_autograd
 from .token_logprobs import token_logprobs
@@ -18,5 +19,5 @@ __all__ = [
     "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config",
     "paged_attention", "write_kv",
     "rms_norm", "silu_mul", "token_logprobs",
-    "SiluMulFunction", "silu_mul_autograd",
+    "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",
 ]

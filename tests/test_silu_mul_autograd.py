@@ -10,7 +10,7 @@ from invariant_infer.kernels import silu_mul, silu_mul_autograd
 
 # Max |error| / max |float64 gradient|: a rounding of silu(gate) to the dtype (d up) and one of
 # the result, on fp32 arithmetic.
-TOLERANCE = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-6}
+TOLERANCE = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-6}
 
 
 def inputs(rows, dtype, device, n=300):
