@@ -3,11 +3,21 @@ run-twice bits of d x and d weight.
 
 No gradcheck: the kernels compute in fp32 and take bf16/fp16/fp32 only, so float64 is not theirs.
 """
+import inspect
+import sys
+
 import pytest
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from helpers import DEVICES, DTYPES
 from invariant_infer.kernels import rms_norm, rms_norm_autograd
+
+autograd_mod = sys.modules["invariant_infer.kernels.rms_norm_autograd"]
+launch_mod = sys.modules["invariant_infer.kernels.launch"]
+rms_mod = sys.modules["invariant_infer.kernels.rms_norm"]
 
 EPS = 1e-6
 # Max |error| / max |float64 gradient|. d x: fp32 arithmetic, one rounding to the dtype. d weight:
@@ -82,3 +92,28 @@ def rows_keyed_grads(x, w, dy):
 
 def test_negative_control_rows_keyed_reduction_is_caught():
     assert row_mismatches(rows_keyed_grads, *inputs(70, torch.float32, "cpu", n=1536)) != []
+
+
+@pytest.mark.parametrize("arch", [90, 89, 80])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_kernels_compile_for_cuda(arch, dtype):
+    """Offline (no GPU needed): both kernels, with the CUDA launch's blocks and pinned options."""
+    element = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    for hidden in (1536, 5120):
+        block_rows, block_n, warps = rms_mod._launch_params(torch.device("cuda"), hidden)
+        assert compile_for(autograd_mod._rms_norm_backward_kernel, arch, {"ptr": element, "part_ptr": "*fp32", "eps": "fp32"},
+                           dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n, WEIGHT_GRAD=True), warps)
+    assert compile_for(autograd_mod._sum_partial_rows_kernel, arch, {"ptr": element, "part_ptr": "*fp32"},
+                       dict(BLOCK_N=1024), 4)
+
+
+def compile_for(kernel, arch, types, constexprs, num_warps):
+    """The cubin of ``kernel`` for sm_<arch>: pointers typed by ``types`` (name, else 'ptr') and 16-byte
+    aligned as torch allocates them, other arguments i32."""
+    signature = {name: "constexpr" if name in constexprs else
+                 types.get(name, types["ptr"] if name.endswith("_ptr") else "i32")
+                 for name in inspect.signature(kernel.fn).parameters}
+    aligned = {(index,): [["tt.divisibility", 16]] for index, kind in enumerate(signature.values()) if kind[0] == "*"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    options = {"num_warps": num_warps, "num_stages": 3, **launch_mod.PINNED_OPTIONS}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]

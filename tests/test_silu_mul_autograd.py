@@ -2,11 +2,20 @@
 
 No gradcheck: the kernels compute in fp32 and take bf16/fp16/fp32 only, so float64 is not theirs.
 """
+import inspect
+import sys
+
 import pytest
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from helpers import DEVICES, DTYPES
 from invariant_infer.kernels import silu_mul, silu_mul_autograd
+
+autograd_mod = sys.modules["invariant_infer.kernels.silu_mul_autograd"]
+launch_mod = sys.modules["invariant_infer.kernels.launch"]
 
 # Max |error| / max |float64 gradient|: a rounding of silu(gate) to the dtype (d up) and one of
 # the result, on fp32 arithmetic.
@@ -73,3 +82,24 @@ def rows_keyed_grads(g, u, dy):
 
 def test_negative_control_rows_keyed_backward_is_caught():
     assert row_mismatches(rows_keyed_grads, *inputs(33, torch.float32, "cpu")) != []
+
+
+@pytest.mark.parametrize("arch", [90, 89, 80])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_kernel_compiles_for_cuda(arch, dtype):
+    """Offline (no GPU needed): the kernel with the CUDA launch's blocks and pinned options."""
+    element = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    assert compile_for(autograd_mod._silu_mul_backward_kernel, arch, {"ptr": element},
+                       dict(BLOCK_ROWS=1, BLOCK_N=1024), 4)
+
+
+def compile_for(kernel, arch, types, constexprs, num_warps):
+    """The cubin of ``kernel`` for sm_<arch>: pointers typed by ``types`` (name, else 'ptr') and 16-byte
+    aligned as torch allocates them, other arguments i32."""
+    signature = {name: "constexpr" if name in constexprs else
+                 types.get(name, types["ptr"] if name.endswith("_ptr") else "i32")
+                 for name in inspect.signature(kernel.fn).parameters}
+    aligned = {(index,): [["tt.divisibility", 16]] for index, kind in enumerate(signature.values()) if kind[0] == "*"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    options = {"num_warps": num_warps, "num_stages": 3, **launch_mod.PINNED_OPTIONS}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
