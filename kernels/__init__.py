@@ -7,15 +7,18 @@ Nothing here knows about transformers.
 from .attention import attention
 from .configs import LINEAR_CONFIGS, AttentionConfig, LinearConfig, attention_config, linear_config
 from .linear import linear
-from .linear_autograd import LinearFunction, linear_with_grad
+from .linear_autograd import LinearFunction, linear_autograd
 from .paged_attention import paged_attention, write_kv
 from .rms_norm import rms_norm
+from .rms_norm_autograd import RMSNormFunction, rms_norm_autograd
 from .silu_mul import silu_mul
+from .silu_mul_autograd import SiluMulFunction, silu_mul_autograd
 from .token_logprobs import token_logprobs
 
 __all__ = [
     "AttentionConfig", "attention", "attention_config",
-    "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config", "LinearFunction", "linear_with_grad",
+    "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config", "LinearFunction", "linear_autograd",
     "paged_attention", "write_kv",
     "rms_norm", "silu_mul", "token_logprobs",
+    "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",
 ]

@@ -63,7 +63,7 @@ class LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def linear_with_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def linear_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                      config: LinearConfig | None = None,
                      grad_input_config: LinearConfig | None = None) -> torch.Tensor:
     """``linear`` that autograd differentiates through the invariant kernels.

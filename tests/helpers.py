@@ -4,6 +4,7 @@ M-dependent negative-control linear, a locally trained tokenizer, scoring reques
 lm-eval tasks and the real server in a subprocess."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -20,11 +21,15 @@ import numpy as np
 import pytest
 import requests
 import torch
+import triton
 from transformers import AutoModelForCausalLM
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from invariant_infer.drift import batch_drift, logits_alone, logits_in_batch
 from invariant_infer.families import FAMILIES
 from invariant_infer.kernels import LinearConfig, linear, linear_config
+from invariant_infer.kernels import launch as launch_mod
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -275,3 +280,29 @@ class ServerProcess:
             self.proc.wait(30)
         self.proc.stdout.close()
         self.log.close()
+
+
+# Offline compiles for CUDA targets (no GPU needed)
+
+
+def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, options=None, aligned=None):
+    """Compile ``kernel`` for sm_<arch> with the launches' pinned options (``options`` replaces
+    them). ``types`` maps argument names to Triton types (default: pointers from the 'ptr'
+    entry, everything else i32). ``aligned``: the arguments specialised as divisible by 16
+    (default: the pointers, 16-byte aligned as torch allocates them)."""
+    signature, attrs = {}, {}
+    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+        else:
+            signature[name] = types["ptr"] if name.endswith("_ptr") else "i32"
+        if (signature[name].startswith("*") if aligned is None else name in aligned):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    pinned = launch_mod.PINNED_OPTIONS if options is None else options
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages, **pinned})
+    assert compiled.asm["cubin"]
+    return compiled

@@ -11,11 +11,9 @@ import sys
 
 import pytest
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 import invariant_infer.kernels  # noqa: F401  (loads the kernel modules)
+from helpers import compile_for
 from invariant_infer.kernels import LINEAR_CONFIGS, attention_config
 
 configs_mod = sys.modules["invariant_infer.kernels.configs"]
@@ -31,29 +29,6 @@ TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"
 ARCHS = [90, 89, 80]
 DOT_PRECISION = launch_mod.DOT_PRECISION
 FMA = re.compile(r"\b(fma|mad)\.rn(\.ftz)?\.f32\b")
-
-
-def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, options=None, aligned=None):
-    """Compile ``kernel`` for sm_<arch> with the launches' pinned options (``options`` replaces
-    them). ``types`` maps argument names to Triton types (default: pointers from the 'ptr'
-    entry, everything else i32). ``aligned``: the arguments specialised as divisible by 16
-    (default: the pointers, 16-byte aligned as torch allocates them)."""
-    signature, attrs = {}, {}
-    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in types:
-            signature[name] = types[name]
-        else:
-            signature[name] = types["ptr"] if name.endswith("_ptr") else "i32"
-        if (signature[name].startswith("*") if aligned is None else name in aligned):
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    pinned = launch_mod.PINNED_OPTIONS if options is None else options
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages, **pinned})
-    assert compiled.asm["cubin"]
-    return compiled
 
 
 def _rms_norm(arch=90, dtype=torch.bfloat16, hidden=1536, options=None):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import DEVICES, DTYPES
-from invariant_infer.kernels import LinearConfig, linear, linear_config, linear_with_grad
+from invariant_infer.kernels import LinearConfig, linear, linear_config, linear_autograd
 
 # Max relative error (|g - ref|.max / |ref|.max) against float64 autograd on the same rounded
 # inputs: each gradient is one product accumulated in fp32 (IEEE, no TF32) and rounded once to
@@ -26,10 +26,10 @@ def _operands(shape, n, dtype, device, seed=0):
 
 
 def _grads(x, w, b, dy, **kwargs):
-    """(y, dX, dW, db) through linear_with_grad; None for an operand that needs no gradient."""
+    """(y, dX, dW, db) through linear_autograd; None for an operand that needs no gradient."""
     leaves = [t.detach().requires_grad_(grad) if t is not None else None
               for t, grad in zip((x, w, b), kwargs.pop("needs", (True, True, True)))]
-    y = linear_with_grad(*leaves, **kwargs)
+    y = linear_autograd(*leaves, **kwargs)
     y.backward(dy)
     return (y.detach(), *(None if t is None else t.grad for t in leaves))
 
@@ -106,7 +106,7 @@ def test_parameters_accumulate_gradients_as_usual():
     x, w, b, dy = _operands((10, 72), 40, torch.float32, "cpu")
     weight, bias = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
     for rows in (slice(0, 6), slice(6, 10)):
-        linear_with_grad(x[rows], weight, bias).backward(dy[rows])
+        linear_autograd(x[rows], weight, bias).backward(dy[rows])
     parts = [_grads(x[rows], w, b, dy[rows], needs=(False, True, True)) for rows in (slice(0, 6), slice(6, 10))]
     assert torch.equal(weight.grad, parts[0][2] + parts[1][2])
     assert torch.equal(bias.grad, parts[0][3] + parts[1][3])

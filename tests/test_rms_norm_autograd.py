@@ -1,0 +1,103 @@
+"""RMSNorm's autograd: the forward's bits, gradients against float64, row invariance of d x,
+run-twice bits of d x and d weight.
+
+No gradcheck: the kernels compute in fp32 and take bf16/fp16/fp32 only, so float64 is not theirs.
+"""
+import sys
+
+import pytest
+import torch
+
+from helpers import DEVICES, DTYPES, compile_for
+from invariant_infer.kernels import rms_norm, rms_norm_autograd
+
+autograd_mod = sys.modules["invariant_infer.kernels.rms_norm_autograd"]
+launch_mod = sys.modules["invariant_infer.kernels.launch"]
+rms_mod = sys.modules["invariant_infer.kernels.rms_norm"]
+
+EPS = 1e-6
+# Max |error| / max |float64 gradient|. d x: fp32 arithmetic, one rounding to the dtype. d weight:
+# a sum over rows of dy * normed x rounded to the dtype (as the forward rounds it), one rounding.
+TOLERANCE = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-6}
+
+
+def inputs(rows, dtype, device, n=300):
+    x = (torch.randn(rows, n) * 3).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(n)).to(dtype).to(device)
+    dy = torch.randn(rows, n).to(dtype).to(device)
+    return x, w, dy
+
+
+def kernel_grads(x, w, dy):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    return torch.autograd.grad(rms_norm_autograd(x, w, EPS), (x, w), dy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_is_rms_norm_and_gradients_match_float64(dtype, device):
+    x, w, dy = inputs(37, dtype, device)  # 3 programs on CPU, the last one partly past the rows
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = rms_norm_autograd(xr, wr, EPS)
+    assert torch.equal(y, rms_norm(x, w, EPS))
+    grads = torch.autograd.grad(y, (xr, wr), dy)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    y64 = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
+    for got, want in zip(grads, torch.autograd.grad(y64, (x64, w64), dy.double())):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < TOLERANCE[dtype]
+
+
+def test_three_dim_input_and_no_weight_grad():
+    x, w, dy = inputs(12, torch.float32, "cpu")
+    x3 = x.reshape(3, 4, -1).requires_grad_()
+    (dx,) = torch.autograd.grad(rms_norm_autograd(x3, w, EPS), (x3,), dy.reshape(3, 4, -1))
+    assert torch.equal(dx.reshape(12, -1), kernel_grads(x, w, dy)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_same_rows_give_the_same_gradient_bits(dtype):
+    x, w, dy = inputs(70, dtype, "cpu")
+    first, second = kernel_grads(x, w, dy), kernel_grads(x, w, dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def row_mismatches(grads, x, w, dy) -> list:
+    """The row subsets (slices, a permutation) whose input gradients differ from theirs in the full batch."""
+    full = grads(x, w, dy)[0]
+    subsets = [slice(3, 4), slice(0, 1), slice(60, 70), slice(5, 38), torch.randperm(x.shape[0])]
+    return [rows for rows in subsets if not torch.equal(grads(x[rows], w, dy[rows])[0], full[rows])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_input_gradient_of_a_row_does_not_depend_on_the_other_rows(dtype):
+    assert row_mismatches(kernel_grads, *inputs(70, dtype, "cpu", n=1536)) == []
+
+
+def rows_keyed_grads(x, w, dy):
+    """Negative control: the kernel for up to 4 rows, a two-halves sum of dn * normed for more (a
+    reduction tree picked by the row count, as a backward that switches strategy at some batch size)."""
+    if x.shape[0] <= 4:
+        return kernel_grads(x, w, dy)
+    xf, dn = x.float(), dy.float() * w.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    normed, half = xf * rstd, x.shape[-1] // 2
+    dot = (dn[:, :half] * normed[:, :half]).sum(-1, keepdim=True) + (dn[:, half:] * normed[:, half:]).sum(-1, keepdim=True)
+    return (rstd * (dn - normed * dot / x.shape[-1])).to(x.dtype), None
+
+
+def test_negative_control_rows_keyed_reduction_is_caught():
+    assert row_mismatches(rows_keyed_grads, *inputs(70, torch.float32, "cpu", n=1536)) != []
+
+
+@pytest.mark.parametrize("arch", [90, 89, 80])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_kernels_compile_for_cuda(arch, dtype):
+    """Offline (no GPU needed): both kernels, with the CUDA launch's blocks and pinned options."""
+    element = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    for hidden in (1536, 5120):
+        block_rows, block_n, warps = rms_mod._launch_params(torch.device("cuda"), hidden)
+        assert compile_for(autograd_mod._rms_norm_backward_kernel, arch, {"ptr": element, "part_ptr": "*fp32", "eps": "fp32"},
+                           dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n, WEIGHT_GRAD=True), warps)
+    assert compile_for(autograd_mod._sum_partial_rows_kernel, arch, {"ptr": element, "part_ptr": "*fp32"},
+                       dict(BLOCK_N=1024), 4)
