@@ -49,7 +49,7 @@ from invariant_infer.loading import DTYPES
 
 from .fuzz_draws import (LONG_LEN, MAX_BATCH, MAX_EXTRA_PAD, MAX_LEN, SAMPLES_PER_POOL, Batching, Pools,
                          batch_variant_linear, draw, fuzz_overrides, m_dependent_linear, pool_lengths)
-from .fuzz_parallel import WorkerFailed, outcomes
+from .fuzz_parallel import WorkerFailed, exit_status, outcomes
 from .report import git_commit
 
 __all__ = ["Batching", "DTYPES", "draw", "m_dependent_linear", "pool_lengths", "main", "parse", "run"]
@@ -311,18 +311,8 @@ def main(argv=None) -> int:
           f"in {summary['elapsed_s']:.0f} s ({summary['batchings_per_s']} batchings/s; "
           f"{summary['alone_forwards']} alone forwards took {summary['alone_s']:.0f} s)"
           + (f"; wrote {args.out}" if args.out else ""), file=sys.stderr)
-    if args.negative_control:
-        if summary["rows_unequal"] == 0:
-            print("[fuzz] NEGATIVE CONTROL FAILED: the batch-variant linear went undetected", file=sys.stderr)
-            return 1
-        print(f"[fuzz] negative control caught the batch-variant linear in {summary['batchings_unequal']} of "
-              f"{summary['batchings']} batchings", file=sys.stderr)
-        return 0
-    if summary["rows_unequal"]:
-        print(f"[fuzz] FAILED: {summary['rows_unequal']} rows differ from the sample alone; first: "
-              f"{summary['failures'][0]['replay']}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status("fuzz", summary, unequal="rows_unequal", unit="rows", groups="batchings",
+                       what="the sample alone", negative_control=args.negative_control)
 
 
 if __name__ == "__main__":

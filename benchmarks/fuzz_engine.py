@@ -42,7 +42,7 @@ from invariant_infer.random_checkpoints import random_config
 
 from .fuzz import csv_choices, device_name, quiet_libraries, versions, write_json
 from .fuzz_draws import Models, batch_variant_linear, fuzz_overrides
-from .fuzz_parallel import WorkerFailed, outcomes
+from .fuzz_parallel import WorkerFailed, exit_status, outcomes
 from .report import git_commit
 
 MAX_REQUESTS = 6
@@ -366,18 +366,8 @@ def main(argv=None) -> int:
           f"({summary['tokens']} tokens, {summary['preemptions']} preemptions, {summary['prefix_hit_tokens']} "
           f"prefix-cache tokens), {summary['requests_unequal']} unequal, in {summary['elapsed_s']:.0f} s"
           + (f"; wrote {args.out}" if args.out else ""), file=sys.stderr)
-    if args.negative_control:
-        if summary["requests_unequal"] == 0:
-            print("[fuzz_engine] NEGATIVE CONTROL FAILED: the batch-variant linear went undetected", file=sys.stderr)
-            return 1
-        print(f"[fuzz_engine] negative control caught the batch-variant linear in {summary['schedules_unequal']} "
-              f"of {summary['schedules']} schedules", file=sys.stderr)
-        return 0
-    if summary["requests_unequal"]:
-        print(f"[fuzz_engine] FAILED: {summary['requests_unequal']} requests differ from the request alone; first: "
-              f"{summary['failures'][0]['replay']}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status("fuzz_engine", summary, unequal="requests_unequal", unit="requests", groups="schedules",
+                       what="the request alone", negative_control=args.negative_control)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -94,3 +95,23 @@ def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(1)
+
+
+def exit_status(tag: str, summary: dict, *, unequal: str, unit: str, groups: str, what: str,
+                negative_control: bool) -> int:
+    """A fuzz run's verdict on stderr and its exit status: 1 on any ``unequal`` count; with the
+    negative control, 1 when it caught nothing. ``unit`` names what is compared (rows,
+    requests), ``groups`` what is drawn (batchings, schedules), ``what`` the reference."""
+    caught = summary[unequal]
+    if negative_control:
+        if caught == 0:
+            print(f"[{tag}] NEGATIVE CONTROL FAILED: the batch-variant linear went undetected", file=sys.stderr)
+            return 1
+        print(f"[{tag}] negative control caught the batch-variant linear in {summary[groups + '_unequal']} "
+              f"of {summary[groups]} {groups}", file=sys.stderr)
+        return 0
+    if caught:
+        print(f"[{tag}] FAILED: {caught} {unit} differ from {what}; first: {summary['failures'][0]['replay']}",
+              file=sys.stderr)
+        return 1
+    return 0
