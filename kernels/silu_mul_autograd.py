@@ -24,8 +24,9 @@ def _silu_mul_backward_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, stride_g, st
     u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
-    # The forward multiplies up by silu(g) rounded to the dtype: d(up) uses that same factor.
-    act = (g * sig).to(dg_ptr.dtype.element_ty).to(tl.float32)
+    # The forward multiplies up by silu(g) rounded to the dtype: d(up) uses that same factor,
+    # computed as the forward computes it.
+    act = (g / (1.0 + tl.exp(-g))).to(dg_ptr.dtype.element_ty).to(tl.float32)
     dg = dy * u * (sig * (1.0 + g * (1.0 - sig)))
     offsets = rows[:, None] * stride_d + cols[None, :]
     tl.store(dg_ptr + offsets, dg.to(dg_ptr.dtype.element_ty), mask=mask)

@@ -87,3 +87,12 @@ def test_backward_kernel_compiles_for_cuda(arch, dtype):
     element = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     assert compile_for(autograd_mod._silu_mul_backward_kernel, arch, {"ptr": element},
                        dict(BLOCK_ROWS=1, BLOCK_N=1024), 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_up_gradient_uses_the_forwards_rounded_silu(dtype):
+    """With a gradient of ones, d(up) is silu(gate) as the forward rounds it: bitwise silu_mul(gate, 1)."""
+    gate = torch.randn(5, 96).to(dtype)
+    up = torch.randn(5, 96).to(dtype).requires_grad_()
+    silu_mul_autograd(gate, up).backward(torch.ones(5, 96, dtype=dtype))
+    assert torch.equal(up.grad, silu_mul(gate, torch.ones_like(gate)))
