@@ -49,7 +49,7 @@ from invariant_infer.loading import DTYPES
 
 from .fuzz_draws import (LONG_LEN, MAX_BATCH, MAX_EXTRA_PAD, MAX_LEN, SAMPLES_PER_POOL, Batching, Pools,
                          batch_variant_linear, draw, fuzz_overrides, m_dependent_linear, pool_lengths)
-from .fuzz_parallel import WorkerFailed, exit_status, outcomes
+from .fuzz_parallel import exit_status, outcomes, run_or_stop
 from .report import git_commit
 
 __all__ = ["Batching", "DTYPES", "draw", "m_dependent_linear", "pool_lengths", "main", "parse", "run"]
@@ -297,15 +297,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    try:
-        summary = run(args)
-    except WorkerFailed as error:
-        print(f"[fuzz] STOPPED: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("[fuzz] interrupted; every worker stopped" + (f", partial summary in {args.out}" if args.out else ""),
-              file=sys.stderr)
-        return 130
+    summary = run_or_stop("fuzz", run, args, partial_out=args.out)
+    if isinstance(summary, int):
+        return summary
     print(format_table(summary))
     print(f"[fuzz] {summary['batchings']} batchings, {summary['rows']} rows, {summary['rows_unequal']} unequal "
           f"in {summary['elapsed_s']:.0f} s ({summary['batchings_per_s']} batchings/s; "

@@ -42,7 +42,7 @@ from invariant_infer.random_checkpoints import random_config
 
 from .fuzz import csv_choices, device_name, quiet_libraries, versions, write_json
 from .fuzz_draws import Models, batch_variant_linear, fuzz_overrides
-from .fuzz_parallel import WorkerFailed, exit_status, outcomes
+from .fuzz_parallel import exit_status, outcomes, run_or_stop
 from .report import git_commit
 
 MAX_REQUESTS = 6
@@ -354,14 +354,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    try:
-        summary = run(args)
-    except WorkerFailed as error:
-        print(f"[fuzz_engine] STOPPED: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("[fuzz_engine] interrupted; every worker stopped", file=sys.stderr)
-        return 130
+    summary = run_or_stop("fuzz_engine", run, args)
+    if isinstance(summary, int):
+        return summary
     print(f"[fuzz_engine] {summary['schedules']} schedules, {summary['requests']} requests "
           f"({summary['tokens']} tokens, {summary['preemptions']} preemptions, {summary['prefix_hit_tokens']} "
           f"prefix-cache tokens), {summary['requests_unequal']} unequal, in {summary['elapsed_s']:.0f} s"

@@ -97,6 +97,20 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
+def run_or_stop(tag: str, run: Callable, args, partial_out=None):
+    """``run(args)``'s summary, or the exit status when it stopped: 2 when a worker failed, 130 on
+    Ctrl-C / SIGTERM (every worker is stopped either way; ``partial_out`` keeps a partial summary)."""
+    try:
+        return run(args)
+    except WorkerFailed as error:
+        print(f"[{tag}] STOPPED: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"[{tag}] interrupted; every worker stopped" + (f", partial summary in {partial_out}" if partial_out
+                                                               else ""), file=sys.stderr)
+        return 130
+
+
 def exit_status(tag: str, summary: dict, *, unequal: str, unit: str, groups: str, what: str,
                 negative_control: bool) -> int:
     """A fuzz run's verdict on stderr and its exit status: 1 on any ``unequal`` count; with the
