@@ -12,6 +12,9 @@ What changes (and nothing process-wide):
     (cumsum - 1, pads at 0) and rejects masks that cannot be invariant;
   * registered instance extensions run (``invariant_infer.generation`` registers one that makes
     ``model.generate`` on this instance reject options that are not batch-invariant).
+Every patched op is differentiable: with grad enabled it runs as an autograd Function over the same
+forward kernel (the same bits as inference) with a batch-invariant, deterministic backward, so the
+model trains on the kernels it samples with. Parameters stay the model's own ``nn.Parameter``s.
 ``restore(model)`` undoes all of it.
 """
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import types
-import warnings
 
 import torch
 from torch import nn
@@ -27,7 +29,7 @@ from torch import nn
 from . import hf_attention
 from .errors import NonInvariantInputError, UnsupportedModelError
 from .families import FamilyAdapter, family_of, sliding_window_refusal
-from .kernels import linear, rms_norm
+from .kernels import linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul_linear_autograd
 from .kernels.fused_linear import silu_mul_linear
 from .padding import is_sequence_bounds, resolve_positions
 
@@ -39,12 +41,23 @@ _STATE_ATTR = "_invariant_infer_state"
 
 
 # ---- per-module forwards -------------------------------------------------------------------------
+# With autograd recording (grad enabled and an input or parameter that requires grad), each op runs
+# as its autograd Function: the same forward kernel, so the same bits as inference, plus a
+# batch-invariant, deterministic backward. Otherwise the plain kernel runs (no saved tensors).
+
+def _records_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _records_grad(x, self.weight, self.bias):
+        return linear_autograd(x, self.weight, self.bias)
     return linear(x, self.weight, self.bias)
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if _records_grad(hidden_states, self.weight):
+        return rms_norm_autograd(hidden_states, self.weight, self.variance_epsilon)
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
@@ -52,7 +65,10 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # silu(gate) * up is computed inside the down projection's prologue: bitwise what
     # down_proj(silu_mul(gate, up)) gives, without writing the [tokens x intermediate] product.
     down = self.down_proj
-    return silu_mul_linear(self.gate_proj(x), self.up_proj(x), down.weight, down.bias)
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if _records_grad(gate, up, down.weight, down.bias):
+        return silu_mul_linear_autograd(gate, up, down.weight, down.bias)
+    return silu_mul_linear(gate, up, down.weight, down.bias)
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
@@ -106,10 +122,8 @@ def _base_pre_hook(module, args, kwargs):
         return (), kwargs
     # Tracing (compiled decode) skips the checks, which sync with the host; generate() checked up front.
     check = not torch.compiler.is_compiling()
-    if check and torch.is_grad_enabled() and module.embed_tokens.weight.requires_grad:
-        warnings.warn("invariant kernels are inference-only: their outputs carry no gradient, so a backward pass "
-                      "would see only the residual paths. Run under torch.no_grad() or torch.inference_mode().",
-                      stacklevel=3)
+    if check and module.training:
+        _refuse_dropout(module)
     positions = resolve_positions(
         mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
         cache_length=_cache_length(kwargs) if check else 0,
@@ -117,6 +131,18 @@ def _base_pre_hook(module, args, kwargs):
     if positions is not None:
         kwargs["position_ids"] = positions
     return (), kwargs
+
+
+def _refuse_dropout(base: nn.Module) -> None:
+    """Train mode applies attention dropout, whose random mask depends on where a sample sits in
+    the batch: refuse it rather than train on batch-dependent numbers."""
+    for index, layer in enumerate(base.layers):
+        rate = getattr(layer.self_attn, "attention_dropout", 0.0)
+        if rate:
+            raise NonInvariantInputError(
+                f"layers.{index}.self_attn has attention_dropout={rate} and the model is in train mode: dropout is "
+                "not batch-invariant. Load the model with attention_dropout=0.0 (these families ship with 0) or "
+                "call model.eval().")
 
 
 # ---- checks ----------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Nothing here knows about transformers.
 """
 from .attention import attention
 from .configs import LINEAR_CONFIGS, AttentionConfig, LinearConfig, attention_config, linear_config
+from .fused_linear_autograd import SiluMulLinearFunction, silu_mul_linear_autograd
 from .linear import linear
 from .linear_autograd import LinearFunction, linear_autograd
 from .paged_attention import paged_attention, write_kv
@@ -21,4 +22,5 @@ __all__ = [
     "paged_attention", "write_kv",
     "rms_norm", "silu_mul", "token_logprobs",
     "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",
+    "SiluMulLinearFunction", "silu_mul_linear_autograd",
 ]
