@@ -5,8 +5,9 @@ device and V alone, never by the number of rows), in order, with an online max a
 exponentials in fp32. So a row's logprob has the same bits whatever rows share its launch,
 and only [rows x V] logits in the input dtype need exist; nothing is upcast to a full fp32 copy.
 
-The temperature T divides each logit after its fp32 upcast (IEEE division, as the sampler's
-``scores.float() / temperature``); at T = 1 that division is exact, so the bits are T's own.
+The temperature T divides each logit after its fp32 upcast, as the sampler's ``scores.float() /
+temperature`` (IEEE division, bitwise torch's on CPU; torch on CUDA multiplies by the reciprocal,
+within an ulp of it). At T = 1 the division is exact: the bits are those of no temperature.
 Argmax ties break to the first (lowest) index, as torch.argmax does.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    logprobs: list[float]                      # of each generated token (of SamplingParams.logprobs_mode's distribution)
+    logprobs: list[float]                      # of each generated token, of logprobs_mode's distribution
     top_logprobs: list[dict[int, float]] | None
     prompt_logprobs: list[float] | None        # of prompt tokens 1 .. len - 1
     prompt_top_logprobs: list[dict[int, float]] | None
