@@ -21,7 +21,7 @@ LAYERS = [
     ["invariant_infer.errors", "invariant_infer.families.*", "invariant_infer.padding", "invariant_infer.hf_attention",
      "invariant_infer.patch", "invariant_infer.random_checkpoints"],
     ["invariant_infer.drift", "invariant_infer.sampling", "invariant_infer.generation", "invariant_infer.scoring",
-     "invariant_infer.engine.*", "invariant_infer.loading", "invariant_infer"],
+     "invariant_infer.engine.*", "invariant_infer.loading", "invariant_infer.weight_update", "invariant_infer"],
     ["invariant_infer.server.*", "invariant_infer.distributed", "invariant_infer.scoring_job",
      "invariant_infer.scoring_backends"],
     ["invariant_infer.cli", "invariant_infer.demo", "invariant_infer.scoring_cli", "invariant_infer.serve_cli"],
