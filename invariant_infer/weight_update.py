@@ -83,8 +83,7 @@ def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[int, list[
 
 @dataclass
 class WeightUpdate:
-    """A checked checkpoint: ``apply()`` copies it into the model (call once)."""
-    model: nn.Module
+    """A checked checkpoint: ``apply()`` copies it into the model."""
     copies: list[tuple[torch.Tensor, object, str]] = field(default_factory=list)  # (target, file handle, name)
 
     def apply(self) -> int:
@@ -108,9 +107,9 @@ def plan_weight_update(model: nn.Module, path: str | Path) -> WeightUpdate:
     that cannot be cast). Copies nothing."""
     folder = Path(path)
     listed = _files_of(folder)
-    handles, located = {}, {}
+    located = {}  # tensor name -> the open file that holds it
     for file in sorted(set(listed.values())) or [folder / SINGLE_FILE]:
-        handles[file] = handle = _open(file)
+        handle = _open(file)
         for name in handle.keys():
             if not listed or listed.get(name) == file:
                 located[name] = handle
@@ -122,7 +121,7 @@ def plan_weight_update(model: nn.Module, path: str | Path) -> WeightUpdate:
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     unexpected = [n for n in located if n not in entries and not any(p.search(n) for p in ignored)]
     missing, wrong_shape, wrong_dtype, differing_ties = [], [], [], []
-    update = WeightUpdate(model)
+    update = WeightUpdate()
     for names in names_of.values():
         target = entries[names[0]]
         present = [n for n in names if n in located]

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import load_model
+from helpers import DEVICES, load_model
 from invariant_infer.engine import AsyncEngine, Engine, EngineBusyError, SamplingParams
 from invariant_infer.random_checkpoints import qwen2_config, random_model
 from invariant_infer.weight_update import CheckpointError, load_weights_from_disk
@@ -25,8 +25,8 @@ def checkpoint(family_checkpoints):
     return family_checkpoints("qwen2")
 
 
-def fp32(path):
-    return load_model(path, torch.float32)
+def fp32(path, device="cpu"):
+    return load_model(path, torch.float32, device)
 
 
 def prompt(length: int, seed: int = 0) -> list[int]:
@@ -148,19 +148,20 @@ def assert_state_equal(model, other) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_load_weights_from_disk_sharded_and_cast(checkpoint, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_weights_from_disk_sharded_and_cast(checkpoint, tmp_path, device):
     """A sharded bf16 checkpoint into an fp32 model: bitwise what from_pretrained(dtype=fp32) loads,
     and the engine on it equals an engine on that model."""
     new = random_model(qwen2_config("tiny"), seed=4).to(torch.bfloat16)
     new.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
-    model = fp32(checkpoint)
+    model = fp32(checkpoint, device)
     engine = Engine(model)
     before = engine.generate([prompt(6)], PARAMS)[0]
     assert load_weights_from_disk(model, tmp_path) == len(model.state_dict())
     engine.reset_prefix_cache()
-    loaded = fp32(tmp_path)
+    loaded = fp32(tmp_path, device)
     assert_state_equal(model, loaded)
     after = engine.generate([prompt(6)], PARAMS)[0]
     assert same(after, Engine(loaded).generate([prompt(6)], PARAMS)[0]) and after.logprobs != before.logprobs

@@ -2,9 +2,11 @@
 port, raw HTTP): after an update, completions equal, bitwise, those of a server started on the new
 checkpoint, prefix-cached prompts included; bad checkpoints get a 400 naming the problem and the
 old weights keep serving; the API key is enforced; a request in flight finishes on the old
-weights while new ones get 503, and a drain past its timeout changes nothing."""
+weights while new ones get 503, and a drain past its timeout changes nothing; after a copy that
+fails halfway, generation stays refused until an update succeeds."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -14,7 +16,12 @@ import requests
 from safetensors.torch import load_file, save_file
 
 from helpers import KEY, MODEL, ServerProcess, save_tokenizer
+from invariant_infer.engine import AsyncEngine, Engine
+from invariant_infer.loading import load_model, load_tokenizer
 from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
+from invariant_infer.server.app import create_app
+from invariant_infer.server.errors import APIError
+from invariant_infer.weight_update import WeightUpdate
 
 CONFIG = dict(family="qwen2", preset="tiny", num_hidden_layers=1)
 PROMPT = list(range(3, 73))   # 70 tokens: a full KV page (64 on CPU) is cached and hit
@@ -125,7 +132,8 @@ def test_bad_checkpoints_get_400_and_the_old_weights_keep_serving(server, truth,
     load(server, old)
     index = tmp_path / "index"
     index.mkdir()
-    (index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "gone.safetensors"}}))
+    (index / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "gone.safetensors"}}))
     for path, named in ((tmp_path / "nowhere", "does not exist"),
                         (wrong_shape_checkpoint(new, tmp_path / "shape"),
                          "wrong shapes: model.layers.0.mlp.down_proj.weight [64, 159] (the model's is [64, 160])"),
@@ -213,3 +221,30 @@ def test_a_drain_past_its_timeout_changes_nothing(server, truth, old, new):
     assert long.join() == truth["old"]["long"]
     assert answers(server) == short(truth, "old")   # admitting again, on the old weights
     assert 'invariant_infer_weight_updates_total{result="timeout"} 1.0' in server.metrics_text()
+
+
+def test_a_copy_that_fails_halfway_keeps_generation_refused(old, new, monkeypatch):
+    """In process (the fault cannot be caused from outside): the copy raises after the check; the
+    weights are mixed, so admission answers 503 until an update succeeds."""
+    async_engine = AsyncEngine(Engine(load_model(str(old), dtype="fp32", device="cpu")))
+    try:
+        state = create_app(async_engine, load_tokenizer(str(old))).state.server
+        real = WeightUpdate.apply
+
+        def halfway(self):
+            self.copies = self.copies[:3]
+            real(self)
+            raise OSError("read error")
+        monkeypatch.setattr(WeightUpdate, "apply", halfway)
+        with pytest.raises(APIError) as failed:
+            asyncio.run(state.weights.update_from_disk(str(new), 5))
+        assert failed.value.status == 500 and failed.value.code == "update_failed"
+        assert "OSError: read error" in failed.value.message and "weights are mixed" in failed.value.message
+        with pytest.raises(APIError) as refused:
+            state.runner.admit(1)
+        assert refused.value.status == 503 and refused.value.message == failed.value.message
+        monkeypatch.setattr(WeightUpdate, "apply", real)
+        assert asyncio.run(state.weights.update_from_disk(str(new), 5))["success"] is True
+        state.runner.admit(1)  # admitted again
+    finally:
+        async_engine.shutdown()

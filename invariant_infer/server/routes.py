@@ -1,6 +1,6 @@
 """The endpoints: OpenAI completions and chat completions, models, health, metrics, the
-tokenizer endpoints lm-eval's remote tokenizer uses, and SGLang's ``/update_weights_from_disk``. Bodies arrive parsed (``protocol``); every
-refusal is raised and answered by a handler in ``errors``."""
+tokenizer endpoints lm-eval's remote tokenizer uses, and SGLang's ``/update_weights_from_disk``.
+Bodies arrive parsed (``protocol``); every refusal is raised and answered by a handler in ``errors``."""
 from __future__ import annotations
 
 import secrets
