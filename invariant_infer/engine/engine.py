@@ -6,13 +6,6 @@
 
 ``add_request`` / ``step`` / ``abort`` drive it one step at a time (a server does);
 ``generate`` and ``score`` run until their requests finish.
-
-Weight updates: the engine keeps no copy of any weight, nor anything derived from one but the KV
-cache. Each step reads the parameters of the model's own modules, so an in-place update (an
-optimizer step, ``param.data.copy_``, ``load_state_dict``, ``weight_update.load_weights_from_disk``)
-reaches the next step. Cached prefix pages hold KV computed under the weights of their time: call
-``reset_prefix_cache()`` after an update, with no request in the engine, and every later result
-equals that of an engine freshly built on the updated model, bitwise.
 """
 from __future__ import annotations
 
@@ -59,6 +52,15 @@ class EngineBusyError(RuntimeError):
 
 
 class Engine:
+    """Continuous batching over one causal LM (see the module's docstring).
+
+    Weight updates: the engine keeps no copy of any weight, nor anything derived from one but the
+    KV cache. Each step reads the parameters of the model's own modules, so an in-place update (an
+    optimizer step, ``param.data.copy_``, ``load_state_dict``, ``weight_update.load_weights_from_disk``)
+    reaches the next step. Cached prefix pages hold KV computed under the weights of their time:
+    call ``reset_prefix_cache()`` after an update, with no request in the engine, and every later
+    result equals that of an engine freshly built on the updated model, bitwise."""
+
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
                  decode_buckets: tuple[int, ...] = ()):
