@@ -57,7 +57,7 @@ def _attention_bwd_dkdv_kernel(
     stride_dob, stride_dom, stride_doh, stride_dod,
     Lq, Lk, Hq, Hkv, D, scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TILES_FROM_KV_START: tl.constexpr,
 ):
     """dK, dV [B, Hkv, Lk, D] (contiguous; zero-filled by the caller, so keys no program covers stay 0)."""
     pid_n = tl.program_id(0)
@@ -84,7 +84,11 @@ def _attention_bwd_dkdv_kernel(
     # Queries that can see this block: positions in [max(n0, q_start), min(kv_end, q_start + Lq)),
     # walked in tiles aligned to kv_start (tile boundaries fixed by the sample, not the batch).
     first = tl.maximum(n0, q_start)
-    lo = kv_start + ((first - kv_start) // BLOCK_M) * BLOCK_M
+    if TILES_FROM_KV_START:
+        origin = kv_start
+    else:
+        origin = q_start
+    lo = origin + ((first - origin) // BLOCK_M) * BLOCK_M
     hi = tl.minimum(kv_end, q_start + Lq)
     for g in range(GROUP):
         h = kvh * GROUP + g
@@ -165,8 +169,9 @@ def _attention_bwd_dq_kernel(
 
 
 def attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, scale,
-                       config: AttentionConfig, backward_config: AttentionBackwardConfig):
-    """(dQ, dK, dV) for ``grad_out`` [B, Lq, Hq, D], shaped as q, k, v."""
+                       config: AttentionConfig, backward_config: AttentionBackwardConfig,
+                       need_dq: bool = True, need_dkdv: bool = True):
+    """(dQ, dK, dV) for ``grad_out`` [B, Lq, Hq, D], shaped as q, k, v (None where not needed)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     dq = torch.empty((B, Hq, Lq, D), device=q.device, dtype=q.dtype)
@@ -186,15 +191,18 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, s
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     ints = (kv_start, kv_end, q_start)
     cfg = backward_config
-    launch(_attention_bwd_dkdv_kernel, (triton.cdiv(Lk, cfg.block_n), B * Hkv), q.device,
-           q, k, v, do, lse, delta, dk, dv, *ints, *common, Lq, Lk, Hq, Hkv, D, scale,
-           GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch(_attention_bwd_dq_kernel, (triton.cdiv(Lq, config.block_m), B * Hq), q.device,
-           q, k, v, do, lse, delta, dq, *ints, *common, Lq, Lk, Hq, D, scale,
-           GROUP=Hq // Hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-           DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dq, dk, dv
+    if need_dkdv:
+        launch(_attention_bwd_dkdv_kernel, (triton.cdiv(Lk, cfg.block_n), B * Hkv), q.device,
+               q, k, v, do, lse, delta, dk, dv, *ints, *common, Lq, Lk, Hq, Hkv, D, scale,
+               GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+               DOT_PRECISION=DOT_PRECISION, TILES_FROM_KV_START=cfg.tiles_from_kv_start,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if need_dq:
+        launch(_attention_bwd_dq_kernel, (triton.cdiv(Lq, config.block_m), B * Hq), q.device,
+               q, k, v, do, lse, delta, dq, *ints, *common, Lq, Lk, Hq, D, scale,
+               GROUP=Hq // Hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+               DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (dq if need_dq else None), (dk if need_dkdv else None), (dv if need_dkdv else None)
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -212,10 +220,12 @@ class AttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: a clear error, not wrong grads
     def backward(ctx, grad_out):
         q, k, v, out, lse, kv_start, kv_end, q_start = ctx.saved_tensors
+        need = ctx.needs_input_grad
         dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, ctx.scale,
-                                        ctx.config, ctx.backward_config)
+                                        ctx.config, ctx.backward_config, need[0], need[1] or need[2])
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -115,6 +115,9 @@ class AttentionBackwardConfig:
     delta_rows: int = 16  # rows per program of the delta = rowsum(dO * O) preprocess
     num_warps: int = 4
     num_stages: int = 2
+    # False starts the query tiles at row 0, as a plain FlashAttention-2 backward does: then the
+    # amount of left padding regroups a key's sum. Batch-variant; the tests' negative control.
+    tiles_from_kv_start: bool = True
 
 
 def attention_backward_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionBackwardConfig:

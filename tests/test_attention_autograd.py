@@ -120,6 +120,21 @@ def test_layout_of_the_operands_never_changes_the_bits():
     assert all(torch.equal(a, b) for a, b in zip(kernel_grads(q, k, v, do, starts, ends), strided))
 
 
+def test_gradient_of_some_inputs_only_and_double_backward_refused():
+    q, k, v, do, starts, ends = padded_batch([12, 5], 12, torch.float32, "cpu")
+    full = kernel_grads(q, k, v, do, starts, ends)
+    for wanted in ((0,), (1, 2), (2,)):
+        leaves = [t.detach().requires_grad_(i in wanted) for i, t in enumerate((q, k, v))]
+        out = attention_autograd(*leaves, starts, ends, torch.zeros_like(starts), 32 ** -0.5)
+        grads = torch.autograd.grad(out, [leaves[i] for i in wanted], do)
+        assert all(torch.equal(g, full[1 + i]) for g, i in zip(grads, wanted)), wanted
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attention_autograd(*leaves, starts, ends, torch.zeros_like(starts), 32 ** -0.5)
+    (dq,) = torch.autograd.grad(out, leaves[0], do.clone().requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        dq.sum().backward()
+
+
 N = 70  # two KV blocks of 64 and three query tiles of 32 on CPU
 BATCHES = [  # (total, other rows' lengths, side of the sample's padding)
     (N, [N, 5], True), (N + 13, [3, N + 13], True), (N + 29, [N + 29, 2], False), (N + 6, [11], False), (N, [], True),
@@ -159,6 +174,16 @@ def test_negative_control_batch_dependent_query_tile_breaks_invariance():
     assert batch_mismatches(torch.float32, configs_for) == [batch for batch in BATCHES if batch[1]]
 
 
+def test_negative_control_query_tiles_from_row_0_break_invariance_under_left_padding():
+    """dK/dV with query tiles starting at row 0 instead of the first real query: a left pad that is
+    not a multiple of the tile moves the tile boundaries over the sample's queries."""
+    unaligned = dict(backward_config=AttentionBackwardConfig(
+        **{**vars(attention_backward_config("cpu", torch.float32, 32)), "tiles_from_kv_start": False}))
+    tile = unaligned["backward_config"].block_m
+    shifted = [batch for batch in BATCHES if batch[2] and (batch[0] - N) % tile]
+    assert shifted and batch_mismatches(torch.float32, lambda B: unaligned) == shifted
+
+
 def test_negative_control_batch_dependent_kv_block_breaks_invariance():
     """dQ (and the forward) with a KV block picked by the batch size: the key sums are regrouped."""
     base = attention_config("cpu", torch.float32, 32)
@@ -195,7 +220,8 @@ def test_backward_kernels_compile_for_cuda_within_shared_memory(arch, dtype):
     common = dict(GROUP=6, BLOCK_D=d, DOT_PRECISION=launch_mod.DOT_PRECISION)
     kernels = [
         (attention_mod._attention_kernel, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STORE_LSE=True), cfg),
-        (autograd_mod._attention_bwd_dkdv_kernel, dict(common, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n), bwd),
+        (autograd_mod._attention_bwd_dkdv_kernel, dict(common, BLOCK_M=bwd.block_m, BLOCK_N=bwd.block_n,
+                                                       TILES_FROM_KV_START=True), bwd),
         (autograd_mod._attention_bwd_dq_kernel, dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), bwd),
     ]
     for kernel, constexprs, launch_cfg in kernels:
