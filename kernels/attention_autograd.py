@@ -16,7 +16,8 @@ Each output element is reduced in an order fixed by the sample and the backward 
 Padding: a query is real when its position q_start[b] + i lies in [kv_start[b], kv_end[b]).
 Pad queries (left pad: they see no key; right pad: past kv_end) get dQ = 0 and contribute nothing
 to dK/dV, whatever their incoming gradient: the backward treats their outputs as constants.
-Pad keys get dK = dV = 0.
+Pad keys get dK = dV = 0. With a KV cache (q_start > 0, Lq < Lk) the gradients are those of this
+call: cached keys get the gradients of the queries present.
 """
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def _attention_bwd_dkdv_kernel(
             offs_m = pos - q_start
             real = (offs_m >= 0) & (offs_m < Lq) & (pos >= kv_start) & (pos < kv_end)
             row_mask = real[:, None] & (offs_d[None, :] < D)
-            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=row_mask, other=0.0)
+            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                        + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)
             do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
                          + offs_d[None, :] * stride_dod, mask=row_mask, other=0.0)
             lse = tl.load(lse_ptr + (b * Hq + h) * Lq + offs_m, mask=real, other=0.0)
@@ -165,7 +166,8 @@ def _attention_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
     out = (b * Hq + h) * Lq * D + offs_m[:, None] * D + offs_d[None, :]
-    tl.store(dq_ptr + out, (dq * scale).to(dq_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+    tl.store(dq_ptr + out, (dq * scale).to(dq_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
 
 
 def attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, scale,
