@@ -12,6 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from .errors import NonInvariantInputError
 from .kernels import attention
+from .packing import PACKED_KWARG
 from .padding import is_sequence_bounds, sequence_bounds
 
 ATTN_IMPLEMENTATION = "invariant"
@@ -25,9 +26,9 @@ def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_off
     """Mask builder for transformers' ``create_causal_mask``; returns ``sequence_bounds``."""
     if mask_function is not causal_mask_function:
         raise NonInvariantInputError(
-            "invariant attention supports plain causal masks with 2-D padding only; packed sequences "
-            "(position_ids that restart inside a row without an attention_mask) and custom mask functions "
-            "are not supported. Pass an attention_mask, one sequence per row.")
+            "invariant attention supports plain causal masks with 2-D padding and packed rows (position_ids "
+            "restarting at 0, no attention_mask) checked before the forward; custom mask functions, and packed "
+            "rows under torch.compile, are not supported.")
     if isinstance(kv_offset, int) and kv_offset != 0:
         raise NonInvariantInputError("invariant attention does not support sliding-window KV offsets")
     if device is None:
@@ -57,7 +58,17 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
         raise NonInvariantInputError("sliding-window attention is not supported by invariant attention")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kv_start, kv_end, q_start = attention_mask[:, :, 0, 0].unbind(0)
-    return attention(query, key, value, kv_start, kv_end, q_start, scale), None
+    packed = kwargs.get(PACKED_KWARG)
+    if packed is None:
+        return attend(query, key, value, kv_start, kv_end, q_start, scale), None
+    # Packed rows: the bounds are those of the regrouped batch, one sequence per row.
+    out = attend(packed.regroup(query), packed.regroup(key), packed.regroup(value), kv_start, kv_end, q_start, scale)
+    return packed.ungroup(out), None
+
+
+def attend(query, key, value, kv_start, kv_end, q_start, scale):
+    """The one kernel call of both layouts: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> [B, Lq, Hq, D]."""
+    return attention(query, key, value, kv_start, kv_end, q_start, scale)
 
 
 def register() -> None:

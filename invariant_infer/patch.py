@@ -29,6 +29,7 @@ from .errors import NonInvariantInputError, UnsupportedModelError
 from .families import FamilyAdapter, family_of, sliding_window_refusal
 from .kernels import linear, rms_norm
 from .kernels.fused_linear import silu_mul_linear
+from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -110,10 +111,23 @@ def _base_pre_hook(module, args, kwargs):
         warnings.warn("invariant kernels are inference-only: their outputs carry no gradient, so a backward pass "
                       "would see only the residual paths. Run under torch.no_grad() or torch.inference_mode().",
                       stacklevel=3)
-    positions = resolve_positions(
-        mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
-        cache_length=_cache_length(kwargs) if check else 0,
-        max_positions=module.rotary_emb._invariant_tables[0].shape[0], check=check)
+    max_positions = module.rotary_emb._invariant_tables[0].shape[0]
+    if check and mask is None:
+        # Packed rows (position_ids restarting, cu_seq_lens_*): attention regroups them per sequence.
+        flash = {name: kwargs.pop(name) for name in FLASH_KWARGS if name in kwargs}
+        positions, packed = resolve_packed(
+            kwargs.get("position_ids"), flash, batch=tokens.shape[0], length=tokens.shape[1],
+            cache_length=_cache_length(kwargs), max_positions=max_positions, device=tokens.device)
+        if packed is not None:
+            kwargs["attention_mask"] = packed.bounds()
+            kwargs[PACKED_KWARG] = packed
+    else:
+        if check and any(kwargs.get(name) is not None for name in FLASH_KWARGS):
+            raise NonInvariantInputError("cu_seq_lens_*/max_length_* describe packed rows, which take no "
+                                         "attention_mask; pass one or the other")
+        positions = resolve_positions(
+            mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
+            cache_length=_cache_length(kwargs) if check else 0, max_positions=max_positions, check=check)
     if positions is not None:
         kwargs["position_ids"] = positions
     return (), kwargs
