@@ -41,7 +41,9 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     """transformers attention function: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> ([B, Lq, Hq, D], None).
 
     With a ``paged_batch`` keyword (a serving engine's packed step, B = 1), K/V are written to
-    the engine's paged cache and attention runs over each sequence's pages instead."""
+    the engine's paged cache and attention runs over each sequence's pages instead. With a
+    ``packed_sequences`` keyword (packed rows, set by the model's pre-hook), q/k/v are regrouped
+    one sequence per row and ``attention_mask`` holds that regrouped batch's bounds."""
     paged_batch = kwargs.get(PAGED_BATCH_KWARG)
     if paged_batch is not None:
         if dropout:

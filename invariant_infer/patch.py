@@ -9,7 +9,9 @@ What changes (and nothing process-wide):
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
   * attention -> the ``invariant`` attention and mask functions (see ``hf_attention``);
   * a pre-forward hook on the base model derives ``position_ids`` from the mask
-    (cumsum - 1, pads at 0) and rejects masks that cannot be invariant;
+    (cumsum - 1, pads at 0) and rejects masks that cannot be invariant; for packed rows
+    (no mask, position_ids restarting, ``cu_seq_lens_*``) it checks the layout and hands
+    attention the per-sequence regrouping (``invariant_infer.packing``);
   * registered instance extensions run (``invariant_infer.generation`` registers one that makes
     ``model.generate`` on this instance reject options that are not batch-invariant).
 ``restore(model)`` undoes all of it.
@@ -122,9 +124,9 @@ def _base_pre_hook(module, args, kwargs):
             kwargs["attention_mask"] = packed.bounds()
             kwargs[PACKED_KWARG] = packed
     else:
-        if check and any(kwargs.get(name) is not None for name in FLASH_KWARGS):
+        if any(kwargs.get(name) is not None for name in FLASH_KWARGS):
             raise NonInvariantInputError("cu_seq_lens_*/max_length_* describe packed rows, which take no "
-                                         "attention_mask; pass one or the other")
+                                         "attention_mask and run eagerly (not under torch.compile)")
         positions = resolve_positions(
             mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
             cache_length=_cache_length(kwargs) if check else 0, max_positions=max_positions, check=check)

@@ -105,6 +105,20 @@ def test_cu_seq_lens_without_position_ids(family_checkpoints):
     assert unequal(packed_logits(model, samples, **batch), alone(model, samples)) == []
 
 
+def test_trl_padding_free_collator(family_checkpoints):
+    """TRL's padding-free collator: cu_seq_lens, seq_idx, and padding to a multiple as position-0
+    tokens (each pad its own one-token sequence)."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    model = make_invariant(load_model(family_checkpoints("qwen3"), torch.bfloat16))
+    samples = make_samples(model.config.vocab_size, (6, 3, 10))
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, pad_to_multiple_of=8)(
+        [{"input_ids": s.tolist()} for s in samples])
+    del batch["labels"]
+    assert batch["input_ids"].shape == (1, 24) and batch["cu_seq_lens_q"].numel() == 9  # 3 + 5 pads
+    assert unequal(packed_logits(model, samples, **batch), alone(model, samples)) == []
+
+
 def test_negative_control_m_dependent_matmul_is_caught(family_checkpoint, monkeypatch):
     """The comparison fails when the linear picks its tiles by M (a packed row has more tokens than
     its short sequences alone)."""
