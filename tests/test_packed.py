@@ -6,7 +6,7 @@ from transformers import DataCollatorWithFlattening
 
 import invariant_infer.hf_attention
 import invariant_infer.patch
-from helpers import FAMILY_NAMES, load_model, m_dependent_linear, make_samples
+from helpers import DEVICES, FAMILY_NAMES, load_model, m_dependent_linear, make_samples
 from invariant_infer import NonInvariantInputError, make_invariant
 from invariant_infer.kernels import attention
 from invariant_infer.kernels.configs import AttentionConfig
@@ -27,7 +27,8 @@ def collate(samples, flash_kwargs: bool) -> dict:
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(
         [{"input_ids": s.tolist()} for s in samples])
     del batch["labels"]
-    return batch
+    device = samples[0].device  # as a trainer moves every tensor of the batch
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def alone(model, samples):
@@ -45,10 +46,11 @@ def unequal(got, want) -> list[int]:
     return [i for i, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)
-def test_packed_sequences_equal_alone(family_checkpoint, dtype):
-    model = make_invariant(load_model(family_checkpoint, dtype))
-    samples = make_samples(model.config.vocab_size, LENGTHS)
+def test_packed_sequences_equal_alone(family_checkpoint, dtype, device):
+    model = make_invariant(load_model(family_checkpoint, dtype, device))
+    samples = [s.to(device) for s in make_samples(model.config.vocab_size, LENGTHS)]
     expected = alone(model, samples)
     for flash_kwargs in (False, True):
         assert unequal(packed_logits(model, samples, **collate(samples, flash_kwargs)), expected) == [], flash_kwargs
