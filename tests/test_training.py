@@ -47,7 +47,7 @@ def test_train_mode_forward_with_grad_gives_inference_bits(family_checkpoints, f
 def embeds_grad(model, samples, members, side, extra, cotangents):
     """d(sum over real rows of logits * cotangent) / d inputs_embeds, per member, from one padded batch."""
     width = max(len(samples[i]) for i in members) + extra
-    ids, mask = pad_sequences([samples[i] for i in members], side=side, width=width)
+    ids, mask = pad_sequences([samples[i] for i in members], side=side, width=width, device=model.device)
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
     logits = model(inputs_embeds=embeds, attention_mask=mask).logits
     loss = 0
@@ -60,7 +60,7 @@ def embeds_grad(model, samples, members, side, extra, cotangents):
 
 def input_gradient_mismatches(model, samples):
     g = torch.Generator().manual_seed(1)
-    cotangents = [torch.randn(len(s), model.config.vocab_size, generator=g) for s in samples]
+    cotangents = [torch.randn(len(s), model.config.vocab_size, generator=g).to(model.device) for s in samples]
     alone = [embeds_grad(model, samples, [i], "left", 0, cotangents)[0] for i in range(len(samples))]
     found = []
     for members, side, extra in [((0, 1, 2), "left", 0), ((2, 0), "right", 4), ((1, 2, 0), "left", 2)]:
@@ -193,3 +193,21 @@ def test_packed_forward_and_backward_equal_each_sequence_alone(family_checkpoint
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             assert torch.equal(logits[a:b], alone_logit[i]), (flash_kwargs, i)
             assert torch.equal(grads[i], alone[i][0]), (flash_kwargs, i)
+
+
+@pytest.mark.gpu
+def test_training_at_qwen25_widths_on_cuda(tmp_path):
+    """Qwen2.5-1.5B widths (two layers): train-mode logits equal inference, a sample's input gradient is
+    the same alone and in a padded batch, and a micro-batch's parameter gradients repeat bitwise."""
+    config = random_config("qwen2", "qwen2.5-1.5b", num_hidden_layers=2)
+    model = trainable(save_random_checkpoint(tmp_path / "q", config), torch.bfloat16).cuda()
+    samples = [s.cuda() for s in make_samples(config.vocab_size, lengths=(70, 9, 130))]
+    alone = [alone_logits(model, s) for s in samples]
+    model.train()
+    ids, mask = pad_sequences(samples, side="left", device="cuda")
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    assert all(torch.equal(logits[r][mask[r].bool()], alone[r]) for r in range(len(samples)))
+    del logits
+    assert input_gradient_mismatches(model, samples) == []
+    first, second = parameter_grads(model, ids, mask), parameter_grads(model, ids, mask)
+    assert all(torch.equal(first[n], second[n]) for n in first)
