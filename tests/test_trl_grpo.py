@@ -1,0 +1,163 @@
+"""TRL GRPO on the invariant kernels: TRL's own ``sampling/sampling_logp_difference/max`` is exactly 0.0
+at every step when the engine samples and ``token_logprobs`` trains, with a generation batch (4) that
+differs from the training micro-batch (2); stock TRL with its rollout logprobs from a batch-variant
+sampler logs a nonzero difference; unsupported options and unknown TRL versions are refused."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+from transformers import PreTrainedTokenizerFast
+from trl import GRPOConfig, GRPOTrainer
+
+from helpers import load_model, m_dependent_linear, save_tokenizer
+from invariant_infer.integrations.trl import (ALLOW_UNTESTED_TRL_ENV, TESTED_TRL_VERSIONS, InvariantGRPOTrainer,
+                                              UnsupportedTRLError, check_trl_version)
+from invariant_infer.patch import is_invariant
+
+METRIC = "sampling/sampling_logp_difference/max"
+WORDS = "the a model token batch score sequence invariant logits prompt completion cat dog runs fast".split()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    save_tokenizer(tiny_checkpoint)  # a byte-level BPE with a chat template, next to the weights
+    return tiny_checkpoint
+
+
+def prompts(count: int = 8) -> Dataset:
+    rows = [[{"role": "user", "content": " ".join(WORDS[(3 * i + j) % len(WORDS)] for j in range(2 + i % 3))}]
+            for i in range(count)]
+    return Dataset.from_dict({"prompt": rows})
+
+
+def token_sum_reward(completion_ids, **kwargs):
+    """Differs between the completions of a prompt, so the advantages (and the gradients) are nonzero."""
+    return [float(sum(ids) % 13) for ids in completion_ids]
+
+
+def config(tmp_path, **overrides) -> GRPOConfig:
+    # Generation batch 4 (2 prompts x 2 generations) scored by the trainer in micro-batches of 2;
+    # each optimizer step is one generation, so the second step samples from updated weights.
+    options = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=2,
+                   per_device_train_batch_size=2, gradient_accumulation_steps=2, generation_batch_size=4,
+                   max_completion_length=5, temperature=0.7, max_steps=2, learning_rate=3e-2, logging_steps=1,
+                   report_to=[], save_strategy="no", seed=0)
+    return GRPOConfig(**{**options, **overrides})
+
+
+def trainer_for(cls, checkpoint, args, **kwargs):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
+    return cls(model=load_model(checkpoint, torch.float32), reward_funcs=token_sum_reward, args=args,
+               train_dataset=prompts(), processing_class=tokenizer, **kwargs)
+
+
+def logged(trainer, name: str) -> list[float]:
+    return [float(entry[name]) for entry in trainer.state.log_history if name in entry]
+
+
+def test_sampler_and_trainer_logprobs_are_bitwise_equal(checkpoint, tmp_path):
+    trainer = trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path))
+    assert is_invariant(trainer.model)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    differences = logged(trainer, METRIC)
+    assert differences == [0.0, 0.0], differences  # one generation per optimizer step, both compared by TRL
+    assert logged(trainer, "sampling/importance_sampling_ratio/min") == [1.0, 1.0]
+    changed = [name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])]
+    assert len(changed) == len(before), f"unchanged: {sorted(set(before) - set(changed))}"
+    assert trainer.engine.model is trainer.model  # the sampler ran on the trained weights, no copy
+    with pytest.raises(RuntimeError, match="invariant engine"):
+        trainer.vllm_generation.sync_weights()
+
+
+# ---- negative control ---------------------------------------------------------------------------------
+
+@contextmanager
+def m_dependent_projections(model):
+    """The decoder's projections on a linear whose K tile depends on the row count, as batch-size-keyed
+    kernel heuristics pick tiles (decode steps of 4 rows get another reduction order than prefill)."""
+    linears = [m for m in model.model.layers.modules() if type(m) is torch.nn.Linear]
+    for module in linears:
+        module.forward = lambda x, m=module: m_dependent_linear(x, m.weight, m.bias)
+    try:
+        yield
+    finally:
+        for module in linears:
+            del module.forward
+
+
+class SeparateSamplerGRPOTrainer(GRPOTrainer):
+    """Stock TRL as it runs with a separate sampler (vLLM): the sampler reports the logprobs of the tokens it
+    samples (here transformers ``generate`` over the whole generation batch, on an M-dependent linear, its
+    logits / temperature as ``processed_logprobs``), and TRL's vLLM branch recomputes them with the stock
+    model in its micro-batches and logs the difference."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.use_vllm, self.vllm_generation = True, None
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        pad, width = self._tokenizer.pad_token_id, max(map(len, prompt_ids))
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+        with torch.no_grad(), m_dependent_projections(self.model):
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.generation_config,
+                                      output_logits=True, return_dict_in_generate=True)
+        completions = out.sequences[:, width:]
+        logps = torch.log_softmax(torch.stack(out.logits, 1).float() / self.temperature, -1)
+        logps = logps.gather(-1, completions[..., None])[..., 0]
+        completion_ids, logprobs = [], []
+        for row, row_logps in zip(completions.tolist(), logps.tolist()):
+            ends = [i for i, t in enumerate(row) if t in self.eos_token_ids]
+            keep = ends[0] + 1 if ends else len(row)
+            completion_ids.append(row[:keep])
+            logprobs.append(row_logps[:keep])
+        return completion_ids, logprobs
+
+
+def test_control_separate_batch_variant_sampler_differs(checkpoint, tmp_path):
+    trainer = trainer_for(SeparateSamplerGRPOTrainer, checkpoint, config(tmp_path, max_steps=1))
+    trainer.train()
+    differences = logged(trainer, METRIC)
+    assert len(differences) == 1 and differences[0] > 0, differences
+    print(f"control {METRIC}: {differences[0]:.3g}")
+
+
+# ---- refusals -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("use_vllm", True, "use_vllm"),
+    ("top_k", 5, "top_k"),
+    ("top_p", 0.9, "top_p"),
+    ("min_p", 0.1, "min_p"),
+    ("repetition_penalty", 1.2, "repetition_penalty"),
+    ("use_liger_kernel", True, "use_liger_kernel"),
+    ("cast_lm_head_to_fp32", True, "cast_lm_head_to_fp32"),
+    ("vllm_importance_sampling_correction", False, "vllm_importance_sampling_correction"),
+    ("entropy_coef", 0.01, "entropy"),
+    ("top_entropy_quantile", 0.5, "top_entropy_quantile"),
+    ("generation_kwargs", {"top_k": 3}, "generation_kwargs"),
+    ("use_transformers_continuous_batching", True, "continuous_batching"),
+])
+def test_unsupported_options_are_refused(checkpoint, tmp_path, option, value, needle):
+    with pytest.raises(UnsupportedTRLError, match=needle):
+        trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path, **{option: value}))
+
+
+def test_rollouts_from_elsewhere_are_refused(checkpoint, tmp_path):
+    with pytest.raises(UnsupportedTRLError, match="rollout_func"):
+        trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path), rollout_func=lambda prompts, trainer: {})
+
+
+def test_unknown_trl_version_is_refused(checkpoint, tmp_path, monkeypatch):
+    assert trl.__version__ in TESTED_TRL_VERSIONS  # the installed TRL is a tested one
+    monkeypatch.setattr(trl, "__version__", "99.0.0")
+    monkeypatch.delenv(ALLOW_UNTESTED_TRL_ENV, raising=False)
+    with pytest.raises(UnsupportedTRLError, match=rf"tested with trl {TESTED_TRL_VERSIONS[0]}.*{ALLOW_UNTESTED_TRL_ENV}"):
+        trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path))
+    monkeypatch.setenv(ALLOW_UNTESTED_TRL_ENV, "1")
+    check_trl_version()  # the explicit opt-in
