@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
-from helpers import load_model, m_dependent_linear, save_tokenizer
+from helpers import DEVICES, load_model, m_dependent_linear, save_tokenizer
 from invariant_infer.integrations.trl import (ALLOW_UNTESTED_TRL_ENV, TESTED_TRL_VERSIONS, InvariantGRPOTrainer,
                                               UnsupportedTRLError, check_trl_version)
 from invariant_infer.patch import is_invariant
@@ -49,9 +49,9 @@ def config(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**{**options, **overrides})
 
 
-def trainer_for(cls, checkpoint, args, **kwargs):
+def trainer_for(cls, checkpoint, args, device="cpu", **kwargs):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
-    return cls(model=load_model(checkpoint, torch.float32), reward_funcs=token_sum_reward, args=args,
+    return cls(model=load_model(checkpoint, torch.float32, device), reward_funcs=token_sum_reward, args=args,
                train_dataset=prompts(), processing_class=tokenizer, **kwargs)
 
 
@@ -59,8 +59,9 @@ def logged(trainer, name: str) -> list[float]:
     return [float(entry[name]) for entry in trainer.state.log_history if name in entry]
 
 
-def test_sampler_and_trainer_logprobs_are_bitwise_equal(checkpoint, tmp_path):
-    trainer = trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path))
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampler_and_trainer_logprobs_are_bitwise_equal(checkpoint, tmp_path, device):
+    trainer = trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path, use_cpu=device == "cpu"), device)
     assert is_invariant(trainer.model)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
@@ -161,3 +162,12 @@ def test_unknown_trl_version_is_refused(checkpoint, tmp_path, monkeypatch):
         trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path))
     monkeypatch.setenv(ALLOW_UNTESTED_TRL_ENV, "1")
     check_trl_version()  # the explicit opt-in
+
+
+def test_kl_to_a_reference_model(checkpoint, tmp_path):
+    trainer = trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path, beta=0.04, max_steps=1))
+    assert trainer.ref_model is not None and is_invariant(trainer.ref_model)
+    trainer.train()
+    assert logged(trainer, METRIC) == [0.0]
+    kl = logged(trainer, "kl")
+    assert len(kl) == 1 and kl[0] >= 0.0  # ref == policy before the first step: the KL term is 0 there

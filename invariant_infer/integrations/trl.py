@@ -135,8 +135,11 @@ def _entropy_probe(head, temperature, enabled: bool):
 
 class InvariantGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` (same arguments) whose rollout logprobs and training logprobs are bitwise
-    equal. ``engine_kwargs`` go to ``Engine`` (e.g. ``kv_cache_memory``); ``max_num_seqs`` defaults to
-    the generation batch."""
+    equal. ``engine_kwargs`` go to ``Engine``: ``max_num_seqs`` defaults to the generation batch and,
+    on CUDA, ``kv_cache_memory`` to ``args.vllm_gpu_memory_utilization`` of the free memory when the
+    engine starts (at the first generation). The model runs in its own dtype: mixed-precision autocast
+    (``bf16=True`` on an fp32 model) does not apply to it, as it does not in the engine; load the model
+    in the dtype to train in."""
 
     def __init__(self, *args, engine_kwargs: dict | None = None, **kwargs):
         check_trl_version()
@@ -166,6 +169,10 @@ class InvariantGRPOTrainer(GRPOTrainer):
         if self._engine is None:
             training = self.model.training
             kwargs = {"max_num_seqs": self.args.generation_batch_size, **self._engine_kwargs}
+            if self.model.device.type == "cuda" and "kv_cache_memory" not in kwargs:
+                # The share TRL gives a colocated vLLM, of the memory free before the optimizer allocates.
+                free = torch.cuda.mem_get_info(self.model.device)[0]
+                kwargs["kv_cache_memory"] = int(free * self.args.vllm_gpu_memory_utilization)
             self._engine = Engine(self.model, self._tokenizer, **kwargs)
             self.model.train(training)  # the engine puts the model in eval mode
         return self._engine
