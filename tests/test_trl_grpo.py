@@ -169,5 +169,5 @@ def test_kl_to_a_reference_model(checkpoint, tmp_path):
     assert trainer.ref_model is not None and is_invariant(trainer.ref_model)
     trainer.train()
     assert logged(trainer, METRIC) == [0.0]
-    kl = logged(trainer, "kl")
-    assert len(kl) == 1 and kl[0] >= 0.0  # ref == policy before the first step: the KL term is 0 there
+    # Before the first optimizer step the policy has the reference's weights: TRL's KL is exactly 0.
+    assert logged(trainer, "kl") == [0.0]
