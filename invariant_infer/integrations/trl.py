@@ -117,10 +117,11 @@ class _EntropyProbe:
             self.pieces.append(-(logp.exp() * logp).sum(-1))
 
     def scatter(self, valid: torch.Tensor) -> torch.Tensor:
-        values = torch.cat(self.pieces) if self.pieces else torch.zeros(0)
+        out = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        values = torch.cat(self.pieces).to(valid.device) if self.pieces else out.new_zeros(0)
         if values.numel() != int(valid.sum()):
             raise RuntimeError(f"the lm_head scored {values.numel()} rows, token_logprobs {int(valid.sum())}")
-        return torch.zeros(valid.shape, dtype=torch.float32, device=values.device).masked_scatter(valid, values)
+        return out.masked_scatter(valid, values)
 
 
 @contextmanager
@@ -192,10 +193,8 @@ class InvariantGRPOTrainer(GRPOTrainer):
         params = [SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, seed=seed,
                                  stop_token_ids=list(self.eos_token_ids), logprobs_mode="processed_logprobs")
                   for seed in self._rollout_seeds(len(prompt_ids))]
-        training = self.model.training
         with torch.no_grad():
             outputs = engine.generate([list(ids) for ids in prompt_ids], params)
-        self.model.train(training)
         failed = [out for out in outputs if out.error]
         if failed:
             raise RuntimeError(f"{len(failed)} rollouts failed, the first: {failed[0].error}")
