@@ -49,10 +49,17 @@ def config(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**{**options, **overrides})
 
 
+# End-of-turn ids besides the tokenizer's EOS, as chat models declare in generation_config: about one
+# sampled token in eight of the random model ends its completion, so completions have several lengths.
+STOP_IDS = list(range(448, 512))
+
+
 def trainer_for(cls, checkpoint, args, device="cpu", **kwargs):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
-    return cls(model=load_model(checkpoint, torch.float32, device), reward_funcs=token_sum_reward, args=args,
-               train_dataset=prompts(), processing_class=tokenizer, **kwargs)
+    model = load_model(checkpoint, torch.float32, device)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *STOP_IDS]
+    return cls(model=model, reward_funcs=token_sum_reward, args=args, train_dataset=prompts(),
+               processing_class=tokenizer, **kwargs)
 
 
 def logged(trainer, name: str) -> list[float]:
@@ -68,6 +75,8 @@ def test_sampler_and_trainer_logprobs_are_bitwise_equal(checkpoint, tmp_path, de
     differences = logged(trainer, METRIC)
     assert differences == [0.0, 0.0], differences  # one generation per optimizer step, both compared by TRL
     assert logged(trainer, "sampling/importance_sampling_ratio/min") == [1.0, 1.0]
+    # Some completions ended at a stop id before max_completion_length: right padding in the training batch.
+    assert min(logged(trainer, "completions/min_length")) < 5 and min(logged(trainer, "completions/clipped_ratio")) < 1
     changed = [name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])]
     assert len(changed) == len(before), f"unchanged: {sorted(set(before) - set(changed))}"
     assert trainer.engine.model is trainer.model  # the sampler ran on the trained weights, no copy
