@@ -84,6 +84,21 @@ def test_sampler_and_trainer_logprobs_are_bitwise_equal(checkpoint, tmp_path, de
         trainer.vllm_generation.sync_weights()
 
 
+def test_rollouts_replay_from_the_seed(checkpoint, tmp_path):
+    """Each rollout's sampling seed is a function of (args.seed, step, call): the same run samples the same
+    completions, another seed others."""
+    prompt_ids = [[5, 9, 17], [5, 9, 17], [40, 2]]
+
+    def rollouts(seed):
+        trainer = trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path, seed=seed))
+        return trainer._generate_single_turn(prompt_ids, None, {}, 2)
+
+    first, again, other = rollouts(0), rollouts(0), rollouts(1)
+    assert first == again
+    assert first[0][0] != first[0][1]  # the two generations of one prompt have their own seeds
+    assert first[0] != other[0]
+
+
 def trl_layout_batch(vocab: int):
     """Four rows as TRL lays them out: left-padded prompts of 3-6 tokens, right-padded completions of 2-5."""
     g = torch.Generator().manual_seed(1)
