@@ -17,15 +17,18 @@ from helpers import DEVICES, load_model, m_dependent_linear, save_tokenizer
 from invariant_infer.integrations.trl import (ALLOW_UNTESTED_TRL_ENV, TESTED_TRL_VERSIONS, InvariantGRPOTrainer,
                                               UnsupportedTRLError, check_trl_version)
 from invariant_infer.patch import is_invariant
+from invariant_infer.random_checkpoints import qwen2_config, save_random_checkpoint
 
 METRIC = "sampling/sampling_logp_difference/max"
 WORDS = "the a model token batch score sequence invariant logits prompt completion cat dog runs fast".split()
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    save_tokenizer(tiny_checkpoint)  # a byte-level BPE with a chat template, next to the weights
-    return tiny_checkpoint
+def checkpoint(tmp_path_factory):
+    """The tiny random Qwen2 (2 layers, hidden 64), with a byte-level BPE and a chat template next to it."""
+    path = save_random_checkpoint(tmp_path_factory.mktemp("grpo-qwen2"), qwen2_config("tiny"), seed=0)
+    save_tokenizer(path)
+    return path
 
 
 def prompts(count: int = 8) -> Dataset:
