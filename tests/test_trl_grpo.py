@@ -214,7 +214,8 @@ def test_unknown_trl_version_is_refused(checkpoint, tmp_path, monkeypatch):
     assert trl.__version__ in TESTED_TRL_VERSIONS  # the installed TRL is a tested one
     monkeypatch.setattr(trl, "__version__", "99.0.0")
     monkeypatch.delenv(ALLOW_UNTESTED_TRL_ENV, raising=False)
-    with pytest.raises(UnsupportedTRLError, match=rf"tested with trl {TESTED_TRL_VERSIONS[0]}.*{ALLOW_UNTESTED_TRL_ENV}"):
+    expected = rf"tested with trl {TESTED_TRL_VERSIONS[0]}.*{ALLOW_UNTESTED_TRL_ENV}"
+    with pytest.raises(UnsupportedTRLError, match=expected):
         trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path))
     monkeypatch.setenv(ALLOW_UNTESTED_TRL_ENV, "1")
     check_trl_version()  # the explicit opt-in

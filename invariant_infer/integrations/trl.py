@@ -65,7 +65,8 @@ def unsupported_options(args: GRPOConfig, *, peft_config=None, tools=None, rollo
             problems.append(message)
 
     rollout_only = "the engine's processed logprobs are those of softmax(logits / temperature), with no other filter"
-    refuse(args.use_vllm, "use_vllm=True: the invariant engine generates the rollouts in vLLM's place; set use_vllm=False")
+    refuse(args.use_vllm, "use_vllm=True: the invariant engine generates the rollouts in vLLM's place; "
+           "set use_vllm=False")
     refuse(args.use_transformers_continuous_batching,
            "use_transformers_continuous_batching=True: the invariant engine generates the rollouts")
     refuse(args.top_p != 1.0, f"top_p={args.top_p}: {rollout_only} (use top_p=1.0)")
