@@ -47,6 +47,7 @@ def config(tmp_path, **overrides) -> GRPOConfig:
     # each optimizer step is one generation, so the second step samples from updated weights.
     options = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=2,
                    per_device_train_batch_size=2, gradient_accumulation_steps=2, generation_batch_size=4,
+                   per_device_eval_batch_size=2,
                    max_completion_length=5, temperature=0.7, max_steps=2, learning_rate=3e-2, logging_steps=1,
                    report_to=[], save_strategy="no", seed=0)
     return GRPOConfig(**{**options, **overrides})
@@ -83,6 +84,8 @@ def test_sampler_and_trainer_logprobs_are_bitwise_equal(checkpoint, tmp_path, de
     changed = [name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])]
     assert len(changed) == len(before), f"unchanged: {sorted(set(before) - set(changed))}"
     assert trainer.engine.model is trainer.model  # the sampler ran on the trained weights, no copy
+    evaluation = trainer.evaluate(prompts(4))  # eval mode: rollouts and TRL's comparison run there too
+    assert float(evaluation[f"eval_{METRIC}"]) == 0.0
     with pytest.raises(RuntimeError, match="invariant engine"):
         trainer.vllm_generation.sync_weights()
 
