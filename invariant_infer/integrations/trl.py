@@ -100,6 +100,8 @@ class _NoVLLM:
     logprobs, and anything that would then call vLLM fails loudly instead."""
 
     def __getattr__(self, name):
+        if name.startswith("__"):  # copy / pickle probes: plainly absent
+            raise AttributeError(name)
         raise RuntimeError(f"InvariantGRPOTrainer samples with the invariant engine; TRL tried to use vLLM "
                            f"(vllm_generation.{name}), which this TRL version must not do (see TESTED_TRL_VERSIONS)")
 
