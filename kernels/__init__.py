@@ -15,6 +15,7 @@ from .rms_norm_autograd import RMSNormFunction, rms_norm_autograd
 from .silu_mul import silu_mul
 from .silu_mul_autograd import SiluMulFunction, silu_mul_autograd
 from .token_logprobs import token_logprobs
+from .token_logprobs_autograd import TokenLogprobsFunction, token_logprobs_autograd
 
 __all__ = [
     "AttentionConfig", "attention", "attention_config",
@@ -22,5 +23,5 @@ __all__ = [
     "paged_attention", "write_kv",
     "rms_norm", "silu_mul", "token_logprobs",
     "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",
-    "SiluMulLinearFunction", "silu_mul_linear_autograd",
+    "SiluMulLinearFunction", "silu_mul_linear_autograd", "TokenLogprobsFunction", "token_logprobs_autograd",
 ]

@@ -223,8 +223,9 @@ def test_row_kernels_compile(arch, dtype):
     compile_for(silu_mod._silu_mul_kernel, arch, {"ptr": dt}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
     block_v = logprobs_mod.vocab_block("cuda", 151936)
     compile_for(logprobs_mod._token_logprobs_kernel, arch,
-                {"ptr": dt, "targets_ptr": "*i64", "logprob_ptr": "*fp32", "argmax_ptr": "*i32"},
-                dict(BLOCK_ROWS=1, BLOCK_V=block_v), 8)
+                {"ptr": dt, "targets_ptr": "*i64", "logprob_ptr": "*fp32", "argmax_ptr": "*i32", "lse_ptr": "*fp32",
+                 "temperature": "fp32"},
+                dict(BLOCK_ROWS=1, BLOCK_V=block_v, STORE_LSE=False), 8)
 
 
 def test_reduction_rows_traces_without_graph_breaks():

@@ -124,6 +124,38 @@ def test_echo_max_tokens_0_equals_score_sequences(server, checkpoint):
         assert choices_of(rescored)[0]["logprobs"]["token_logprobs"][-3:] == gen_logprobs
 
 
+def test_logprobs_mode_through_extra_body(client, checkpoint):
+    """``logprobs_mode`` as an extra field: processed prompt logprobs are the kernel's at the
+    temperature on the ``model(...)`` logits, bitwise; the tokens are the raw request's; bad values
+    and filters the processed logprobs would not reflect are refused naming the field."""
+    from transformers import AutoModelForCausalLM
+
+    from invariant_infer import make_invariant
+    from invariant_infer.kernels import token_logprobs
+
+    processed = {"logprobs_mode": "processed_logprobs"}
+    prompt = [random.Random(4).randrange(512) for _ in range(12)]
+    echo = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0, temperature=0.7)
+    values = client.completions.create(**echo, extra_body=processed).choices[0].logprobs.token_logprobs
+    model = make_invariant(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval())
+    ids = torch.tensor(prompt)
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0, :-1]
+    assert torch.equal(torch.tensor(values[1:], dtype=torch.float32), token_logprobs(logits, ids[1:], 0.7)[0])
+    raw = client.completions.create(**echo).choices[0].logprobs.token_logprobs
+    assert torch.equal(torch.tensor(raw[1:], dtype=torch.float32), token_logprobs(logits, ids[1:])[0])
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0.7, seed=3,
+                logprobs=True)
+    chat_processed = client.chat.completions.create(**chat, extra_body=processed).choices[0]
+    chat_raw = client.chat.completions.create(**chat).choices[0]
+    assert chat_processed.message.content == chat_raw.message.content
+    assert [t.logprob for t in chat_processed.logprobs.content] != [t.logprob for t in chat_raw.logprobs.content]
+    for extra, param in (({"logprobs_mode": "processed"}, "logprobs_mode"), ({**processed, "top_k": 5}, "top_k")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(**echo, extra_body=extra)
+        assert refused.value.param == param, refused.value.body
+
+
 def test_streaming_equals_non_streaming(client):
     kwargs = dict(model=MODEL, prompt="a dog", max_tokens=5, temperature=0.9, seed=7, logprobs=1, echo=True)
     whole = client.completions.create(**kwargs).choices[0]

@@ -103,3 +103,26 @@ def test_rejects_bad_arguments():
         token_logprobs(logits.double(), torch.tensor([0, 1]))
     empty_lp, empty_hit = token_logprobs(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long))
     assert empty_lp.shape == (0,) and empty_hit.shape == (0,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("temperature", [0.7, 1.5, 0.05])
+def test_temperature_scales_the_fp32_logits_as_the_sampler_does(device, dtype, temperature):
+    """log_softmax(logits.float() / T), as ``sampling.seeded_scores`` scales; the argmax is the
+    scaled row's."""
+    logits = random_logits(37, 10_000).to(dtype).to(device)
+    targets = torch.randint(0, 10_000, (37,), generator=torch.Generator().manual_seed(1)).to(device)
+    logprobs, is_argmax = token_logprobs(logits, targets, temperature)
+    scaled = logits.float() / temperature
+    ref = torch.log_softmax(scaled.double(), -1).gather(1, targets[:, None])[:, 0]
+    assert (logprobs.double() - ref).abs().max().item() <= TOLERANCE_VS_SAME_LOGITS * max(1.0, 1 / temperature)
+    assert torch.equal(is_argmax, scaled.argmax(-1) == targets)
+    assert not torch.equal(logprobs, token_logprobs(logits, targets)[0])
+
+
+def test_rejects_temperatures_that_are_not_positive_numbers():
+    logits, targets = torch.zeros(2, 8), torch.tensor([0, 1])
+    for bad in (0, 0.0, -0.5, float("nan"), float("inf"), None, "1.0", True):
+        with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+            token_logprobs(logits, targets, bad)

@@ -35,7 +35,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    logprobs: list[float]                      # of each generated token, under the model's distribution
+    logprobs: list[float]                      # of each generated token, of logprobs_mode's distribution
     top_logprobs: list[dict[int, float]] | None
     prompt_logprobs: list[float] | None        # of prompt tokens 1 .. len - 1
     prompt_top_logprobs: list[dict[int, float]] | None
@@ -256,28 +256,41 @@ class Engine:
                 picked.append((row, seq, token))
         if timer:
             timer.mark("sampling")
-        if picked:  # the sampled tokens' logprobs, in one launch (each row is reduced alone)
-            tokens = torch.tensor([token for _, _, token in picked], device=logits.device)
-            values = self.runner.logprobs(logits[[row for row, _, _ in picked]], tokens)[0].tolist()
+        if picked:  # the sampled tokens' logprobs, one launch per temperature they are taken at
+            values = self._logprobs(logits[[row for row, _, _ in picked]], [token for _, _, token in picked],
+                                    [seq.params.logprob_temperature for _, seq, _ in picked])[0]
             if timer:
                 timer.mark("logprobs")
             for (row, seq, token), value in zip(picked, values):
                 self._append(seq, token, value, logits[row])
         return advanced
 
+    def _logprobs(self, logits: torch.Tensor, targets: list[int], temperatures: list[float]):
+        """(logprobs, is-argmax) lists for rows [R, V] at each row's temperature: one launch per
+        temperature (each row is reduced alone, so the grouping changes no bit)."""
+        values, is_argmax = [0.0] * len(targets), [False] * len(targets)
+        for temperature in dict.fromkeys(temperatures):
+            rows = [i for i, t in enumerate(temperatures) if t == temperature]
+            ids = torch.tensor([targets[i] for i in rows], device=logits.device)
+            group = logits if len(rows) == len(targets) else logits[rows]
+            got, hit = self.runner.logprobs(group, ids, temperature)
+            for i, value, greedy in zip(rows, got.tolist(), hit.tolist()):
+                values[i], is_argmax[i] = value, greedy
+        return values, is_argmax
+
     def _record_prompt_logprobs(self, logits, targets, owners) -> None:
-        target_ids = torch.tensor(targets, device=logits.device)
-        values, is_argmax = self.runner.logprobs(logits, target_ids)
-        for i, (seq, value, greedy) in enumerate(zip(owners, values.tolist(), is_argmax.tolist())):
+        values, is_argmax = self._logprobs(logits, targets, [seq.params.logprob_temperature for seq in owners])
+        for i, (seq, value, greedy) in enumerate(zip(owners, values, is_argmax)):
             seq.prompt_logprobs.append(value)
             seq.prompt_greedy.append(greedy)
             if seq.params.prompt_logprobs:
-                seq.prompt_top_logprobs.append(self._top(logits[i], seq.params.prompt_logprobs))
+                seq.prompt_top_logprobs.append(self._top(logits[i], seq.params.prompt_logprobs,
+                                                         seq.params.logprob_temperature))
 
-    def _top(self, logits_row: torch.Tensor, k: int) -> dict[int, float]:
+    def _top(self, logits_row: torch.Tensor, k: int, temperature: float) -> dict[int, float]:
         """The k most likely tokens and their logprobs, from the same kernel as a sampled token's."""
         ids = torch.topk(logits_row.float(), k).indices
-        values = self.runner.logprobs(logits_row[None].expand(k, -1), ids)[0].tolist()
+        values = self.runner.logprobs(logits_row[None].expand(k, -1), ids, temperature)[0].tolist()
         return dict(zip(ids.tolist(), values))
 
     @staticmethod
@@ -305,7 +318,7 @@ class Engine:
         seq.output_ids.append(token)
         seq.logprobs.append(logprob)
         if params.logprobs:
-            seq.top_logprobs.append(self._top(logits_row, params.logprobs))
+            seq.top_logprobs.append(self._top(logits_row, params.logprobs, params.logprob_temperature))
         if self.tokenizer is not None:
             seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):

@@ -204,10 +204,13 @@ class ModelRunner:
         return F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
 
     @torch.inference_mode()
-    def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32 [R] log_softmax(logits)[r, targets[r]], bool [R] target is the row's first argmax)."""
+    def logprobs(self, logits: torch.Tensor, targets: torch.Tensor,
+                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 [R] log_softmax(logits.float() / temperature)[r, targets[r]], bool [R] target is the
+        row's first argmax)."""
         if self.invariant:
-            return token_logprobs(logits, targets)
+            return token_logprobs(logits, targets, temperature)
         targets = targets.to(logits.device)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])[:, 0]
-        return logprobs, logits.argmax(-1) == targets
+        scaled = logits.float() / temperature
+        logprobs = torch.log_softmax(scaled, dim=-1).gather(1, targets[:, None])[:, 0]
+        return logprobs, scaled.argmax(-1) == targets

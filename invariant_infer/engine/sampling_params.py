@@ -16,6 +16,7 @@ class RequestError(InvariantInferError, ValueError):
 
 
 MAX_LOGPROBS = 20
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclass
@@ -31,6 +32,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None      # top alternatives per generated token (0: the sampled token's only)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # Which distribution every reported logprob (sampled tokens, top alternatives, prompt tokens) is of:
+    # "raw_logprobs", the model's own, log_softmax(logits); "processed_logprobs", the temperature-scaled
+    # one the sampler draws from, log_softmax(logits.float() / temperature) (temperature 0, greedy: T = 1).
+    # Only the temperature is applied to them, so processed_logprobs with top_k, top_p < 1 or
+    # repetition_penalty != 1 is refused rather than reported for a distribution it was not sampled from.
+    logprobs_mode: str = "raw_logprobs"
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the reported logprobs are taken at."""
+        return self.temperature if self.logprobs_mode == "processed_logprobs" and self.temperature > 0 else 1.0
 
     def check(self) -> None:
         """Raise ``RequestError`` for values out of range or of the wrong type."""
@@ -58,3 +70,10 @@ class SamplingParams:
             value = getattr(self, name)
             need(value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS), name,
                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        need(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
+             f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if self.logprobs_mode == "processed_logprobs":
+            for name, off in (("top_k", 0), ("top_p", 1.0), ("repetition_penalty", 1.0)):
+                need(getattr(self, name) == off, name,
+                     f"logprobs_mode='processed_logprobs' reports logprobs at the temperature only, without "
+                     f"{name}: {name} must be {off} with it, got {getattr(self, name)!r}")

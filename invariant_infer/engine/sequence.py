@@ -26,7 +26,8 @@ class Sequence:
     num_computed: int = 0              # tokens whose KV is in the cache
     num_hashed_pages: int = 0          # leading full pages registered for prefix caching
     page_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full page, computed lazily
-    # Results. Logprobs are of the model's own distribution (before penalty, temperature, top-k/p).
+    # Results. Logprobs are of the model's own distribution (before penalty, temperature, top-k/p), or
+    # at the temperature with logprobs_mode="processed_logprobs".
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)       # prompt tokens 1.. len-1

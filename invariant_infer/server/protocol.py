@@ -4,7 +4,7 @@ does not implement; ``errors.validation_error`` turns each refusal into OpenAI's
 ``param``. A JSON ``null`` means the field's default."""
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -53,6 +53,8 @@ class Sampling(OpenAIRequest):
     stream: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
+    # which distribution reported logprobs are of (SamplingParams.logprobs_mode, vLLM's name)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     # accepted and ignored: they do not change the tokens
     user: Any = None
     stream_options: Any = None
@@ -120,7 +122,7 @@ class Sampling(OpenAIRequest):
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=seed, stop=list(self.stop),
                               repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, logprobs_mode=self.logprobs_mode)
 
 
 class CompletionRequest(Sampling):
