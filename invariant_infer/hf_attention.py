@@ -11,7 +11,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from .errors import NonInvariantInputError
-from .kernels import attention
+from .kernels import attention, attention_autograd
+from .packing import PACKED_KWARG
 from .padding import is_sequence_bounds, sequence_bounds
 
 ATTN_IMPLEMENTATION = "invariant"
@@ -25,9 +26,9 @@ def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_off
     """Mask builder for transformers' ``create_causal_mask``; returns ``sequence_bounds``."""
     if mask_function is not causal_mask_function:
         raise NonInvariantInputError(
-            "invariant attention supports plain causal masks with 2-D padding only; packed sequences "
-            "(position_ids that restart inside a row without an attention_mask) and custom mask functions "
-            "are not supported. Pass an attention_mask, one sequence per row.")
+            "invariant attention supports plain causal masks with 2-D padding and packed rows (position_ids "
+            "restarting at 0, no attention_mask) checked before the forward; custom mask functions, and packed "
+            "rows under torch.compile, are not supported.")
     if isinstance(kv_offset, int) and kv_offset != 0:
         raise NonInvariantInputError("invariant attention does not support sliding-window KV offsets")
     if device is None:
@@ -40,7 +41,9 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     """transformers attention function: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> ([B, Lq, Hq, D], None).
 
     With a ``paged_batch`` keyword (a serving engine's packed step, B = 1), K/V are written to
-    the engine's paged cache and attention runs over each sequence's pages instead."""
+    the engine's paged cache and attention runs over each sequence's pages instead. With a
+    ``packed_sequences`` keyword (packed rows, set by the model's pre-hook), q/k/v are regrouped
+    one sequence per row and ``attention_mask`` holds that regrouped batch's bounds."""
     paged_batch = kwargs.get(PAGED_BATCH_KWARG)
     if paged_batch is not None:
         if dropout:
@@ -57,7 +60,20 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
         raise NonInvariantInputError("sliding-window attention is not supported by invariant attention")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kv_start, kv_end, q_start = attention_mask[:, :, 0, 0].unbind(0)
-    return attention(query, key, value, kv_start, kv_end, q_start, scale), None
+    packed = kwargs.get(PACKED_KWARG)
+    if packed is None:
+        return attend(query, key, value, kv_start, kv_end, q_start, scale), None
+    # Packed rows: the bounds are those of the regrouped batch, one sequence per row.
+    out = attend(packed.regroup(query), packed.regroup(key), packed.regroup(value), kv_start, kv_end, q_start, scale)
+    return packed.ungroup(out), None
+
+
+def attend(query, key, value, kv_start, kv_end, q_start, scale):
+    """The one kernel call of both layouts: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> [B, Lq, Hq, D].
+    With autograd recording, the autograd Function: the same forward bits, plus its backward."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return attention_autograd(query, key, value, kv_start, kv_end, q_start, scale)
+    return attention(query, key, value, kv_start, kv_end, q_start, scale)
 
 
 def register() -> None:

@@ -98,14 +98,20 @@ def resolve_positions(attention_mask: torch.Tensor | None, position_ids: torch.T
     if has_mask:
         real = attention_mask[:, -query_length:].to(torch.bool)
         expanded = positions.expand(real.shape[0], -1)
+        restarts = real[:, 1:] & real[:, :-1] & (expanded[:, 1:] == 0)  # packed rows, which take no mask
         flags = torch.stack([mask_holes(attention_mask).any(),
                              (expanded[real] < 0).any() | (expanded[real] >= max_positions).any(),
-                             (expanded[real] != derived[real]).any()])
+                             (expanded[real] != derived[real]).any(), restarts.any()])
     else:
-        flags = torch.stack([false, (positions < 0).any() | (positions >= max_positions).any(), false])
-    holes, out_of_range, disagree = flags.tolist()  # one host sync for all checks
+        flags = torch.stack([false, (positions < 0).any() | (positions >= max_positions).any(), false, false])
+    holes, out_of_range, disagree, packed = flags.tolist()  # one host sync for all checks
     if holes:
         raise _holes_error(mask_holes(attention_mask))
+    if packed:
+        raise NonInvariantInputError(
+            "position_ids restart at 0 inside a row's real tokens, as in packed rows, but an attention_mask was "
+            "given: packed rows take no attention_mask (as DataCollatorWithFlattening builds them); padded rows "
+            "hold one sequence each")
     if out_of_range:
         raise NonInvariantInputError(f"position ids of real tokens must lie in [0, {max_positions}) "
                                      "(max_position_embeddings)")

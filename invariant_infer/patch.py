@@ -9,7 +9,9 @@ What changes (and nothing process-wide):
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
   * attention -> the ``invariant`` attention and mask functions (see ``hf_attention``);
   * a pre-forward hook on the base model derives ``position_ids`` from the mask
-    (cumsum - 1, pads at 0) and rejects masks that cannot be invariant;
+    (cumsum - 1, pads at 0) and rejects masks that cannot be invariant; for packed rows
+    (no mask, position_ids restarting, ``cu_seq_lens_*``) it checks the layout and hands
+    attention the per-sequence regrouping (``invariant_infer.packing``);
   * registered instance extensions run (``invariant_infer.generation`` registers one that makes
     ``model.generate`` on this instance reject options that are not batch-invariant).
 Every patched op is differentiable: with grad enabled it runs as an autograd Function over the same
@@ -31,6 +33,7 @@ from .errors import NonInvariantInputError, UnsupportedModelError
 from .families import FamilyAdapter, family_of, sliding_window_refusal
 from .kernels import linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul_linear_autograd
 from .kernels.fused_linear import silu_mul_linear
+from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -124,10 +127,23 @@ def _base_pre_hook(module, args, kwargs):
     check = not torch.compiler.is_compiling()
     if check and module.training:
         _refuse_dropout(module)
-    positions = resolve_positions(
-        mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
-        cache_length=_cache_length(kwargs) if check else 0,
-        max_positions=module.rotary_emb._invariant_tables[0].shape[0], check=check)
+    max_positions = module.rotary_emb._invariant_tables[0].shape[0]
+    if check and mask is None:
+        # Packed rows (position_ids restarting, cu_seq_lens_*): attention regroups them per sequence.
+        flash = {name: kwargs.pop(name) for name in FLASH_KWARGS if name in kwargs}
+        positions, packed = resolve_packed(
+            kwargs.get("position_ids"), flash, batch=tokens.shape[0], length=tokens.shape[1],
+            cache_length=_cache_length(kwargs), max_positions=max_positions, device=tokens.device)
+        if packed is not None:
+            kwargs["attention_mask"] = packed.bounds()
+            kwargs[PACKED_KWARG] = packed
+    else:
+        if any(kwargs.get(name) is not None for name in FLASH_KWARGS):
+            raise NonInvariantInputError("cu_seq_lens_*/max_length_* describe packed rows, which take no "
+                                         "attention_mask and run eagerly (not under torch.compile)")
+        positions = resolve_positions(
+            mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
+            cache_length=_cache_length(kwargs) if check else 0, max_positions=max_positions, check=check)
     if positions is not None:
         kwargs["position_ids"] = positions
     return (), kwargs

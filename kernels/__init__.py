@@ -5,7 +5,9 @@ the same kernels through Triton's interpreter with the fixes in ``interpreter_ha
 Nothing here knows about transformers.
 """
 from .attention import attention
-from .configs import LINEAR_CONFIGS, AttentionConfig, LinearConfig, attention_config, linear_config
+from .attention_autograd import AttentionFunction, attention_autograd
+from .configs import (LINEAR_CONFIGS, AttentionBackwardConfig, AttentionConfig, LinearConfig, attention_backward_config,
+                      attention_config, linear_config)
 from .fused_linear_autograd import SiluMulLinearFunction, silu_mul_linear_autograd
 from .linear import linear
 from .linear_autograd import LinearFunction, linear_autograd
@@ -19,6 +21,7 @@ from .token_logprobs_autograd import TokenLogprobsFunction, token_logprobs_autog
 
 __all__ = [
     "AttentionConfig", "attention", "attention_config",
+    "AttentionBackwardConfig", "AttentionFunction", "attention_autograd", "attention_backward_config",
     "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config", "LinearFunction", "linear_autograd",
     "paged_attention", "write_kv",
     "rms_norm", "silu_mul", "token_logprobs",

@@ -49,14 +49,14 @@ def online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: 
 
 @triton.jit(do_not_specialize=["Lq", "Lk"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
     Lq, Lk, Hq, D, scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -94,6 +94,9 @@ def _attention_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + b * stride_ob + offs_m[:, None] * stride_om + h * stride_oh + offs_d[None, :] * stride_od,
              out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+    if STORE_LSE:  # for the backward only: lse [B, Hq, Lq] fp32, -inf for a row that sees no key
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (b * Hq + h) * Lq + offs_m, lse, mask=offs_m < Lq)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -110,6 +113,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"attention: incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    return attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config)
+
+
+def attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config=None, lse=None) -> torch.Tensor:
+    """``attention`` without the argument checks; with ``lse`` (fp32 [B, Hq, Lq], contiguous) it
+    also stores each query row's log-sum-exp of its scaled scores there (the backward's input)."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
     cfg = config or attention_config(q.device.type, q.dtype, D)
     out = torch.empty((B, Lq, Hq, D), device=q.device, dtype=q.dtype)
     if B == 0 or Lq == 0:
@@ -117,11 +128,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     grid = (triton.cdiv(Lq, cfg.block_m), B * Hq)
     launch(
         _attention_kernel, grid, q.device,
-        q, k, v, out, kv_start, kv_end, q_start,
+        q, k, v, out, out if lse is None else lse, kv_start, kv_end, q_start,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         Lq, Lk, Hq, D, scale,
         GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_PRECISION=DOT_PRECISION,
+        DOT_PRECISION=DOT_PRECISION, STORE_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

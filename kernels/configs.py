@@ -103,3 +103,29 @@ def attention_config(device_type: str, dtype: torch.dtype, head_dim: int) -> Att
     if dtype == torch.float32 or head_dim > 128:
         return AttentionConfig(block_m=32, block_n=32)
     return AttentionConfig(block_m=64, block_n=64)
+
+
+@dataclass(frozen=True)
+class AttentionBackwardConfig:
+    """The dK/dV kernel's tiles (the dQ kernel uses the forward's AttentionConfig). ``block_m``
+    query positions per tile fixes the order each key's gradient is summed in; ``block_n`` keys
+    per program is the forward's KV block."""
+    block_m: int
+    block_n: int
+    delta_rows: int = 16  # rows per program of the delta = rowsum(dO * O) preprocess
+    num_warps: int = 4
+    num_stages: int = 2
+    # False starts the query tiles at row 0, as a plain FlashAttention-2 backward does: then the
+    # amount of left padding regroups a key's sum. Batch-variant; the tests' negative control.
+    tiles_from_kv_start: bool = True
+
+
+def attention_backward_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionBackwardConfig:
+    """One per (device, dtype, head_dim), never per batch. CUDA tiles keep the dK/dV kernel's
+    shared memory within sm_80/sm_89's 99 KiB at head_dim 128 (checked by the offline compile test)."""
+    forward = attention_config(device_type, dtype, head_dim)
+    if device_type == "cpu":
+        return AttentionBackwardConfig(block_m=32, block_n=forward.block_n, delta_rows=64)
+    if dtype == torch.float32 or head_dim > 128:
+        return AttentionBackwardConfig(block_m=16, block_n=forward.block_n)
+    return AttentionBackwardConfig(block_m=32, block_n=forward.block_n)

@@ -18,10 +18,12 @@ PACKAGES = {"invariant_infer": ROOT / "invariant_infer", "invariant_infer.kernel
 # it; any other entry is that one module, so a new module fails the test until it is placed.
 LAYERS = [
     ["invariant_infer.kernels.*"],
-    ["invariant_infer.errors", "invariant_infer.families.*", "invariant_infer.padding", "invariant_infer.hf_attention",
+    ["invariant_infer.errors", "invariant_infer.families.*", "invariant_infer.padding", "invariant_infer.packing",
+     "invariant_infer.hf_attention",
      "invariant_infer.patch", "invariant_infer.random_checkpoints"],
     ["invariant_infer.drift", "invariant_infer.sampling", "invariant_infer.generation", "invariant_infer.scoring",
-     "invariant_infer.engine.*", "invariant_infer.loading", "invariant_infer.training", "invariant_infer"],
+     "invariant_infer.engine.*", "invariant_infer.loading", "invariant_infer.weight_update", "invariant_infer.training",
+     "invariant_infer"],
     ["invariant_infer.server.*", "invariant_infer.distributed", "invariant_infer.scoring_job",
      "invariant_infer.scoring_backends"],
     ["invariant_infer.cli", "invariant_infer.demo", "invariant_infer.scoring_cli", "invariant_infer.serve_cli"],

@@ -7,7 +7,7 @@ cache), ``scheduler`` (continuous batching, chunked prefill, preemption), ``mode
 packed forward over the paged cache), ``engine`` (the API) and ``async_engine`` (for servers).
 """
 from .async_engine import AsyncEngine
-from .engine import Engine, RequestOutput
+from .engine import Engine, EngineBusyError, RequestOutput
 from .sampling_params import RequestError, SamplingParams
 
-__all__ = ["Engine", "AsyncEngine", "RequestOutput", "RequestError", "SamplingParams"]
+__all__ = ["Engine", "AsyncEngine", "EngineBusyError", "RequestOutput", "RequestError", "SamplingParams"]

@@ -2,15 +2,21 @@
 flight; each request is an async iterator of its outputs, one per step it advanced in.
 
 The event loop never waits for a step: adding a request waits for the engine's lock in an
-executor thread, and an abort is queued for the engine thread to apply before its next step."""
+executor thread, and an abort is queued for the engine thread to apply before its next step.
+
+``update_weights(update)`` runs ``update(model)`` between steps on an idle engine, then resets
+the prefix cache: no step ever runs on half-updated weights."""
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
-from .engine import Engine, RequestOutput
+from .engine import Engine, EngineBusyError, RequestOutput
 from .sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -90,6 +96,27 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             else:
                 self._abort_later(request_id)
+
+    def reset_prefix_cache(self) -> int:
+        """``Engine.reset_prefix_cache`` between steps (``EngineBusyError`` while requests are in flight)."""
+        with self._lock:
+            self._apply_aborts()
+            return self.engine.reset_prefix_cache()
+
+    def update_weights(self, update: Callable[[object], T]) -> T:
+        """Run ``update(model)`` (in-place changes of its weights) while no step runs, then reset
+        the prefix cache, also if ``update`` raises (its copy may have stopped halfway). With
+        requests in flight, raises ``EngineBusyError`` and runs nothing. Blocks up to one step:
+        call it off the event loop."""
+        with self._lock:
+            self._apply_aborts()
+            if self.engine.has_unfinished():
+                raise EngineBusyError(f"cannot update the weights with {len(self.engine.sequences)} requests "
+                                      "in the engine")
+            try:
+                return update(self.engine.model)
+            finally:
+                self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
         with self._lock:

@@ -103,6 +103,15 @@ class BlockManager:
                 self.page_of_hash[page_hash_] = page
         seq.num_hashed_pages = full
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (all must be free); returns how many were findable."""
+        if self.num_used:
+            raise RuntimeError(f"{self.num_used} KV pages are in use")
+        dropped = len(self.page_of_hash)
+        self.hash_of = [None] * self.num_pages
+        self.page_of_hash.clear()
+        return dropped
+
     def release(self, seq: Sequence) -> None:
         """Give back the sequence's pages (finished, aborted or preempted)."""
         for page in reversed(seq.pages):  # its last pages are the least likely to be shared

@@ -47,7 +47,20 @@ class RequestOutput:
     error: str | None = None
 
 
+class EngineBusyError(RuntimeError):
+    """The engine has unfinished requests, and the operation needs an idle engine."""
+
+
 class Engine:
+    """Continuous batching over one causal LM (see the module's docstring).
+
+    Weight updates: the engine keeps no copy of any weight, nor anything derived from one but the
+    KV cache. Each step reads the parameters of the model's own modules, so an in-place update (an
+    optimizer step, ``param.data.copy_``, ``load_state_dict``, ``weight_update.load_weights_from_disk``)
+    reaches the next step. Cached prefix pages hold KV computed under the weights of their time:
+    call ``reset_prefix_cache()`` after an update, with no request in the engine, and every later
+    result equals that of an engine freshly built on the updated model, bitwise."""
+
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
                  decode_buckets: tuple[int, ...] = ()):
@@ -145,6 +158,16 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix page, so that no KV computed before (under old weights) is ever
+        reused; returns how many pages were cached. Needs an idle engine: with requests waiting or
+        running (their KV, or their tokens so far, came from the old weights) it raises
+        ``EngineBusyError`` and changes nothing; let them finish or abort them first."""
+        if self.has_unfinished():
+            raise EngineBusyError(f"reset_prefix_cache needs an idle engine; {len(self.scheduler.running)} requests "
+                                  f"are running and {len(self.scheduler.waiting)} waiting (finish or abort them)")
+        return self.blocks.reset_prefix_cache()
 
     # ---- one step ----------------------------------------------------------------------------------
 

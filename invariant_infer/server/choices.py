@@ -1,5 +1,5 @@
 """Running a response's choices on the ``AsyncEngine``, shared by completions and chat: admission
-(429 past capacity), each choice one engine request, the whole response with its usage envelope
+(429 past capacity, 503 while paused), each choice one engine request, the whole response with its usage envelope
 or the event stream, and the abort of every choice when the client goes away.
 
 Each choice is one engine request and the engine makes each request's tokens and logprobs a
@@ -48,8 +48,11 @@ class ChoiceRunner:
         self.async_engine, self.metrics, self.model_name = async_engine, metrics, model_name
         self.capacity, self.stream_write_timeout = capacity, stream_write_timeout
         self.in_flight = 0
+        self.paused: str | None = None  # why new requests are refused (503), e.g. a weight update
 
     def admit(self, count: int) -> None:
+        if self.paused is not None:
+            raise APIError(503, self.paused, code="weights_updating", headers={"Retry-After": "1"})
         if self.in_flight and self.in_flight + count > self.capacity:
             raise APIError(429, f"the server's queue is full ({self.in_flight} sequences in flight); retry later",
                            code="queue_full", headers={"Retry-After": "1"})

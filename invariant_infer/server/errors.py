@@ -16,7 +16,8 @@ from ..engine import RequestError
 log = logging.getLogger("invariant_infer.server")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error"}
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 # pydantic error types -> OpenAI error codes; protocol.py raises its custom errors under these codes
 OPENAI_CODES = {"invalid_value", "invalid_type", "unsupported_parameter"}

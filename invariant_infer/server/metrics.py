@@ -33,6 +33,11 @@ class Metrics:
         self.prompt = Counter("invariant_infer_prompt_tokens", "Prompt tokens", registry=registry)
         self.requests = Counter("invariant_infer_http_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=registry)
+        self.weight_updates = Counter("invariant_infer_weight_updates", "POST /update_weights_from_disk by result",
+                                      ["result"], registry=registry)
+        self.weight_update_in_progress = Gauge("invariant_infer_weight_update_in_progress",
+                                               "1 while a weight update runs (generation answers 503)",
+                                               registry=registry)
         self.latency = Histogram("invariant_infer_request_latency_seconds", "Request latency", ["endpoint"],
                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
                                  registry=registry)

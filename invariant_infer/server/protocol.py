@@ -200,3 +200,13 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     tokens: list[int]
+
+
+DEFAULT_DRAIN_TIMEOUT_S = 120.0
+
+
+class UpdateWeightsFromDiskRequest(OpenAIRequest):
+    """SGLang's body: a checkpoint directory on the server's disk, and (an extension) how many
+    seconds to wait for the requests in flight to finish."""
+    model_path: str = Field(min_length=1)
+    timeout: float = Field(DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=3600)

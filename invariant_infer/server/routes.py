@@ -1,6 +1,6 @@
-"""The endpoints: OpenAI completions and chat completions, models, health, metrics, and the
-tokenizer endpoints lm-eval's remote tokenizer uses. Bodies arrive parsed (``protocol``); every
-refusal is raised and answered by a handler in ``errors``."""
+"""The endpoints: OpenAI completions and chat completions, models, health, metrics, the
+tokenizer endpoints lm-eval's remote tokenizer uses, and SGLang's ``/update_weights_from_disk``.
+Bodies arrive parsed (``protocol``); every refusal is raised and answered by a handler in ``errors``."""
 from __future__ import annotations
 
 import secrets
@@ -13,7 +13,8 @@ from starlette.concurrency import run_in_threadpool
 from .choices import choice_seeds
 from .errors import JSON, APIError, bad
 from .formats import ChatFormat, Choice, CompletionFormat
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       UpdateWeightsFromDiskRequest)
 from .state import ServerState
 
 bearer = HTTPBearer(auto_error=False)
@@ -111,6 +112,12 @@ async def detokenize(body: DetokenizeRequest, server: ServerState = Depends(serv
     if not all(0 <= t < len(server.tokenizer) for t in body.tokens):
         raise bad("'tokens' must be token ids in the tokenizer's vocabulary", "tokens")
     return JSON({"prompt": server.tokenizer.decode(body.tokens)})
+
+
+@api.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, server: ServerState = Depends(server_state)):
+    """New weights from a checkpoint directory, between requests (``weights`` says how)."""
+    return JSON(await server.weights.update_from_disk(body.model_path, body.timeout))
 
 
 @public.get("/health")

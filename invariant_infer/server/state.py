@@ -1,4 +1,5 @@
-"""What the routes share: the options, the engine, the tokenizer, the metrics and the choice runner,
+"""What the routes share: the options, the engine, the tokenizer, the metrics, the choice runner and
+the weight updater,
 and the checks that need them (the model name, the chat template, the context length)."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from .errors import APIError, bad
 from .formats import Tokens
 from .metrics import Metrics
 from .protocol import Message
+from .weights import WeightUpdater
 
 DEFAULT_STREAM_WRITE_TIMEOUT_S = 30.0
 
@@ -32,6 +34,7 @@ class ServerState:
         self.runner = ChoiceRunner(async_engine, self.metrics, options.model_name,
                                    capacity=self.engine.scheduler.max_num_seqs + options.max_waiting,
                                    stream_write_timeout=options.stream_write_timeout)
+        self.weights = WeightUpdater(async_engine, self.runner, self.metrics)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.options.model_name:
