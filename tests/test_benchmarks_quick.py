@@ -197,15 +197,15 @@ def test_train_mismatch_catches_an_m_dependent_linear(monkeypatch):
     def mismatch():
         ctx = Run(device=torch.device("cpu"), quick=True)
         ctx.section = "train"
-        (row,) = train.run(ctx, shapes=((3, 32),), dtype=torch.float32)["train"]
-        assert ctx.skipped == []
-        return row["invariant_logprob_max_abs_diff"], row["invariant_logprob_bitwise_equal"]
+        rows = train.run(ctx, shapes=((3, 32),), dtype=torch.float32)["train"]
+        assert ctx.skipped == [] and [r["layout"] for r in rows] == list(train.LAYOUTS)
+        return [(r["invariant_logprob_max_abs_diff"], r["invariant_logprob_bitwise_equal"]) for r in rows]
 
-    assert mismatch() == (0.0, True)
+    assert mismatch() == [(0.0, True)] * len(train.LAYOUTS)
     monkeypatch.setattr(invariant_infer.patch, "linear", m_dependent_linear)
     monkeypatch.setattr(linear_autograd_mod, "linear", lambda x, w, b=None, config=None: m_dependent_linear(x, w, b))
-    diff, equal = mismatch()
-    assert diff > 0 and equal is False
+    for diff, equal in mismatch():  # padded and packed
+        assert diff > 0 and equal is False
 
 
 def test_report_and_plots(quick_run):
