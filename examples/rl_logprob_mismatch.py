@@ -9,14 +9,15 @@ exp(trainer - sampler). Any difference biases the ratio. Here, on one random che
 
   invariant  rollouts: ``invariant_infer.engine.Engine`` (continuous batching, paged KV cache), seeded
              sampling; trainer: ``invariant_infer.training.token_logprobs`` on the same model in train
-             mode with grad enabled, at two micro-batch sizes, left and right padding.
+             mode with grad enabled, at two micro-batch sizes, each left-padded, right-padded and packed
+             (padding-free: one row, position_ids restarting at each sequence).
   stock      rollouts: transformers ``generate`` (left-padded batch, KV cache, sampling), each sampled
              token's logprob from its raw logits; trainer: the stock forward on the same micro-batches,
              fp32 ``log_softmax(logits / T)`` and gather, as TRL computes them.
 
-Both trainers get position_ids = cumsum(mask) - 1 (as ``generate`` builds them), so a difference comes
-from reduction order alone. Printed: max |trainer - sampler| over every completion token, per layout and
-overall, and max |full batch - micro-batch| between the stock trainer's own layouts.
+Both trainers get position_ids = cumsum(mask) - 1 on padded rows (as ``generate`` builds them), so a
+difference comes from reduction order alone. Printed: max |trainer - sampler| over every completion
+token, per layout and overall, and each trainer against itself across micro-batch sizes and layouts.
 """
 from __future__ import annotations
 
@@ -78,29 +79,41 @@ def hf_rollouts(model, prompts, args):
     return tokens.tolist(), list(logps)
 
 
-def stock_token_logprobs(model, ids, mask, temperature):
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask, ids.shape[1]),
-                   use_cache=False).logits
+def micro_batch_inputs(seqs: list, layout: str):
+    """(input_ids, attention_mask, position_ids, end of each sequence in its row) for ``layout``: padded
+    on the "right" or "left", or "packed" into one row (no mask, positions restarting at each sequence,
+    as transformers' DataCollatorWithFlattening builds padding-free batches)."""
+    if layout == "packed":
+        ends = torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        return torch.cat(seqs)[None], None, positions, [(0, end) for end in ends]
+    ids, mask = pad_sequences(seqs, side=layout)
+    width = ids.shape[1]
+    ends = [(row, width if layout == "left" else len(s)) for row, s in enumerate(seqs)]
+    return ids, mask, positions_from_mask(mask, width), ends
+
+
+def stock_token_logprobs(model, ids, mask, positions, temperature):
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     return torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def trainer_logprobs(model, kernels: str, prompts, completions, micro_batch: int, side: str, temperature: float):
+def trainer_logprobs(model, kernels: str, prompts, completions, micro_batch: int, layout: str, temperature: float):
     """Each completion's token logprobs recomputed from prompt + completion, ``micro_batch`` sequences a
-    forward, padded on ``side``: what a trainer's loss sees (train mode, grad enabled)."""
+    forward in ``layout``: what a trainer's loss sees (train mode, grad enabled)."""
     model.train()
     out = []
     for start in range(0, len(prompts), micro_batch):
-        seqs = [torch.tensor(p + c) for p, c in zip(prompts[start:start + micro_batch],
-                                                    completions[start:start + micro_batch])]
-        ids, mask = pad_sequences(seqs, side=side)
-        if kernels == "invariant":
-            logps = token_logprobs(model, ids, mask, temperature=temperature)
+        chunk = completions[start:start + micro_batch]
+        seqs = [torch.tensor(p + c) for p, c in zip(prompts[start:start + micro_batch], chunk)]
+        ids, mask, positions, ends = micro_batch_inputs(seqs, layout)
+        if kernels == "invariant":  # padded rows: positions derived from the mask (the same values)
+            logps = token_logprobs(model, ids, mask, position_ids=positions if mask is None else None,
+                                   temperature=temperature)
         else:
-            logps = stock_token_logprobs(model, ids, mask, temperature)
-        width = ids.shape[1]
-        for row, (p, c) in enumerate(zip(prompts[start:start + micro_batch], completions[start:start + micro_batch])):
-            end = width - 1 if side == "left" else len(p) + len(c) - 1  # logps[t] scores token t + 1
-            out.append(logps[row, end - len(c):end].detach().float())
+            logps = stock_token_logprobs(model, ids, mask, positions, temperature)
+        for (row, end), c in zip(ends, chunk):  # logps[t] scores token t + 1
+            out.append(logps[row, end - 1 - len(c):end - 1].detach().float())
     model.eval()
     return out
 
@@ -112,9 +125,9 @@ def max_diff(a: list, b: list) -> float:
 def measure(model, kernels: str, prompts, completions, sampler, args) -> tuple[dict, list]:
     layouts = {}
     for micro_batch in (2, len(prompts)):
-        for side in ("right", "left"):
-            layouts[micro_batch, side] = trainer_logprobs(model, kernels, prompts, completions, micro_batch, side,
-                                                          args.temperature)
+        for layout in ("right", "left", "packed"):
+            layouts[micro_batch, layout] = trainer_logprobs(model, kernels, prompts, completions, micro_batch, layout,
+                                                            args.temperature)
     return {key: max_diff(logps, sampler) for key, logps in layouts.items()}, list(layouts.values())
 
 
@@ -139,14 +152,14 @@ def main(argv=None) -> int:
             results[kernels] = measure(model, kernels, prompts, completions, sampler, args)
 
     print("\nmax |trainer - sampler| logprob over all completion tokens")
-    print(f"{'micro-batch':>12} {'padding':>8} {'invariant':>12} {'stock':>12}")
+    print(f"{'micro-batch':>12} {'layout':>8} {'invariant':>12} {'stock':>12}")
     for key in results["invariant"][0]:
         print(f"{key[0]:>12} {key[1]:>8} {results['invariant'][0][key]:>12.6g} {results['stock'][0][key]:>12.6g}")
     stock_layouts = results["stock"][1]
     stock_self = max(max_diff(stock_layouts[0], other) for other in stock_layouts[1:])
     inv_layouts = results["invariant"][1]
     inv_self = max(max_diff(inv_layouts[0], other) for other in inv_layouts[1:])
-    print(f"\ntrainer vs itself across micro-batch sizes and padding: invariant {inv_self!r}, stock {stock_self!r}")
+    print(f"\ntrainer vs itself across micro-batch sizes and layouts: invariant {inv_self!r}, stock {stock_self!r}")
     print(f"invariant max |trainer - sampler|: {max(results['invariant'][0].values())!r}")
     print(f"stock max |trainer - sampler|: {max(results['stock'][0].values())!r}")
     return 0

@@ -32,7 +32,7 @@ def test_rl_example_invariant_trainer_equals_sampler(args):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert printed_mismatch(proc.stdout, "invariant") == 0.0
     assert printed_mismatch(proc.stdout, "stock") >= 0.0  # a measured number; nonzero is likely, not guaranteed
-    assert "trainer vs itself across micro-batch sizes and padding: invariant 0.0," in proc.stdout
+    assert "trainer vs itself across micro-batch sizes and layouts: invariant 0.0," in proc.stdout
 
 
 def test_rl_example_negative_control_m_dependent_linear(monkeypatch, capsys):
