@@ -203,7 +203,8 @@ def test_train_mismatch_catches_an_m_dependent_linear(monkeypatch):
 
     assert mismatch() == [(0.0, True)] * len(train.LAYOUTS)
     monkeypatch.setattr(invariant_infer.patch, "linear", m_dependent_linear)
-    monkeypatch.setattr(linear_autograd_mod, "linear", lambda x, w, b=None, config=None: m_dependent_linear(x, w, b))
+    monkeypatch.setattr(linear_autograd_mod, "linear",
+                        lambda x, w, b=None, config=None: m_dependent_linear(x, w, b))
     for diff, equal in mismatch():  # padded and packed
         assert diff > 0 and equal is False
 
@@ -212,7 +213,8 @@ def test_report_and_plots(quick_run):
     results, text, out, _ = quick_run
     assert "NOT meaningful" in text and "left-pad B=4 lens 7/5/3/1" in text
     for heading in ("## Divergence", "## Matmul", "## Scoring", "## Serving engine (qwen2:tiny",
-                    "## Engine host overhead (qwen2:tiny", "## HTTP server (qwen2:tiny", "## Training step (qwen2:tiny", "## RMSNorm"):
+                    "## Engine host overhead (qwen2:tiny", "## HTTP server (qwen2:tiny", "## Training step (qwen2:tiny",
+                    "## RMSNorm"):
         assert heading in text
     assert "analytic estimates, not measurements" in text and "÷ stock engine" in text and "| 2/2 |" in text
     assert "Host phases are meaningful on CPU" in text
