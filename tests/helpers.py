@@ -306,3 +306,15 @@ def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, opti
                               options={"num_warps": num_warps, "num_stages": num_stages, **pinned})
     assert compiled.asm["cubin"]
     return compiled
+
+
+def reduction_layouts(compiled) -> list[str]:
+    """The operand and result types, layouts spelled out, of every dot and reduction in the TTGIR:
+    the layouts fix which thread sums which elements, so equal layouts mean equal summation trees."""
+    ttgir = compiled.asm["ttgir"]
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    spell = lambda text: re.sub(r"#\w+", lambda m: aliases.get(m.group(0), m.group(0)), text)  # noqa: E731
+    ops = [line for line in ttgir.splitlines() if re.search(r"\b(tt\.dot|warp_group_dot) ", line)
+           or line.strip().startswith("}) : ")]
+    assert ops, "no dot or reduction found"
+    return [spell(re.sub(r" loc\(.*$", "", line.rsplit(" : ", 1)[-1])) for line in ops]
