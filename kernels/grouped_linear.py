@@ -121,7 +121,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.
     """[T, N]: row r of expert e (offsets[e] <= r < offsets[e + 1]) is bitwise
     ``linear(x[r:r+1], weight[e], bias[e])``. x [T, K] sorted by expert, weight [E, N, K],
     bias [E, N] or None, expert_offsets int32/int64 [E + 1]. ``config`` overrides the per-shape
-    table (tests only, as for ``linear``)."""
+    table (tests only, as for ``linear``). Offsets that do not rise from 0 to T raise on CPU; on
+    CUDA they are not checked (that would sync the host)."""
     _check(x, weight, expert_offsets, bias, "grouped_linear")
     return launch_grouped_linear(x, None, weight, expert_offsets, bias, PROLOGUE_NONE, config)
 

@@ -188,15 +188,26 @@ def test_compiles_for_cuda(arch, dtype):
                              BLOCK_K=triton.next_power_of_2(top_k)))
 
 
+def _router(tokens, experts, top_k, device):
+    """float64 agreement on the rows without a near tie, and rows alone equal to rows in the batch."""
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(7)).bfloat16().to(device)
+    weights, chosen = moe_routing(logits, top_k, True)
+    ref_weights, ref_index = _reference(logits, top_k + 1, False)
+    clear = (ref_weights[:, :-1] - ref_weights[:, 1:]).min(dim=1).values > 1e-6
+    assert clear.sum() > tokens // 2
+    assert torch.equal(chosen[clear], ref_index[clear, :top_k])
+    assert (weights.double() - _reference(logits, top_k, True)[0]).abs().max().item() < 1e-6
+    for r in (0, tokens // 2, tokens - 1):
+        alone = moe_routing(logits[r:r + 1], top_k, True)
+        assert torch.equal(alone[0][0], weights[r]) and torch.equal(alone[1][0], chosen[r])
+
+
+def test_router_at_test_widths():
+    """The check the GPU runs at Qwen3-30B-A3B widths, at the widths of the CPU test models."""
+    _router(40, 8, 2, "cpu")
+
+
 @pytest.mark.gpu
 def test_gpu_qwen3_30b_a3b_router():
-    """2048 tokens, 128 experts, top-8 on a GPU: float64 agreement on clear rows, rows alone equal rows in the batch."""
-    logits = torch.randn(2048, 128, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
-    weights, chosen = moe_routing(logits, 8, True)
-    ref_weights, ref_index = _reference(logits, 9, False)
-    clear = (ref_weights[:, :-1] - ref_weights[:, 1:]).min(dim=1).values > 1e-6
-    assert torch.equal(chosen[clear], ref_index[clear, :8])
-    assert (weights.double() - _reference(logits, 8, True)[0]).abs().max().item() < 1e-6
-    for r in (0, 1000, 2047):
-        alone = moe_routing(logits[r:r + 1], 8, True)
-        assert torch.equal(alone[0][0], weights[r]) and torch.equal(alone[1][0], chosen[r])
+    """2048 tokens, 128 experts, top-8 on a GPU."""
+    _router(2048, 128, 8, "cuda")
