@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 
 from invariant_infer.drift import batch_drift, logits_alone, logits_in_batch
 from invariant_infer.families import FAMILIES
-from invariant_infer.kernels import LinearConfig, linear, linear_config
+from invariant_infer.kernels import LinearConfig, grouped_linear, linear, linear_config
 from invariant_infer.kernels import launch as launch_mod
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -93,6 +93,15 @@ def m_dependent_linear(x, weight, bias=None):
     base = linear_config(x.device.type, x.dtype, *weight.shape)
     cfg = LinearConfig(base.block_m, base.block_n, 16 if m <= 4 else 64)
     return linear(x, weight, bias, config=cfg)
+
+
+def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None):
+    """Negative control for the grouped expert GEMM: picks BLOCK_K by the largest expert's row
+    count, as batch-size-keyed grouped GEMMs do."""
+    base = linear_config(x.device.type, x.dtype, *weight.shape[1:])
+    most = int((expert_offsets[1:] - expert_offsets[:-1]).max())
+    cfg = LinearConfig(base.block_m, base.block_n, 16 if most <= 4 else 64)
+    return grouped_linear(x, weight, expert_offsets, bias, config=cfg)
 
 
 BPE_WORDS = "the a model token batch score sequence invariant logits prompt completion cat dog runs fast".split()

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES, compile_for, reduction_layouts
+from helpers import DEVICES, DTYPES, compile_for, m_dependent_grouped_linear, reduction_layouts
 from invariant_infer.kernels import LinearConfig, grouped_linear, grouped_silu_mul_linear, linear, linear_config, silu_mul
 
 grouped_mod = sys.modules["invariant_infer.kernels.grouped_linear"]
@@ -123,17 +123,10 @@ def test_row_alone_equals_row_in_any_grouping(dtype, device):
         assert torch.equal(grouped, alone), f"{total} rows"
 
 
-def _rows_dependent_grouped_linear(x, w, offsets):
-    """Negative control: picks BLOCK_K by the largest expert's row count, as batch-size-keyed
-    grouped GEMMs do."""
-    base = linear_config(x.device.type, x.dtype, w.shape[1], w.shape[2])
-    most = int((offsets[1:] - offsets[:-1]).max())
-    return grouped_linear(x, w, offsets, config=LinearConfig(base.block_m, base.block_n, 16 if most <= 4 else 64))
-
-
 def test_negative_control_rows_dependent_config_breaks_invariance():
-    """The comparison above can fail: fp32 shows a reordering in almost every element."""
-    pairs = _row_alone_and_grouped(_rows_dependent_grouped_linear, torch.float32, "cpu")
+    """The comparison above can fail: with BLOCK_K picked by the largest expert's row count
+    (``m_dependent_grouped_linear``), fp32 shows a reordering in almost every element."""
+    pairs = _row_alone_and_grouped(m_dependent_grouped_linear, torch.float32, "cpu")
     assert any(not torch.equal(grouped, alone) for alone, grouped, _ in pairs)
 
 
