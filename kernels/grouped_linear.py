@@ -7,11 +7,12 @@ tile, N tile): its rows all belong to one expert, and its tile is reduced over K
 kernel's own ``_k_tree_dot`` with the config ``linear`` uses for the shape (N, K). A row's bits
 therefore never depend on how many rows its expert got or on the other experts' rows.
 
-The tile map (which expert and which of its row tiles each program takes) is built on the device
-with torch ops, without reading the offsets on the host. The grid has room for every tile the
-worst split can need: ceil(T / BLOCK_M) + E; programs past the real tiles exit at once. The
-chunks of the K tree run in sequence in one program (the same bits as linear's split-K
-schedule); there is no split-K schedule here.
+Each program finds its tile from the offsets itself (a prefix sum of the experts' tile counts,
+in the kernel), so a launch reads nothing on the host and needs no other launch. The grid has
+room for every tile the worst split can need, ceil(T / BLOCK_M) + E; programs past the real
+tiles, and so every empty expert, cost one load of the offsets and exit. The chunks of the K
+tree run in sequence in one program (the same bits as linear's split-K schedule); there is no
+split-K schedule here.
 """
 from __future__ import annotations
 
@@ -25,20 +26,35 @@ from .linear import PROLOGUE_NONE, PROLOGUE_SILU_MUL, _k_tree_dot
 
 
 @triton.jit
+def _find_tile(offsets_ptr, slot, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, its row tile, its first row, its row count) of grid slot ``slot``: the experts'
+    row tiles laid end to end, in expert order. Past the last tile the expert is >= E."""
+    e = tl.arange(0, BLOCK_E)
+    lo = tl.load(offsets_ptr + e, mask=e < E, other=0).to(tl.int64)
+    hi = tl.load(offsets_ptr + e + 1, mask=e < E, other=0).to(tl.int64)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M  # an empty expert has none
+    ends = tl.cumsum(tiles, 0)
+    expert = tl.sum((ends <= slot).to(tl.int32), 0)
+    this = e == expert
+    first_tile = tl.sum(tl.where(this, ends - tiles, 0), 0)
+    row_begin = tl.sum(tl.where(this, lo, 0), 0)
+    rows = tl.sum(tl.where(this, hi - lo, 0), 0)
+    return expert, slot - first_tile, row_begin, rows
+
+
+@triton.jit
 def _grouped_linear_kernel(
-    x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, offsets_ptr, tile_expert_ptr, tile_index_ptr,
+    x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, offsets_ptr,
     N, K, E,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, K_CHUNKS: tl.constexpr, PROLOGUE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)  # fastest: the row tiles of one expert share a weight tile in L2
+    slot = tl.program_id(0)  # fastest: the row tiles of one expert share a weight tile in L2
     pid_n = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
-    if expert < E:  # otherwise a spare program of the worst-case grid: nothing to do
-        pid_m = tl.load(tile_index_ptr + tile)
-        row_begin = tl.load(offsets_ptr + expert).to(tl.int64)
-        M = tl.load(offsets_ptr + expert + 1).to(tl.int64) - row_begin
+    expert, pid_m, row_begin, M = _find_tile(offsets_ptr, slot, E, BLOCK_M, BLOCK_E)
+    if expert < E:  # otherwise a spare slot of the worst-case grid: nothing to do
         # The expert's rows and weight as linear sees them: a matrix of M rows and one (N, K) weight.
         x_e = x_ptr + row_begin * stride_xm
         up_e = up_ptr + row_begin * stride_xm
@@ -55,17 +71,10 @@ def _grouped_linear_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def tile_map(offsets: torch.Tensor, block_m: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert, row tile within the expert) of each of the ceil(rows / block_m) + E grid slots, int32;
-    slots past the real tiles get expert E. Device-side torch ops only: no host sync on CUDA."""
-    experts = offsets.numel() - 1
-    counts = (offsets[1:] - offsets[:-1]).to(torch.int64)
-    tiles = (counts + block_m - 1) // block_m
-    ends = torch.cumsum(tiles, 0)
-    slots = torch.arange(triton.cdiv(rows, block_m) + experts, device=offsets.device)
-    expert = torch.searchsorted(ends, slots, right=True)
-    first = (ends - tiles)[expert.clamp(max=experts - 1)]
-    return expert.to(torch.int32), (slots - first).to(torch.int32)
+def grid_slots(rows: int, experts: int, block_m: int) -> int:
+    """Row-tile slots enough for any split of ``rows`` rows over ``experts`` experts: each expert
+    adds at most one partly filled tile."""
+    return triton.cdiv(rows, block_m) + experts
 
 
 def _check(x, weight, offsets, bias, name):
@@ -100,17 +109,17 @@ def launch_grouped_linear(x, up, weight, offsets, bias, prologue, config: Linear
     y = torch.empty((rows, n), device=x.device, dtype=x.dtype)
     if rows == 0 or experts == 0:
         return y
-    tile_expert, tile_index = tile_map(offsets, cfg.block_m, rows)
-    grid = (tile_expert.numel(), triton.cdiv(n, cfg.block_n))
+    grid = (grid_slots(rows, experts, cfg.block_m), triton.cdiv(n, cfg.block_n))
     has_bias = bias is not None
     launch(
         _grouped_linear_kernel, grid, x.device,
-        x, x if up is None else up, weight, bias if has_bias else x, y, offsets, tile_expert, tile_index,
+        x, x if up is None else up, weight, bias if has_bias else x, y, offsets,
         n, k, experts,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
         bias.stride(0) if has_bias else 0, y.stride(0), y.stride(1),
         HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, PROLOGUE=int(prologue),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=triton.next_power_of_2(experts),
+        DOT_PRECISION=DOT_PRECISION,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -5,11 +5,14 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from helpers import DEVICES, DTYPES, compile_for, m_dependent_grouped_linear, reduction_layouts
 from invariant_infer.kernels import LinearConfig, grouped_linear, grouped_silu_mul_linear, linear, linear_config, silu_mul
 
 grouped_mod = sys.modules["invariant_infer.kernels.grouped_linear"]
+launch_mod = sys.modules["invariant_infer.kernels.launch"]
 linear_mod = sys.modules["invariant_infer.kernels.linear"]
 
 # As in test_linear: max relative error against float64 (bf16 / fp16 outputs rounded to 8 / 11 bits).
@@ -149,12 +152,24 @@ def test_accuracy_against_float64(dtype, device):
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 2 * TOLERANCE[dtype]
 
 
+@triton.jit
+def _tile_probe_kernel(offsets_ptr, out_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    slot = tl.program_id(0)
+    expert, tile, row_begin, rows = grouped_mod._find_tile(offsets_ptr, slot, E, BLOCK_M, BLOCK_E)
+    tl.store(out_ptr + slot * 4 + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, expert, tl.where(
+        tl.arange(0, 4) == 1, tile, tl.where(tl.arange(0, 4) == 2, row_begin, rows))))
+
+
 def test_tile_map_gives_empty_experts_no_tiles():
     """Experts of 0, 130 (three 64-row tiles), 0 and 1 rows: tiles for experts 1 and 3 only; the
-    spare slots of the worst-case grid (ceil(131 / 64) + 4 = 7) name expert E = 4 and exit."""
-    expert, index = grouped_mod.tile_map(_offsets([0, 130, 0, 1]), 64, 131)
-    assert expert.tolist() == [1, 1, 1, 3, 4, 4, 4]
-    assert index[:4].tolist() == [0, 1, 2, 0]
+    spare slots of the worst-case grid (ceil(131 / 64) + 4 = 7) name an expert >= E = 4 and exit."""
+    offsets = _offsets([0, 130, 0, 1])
+    slots = grouped_mod.grid_slots(131, 4, 64)
+    out = torch.full((slots, 4), -1, dtype=torch.int64)
+    launch_mod.launch(_tile_probe_kernel, (slots,), out.device, offsets, out, 4, BLOCK_M=64, BLOCK_E=4)
+    assert slots == 7
+    assert out[:4].tolist() == [[1, 0, 0, 130], [1, 1, 0, 130], [1, 2, 0, 130], [3, 0, 130, 1]]
+    assert bool((out[4:, 0] >= 4).all())
 
 
 def test_no_rows_and_no_experts_launch_nothing():
@@ -162,6 +177,12 @@ def test_no_rows_and_no_experts_launch_nothing():
     assert grouped_linear(torch.empty(0, 16), w, torch.zeros(5, dtype=torch.int64)).shape == (0, 8)
     y = grouped_linear(torch.empty(0, 16), torch.empty(0, 8, 16), torch.zeros(1, dtype=torch.int64))
     assert y.shape == (0, 8)
+
+
+def test_one_expert_is_linear():
+    w, _ = _experts(1, 24, 40, torch.bfloat16, "cpu")
+    x = _rows(70, 40, torch.bfloat16, "cpu")
+    assert torch.equal(grouped_linear(x, w, _offsets([70])), linear(x, w[0]))
 
 
 def test_transposed_expert_weights_are_read_through_their_strides():
@@ -231,27 +252,44 @@ def test_cuda_configs_of_the_real_expert_shapes_in_the_interpreter(shape):
 TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def _dot_layouts(compiled) -> list[str]:
+    """The dots' operand and accumulator layouts (the grouped kernel's tile search adds integer
+    reductions of its own, which sum no data)."""
+    dots = [ops for ops in reduction_layouts(compiled) if " * " in ops]
+    assert dots, "no dot found"
+    return dots
+
+
 @pytest.mark.parametrize("arch", [90, 89, 80])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_compiles_for_cuda_with_linears_dot_layouts(arch, dtype):
     """Offline compile (no GPU needed) with the CUDA config of each real expert shape, both
-    prologues; the dot's operand and accumulator layouts (the MMA instruction, hence the order each
-    element is summed in) are those of the linear kernel with the same config, although the grouped
-    kernel addresses its expert's rows from an offset the compiler cannot see aligned."""
+    prologues (128 experts); the dot's operand and accumulator layouts (the MMA instruction, hence the
+    order each element is summed in) are those of the linear kernel with the same config, although
+    the grouped kernel addresses its expert's rows from an offset the compiler cannot see aligned."""
     configs = {linear_config("cuda", dtype, n, k) for n, k in REAL_SHAPES.values()}
     for cfg in sorted(configs, key=str):
         for prologue in (linear_mod.PROLOGUE_NONE, linear_mod.PROLOGUE_SILU_MUL):
             common = dict(HAS_BIAS=True, K_CHUNKS=cfg.k_chunks, PROLOGUE=prologue, BLOCK_M=cfg.block_m,
                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="ieee")
             grouped = compile_for(grouped_mod._grouped_linear_kernel, arch,
-                                  {"ptr": f"*{TL_DTYPE[dtype]}", "offsets_ptr": "*i64", "tile_expert_ptr": "*i32",
-                                   "tile_index_ptr": "*i32"}, common, cfg.num_warps, cfg.num_stages)
+                                  {"ptr": f"*{TL_DTYPE[dtype]}", "offsets_ptr": "*i64"}, dict(common, BLOCK_E=128),
+                                  cfg.num_warps, cfg.num_stages)
             if arch != 90 and prologue == linear_mod.PROLOGUE_SILU_MUL:
                 continue  # one comparison per arch and dtype keeps the compiles few
             alone = compile_for(linear_mod._linear_kernel, arch, {"ptr": f"*{TL_DTYPE[dtype]}"},
                                 dict(common, PARALLEL_CHUNKS=False, GROUP_M=cfg.group_m), cfg.num_warps,
                                 cfg.num_stages)
-            assert reduction_layouts(grouped) == reduction_layouts(alone)
+            assert _dot_layouts(grouped) == _dot_layouts(alone)
+
+
+@pytest.mark.parametrize("block_e", [1, 8, 512])
+def test_compiles_for_cuda_at_other_expert_counts(block_e):
+    cfg = linear_config("cuda", torch.bfloat16, 2048, 768)
+    compile_for(grouped_mod._grouped_linear_kernel, 90, {"ptr": "*bf16", "offsets_ptr": "*i32"},
+                dict(HAS_BIAS=False, K_CHUNKS=cfg.k_chunks, PROLOGUE=linear_mod.PROLOGUE_SILU_MUL, BLOCK_M=cfg.block_m,
+                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e, DOT_PRECISION="ieee"),
+                cfg.num_warps, cfg.num_stages)
 
 
 def _routed_rows(tokens, experts, top_k, device, seed=0):
