@@ -7,9 +7,12 @@ at Qwen3-30B-A3B widths (``LAYER``: hidden 2048, 128 experts, top-8, expert inte
 ``norm_topk_prob``; quick: ``QUICK_LAYER``), weights drawn N(0, 1 / fan-in), bf16, inputs N(0, 1).
   * stock ``eager`` / ``batched_mm`` / ``grouped_mm``: ``config._experts_implementation`` set to the
     name (transformers' ``ExpertsInterface``), the stock router (``F.linear``, fp32 softmax,
-    ``torch.topk``); an implementation that fails on the device is recorded with the reason.
-  * ``invariant``: ``invariant_moe`` (the router on the invariant linear, row-wise routing, each
-    token's experts on the invariant kernels, the top-k outputs summed in rank order in fp32).
+    ``torch.topk``); an implementation that fails on the device is recorded with the reason, and
+    ``batched_mm`` (it gathers both expert weights per (token, slot) pair: 100+ GB at 2048 tokens) is
+    not run where that would take over 60% of the free GPU memory.
+  * ``invariant``: ``invariant_moe`` (the router on the invariant linear, ``moe_routing``, the
+    experts through ``grouped_linear`` / ``grouped_silu_mul_linear``, one launch each for all experts,
+    the top-k outputs summed in rank order in fp32).
 Per token count T: one forward over T tokens, timed; then tokens 0, T // 2 and T - 1 each alone (a
 1-token forward) against their rows of the T-token output: bitwise (``torch.equal``) and max |Δ|.
 """
@@ -20,8 +23,7 @@ from tqdm import tqdm
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from invariant_infer.kernels import linear
-from invariant_infer.kernels.fused_linear import silu_mul_linear
+from invariant_infer.kernels import grouped_linear, grouped_silu_mul_linear, linear, moe_routing
 
 from .timing import Run, free_memory, time_ms
 
@@ -43,46 +45,29 @@ def build_layer(layer: dict, device, dtype=torch.bfloat16, seed: int = 0) -> Qwe
     return block.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: fp32 softmax, the top-k by a stable descending sort (ties to the lowest expert),
-    renormalised in rank order."""
-    ranked = torch.sort(torch.softmax(logits.float(), dim=-1), dim=-1, descending=True, stable=True)
-    weights, experts = ranked.values[:, :top_k], ranked.indices[:, :top_k]
-    if normalize:
-        total = weights[:, 0]
-        for rank in range(1, top_k):
-            total = total + weights[:, rank]
-        weights = weights / total[:, None]
-    return weights, experts
-
-
 def invariant_moe(block: Qwen3MoeSparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
-    """[T, H] -> [T, H], each row on its own: the router on ``linear``, ``route``, every (token, slot)
-    pair through its expert's gate/up and down projections on the invariant kernels, the top-k
-    outputs weighted and summed in rank order in fp32, cast once."""
+    """[T, H] -> [T, H], each row on its own: the router on ``linear``, ``moe_routing``, the (token,
+    slot) pairs sorted by expert (stable) through ``grouped_linear`` (gate/up) and
+    ``grouped_silu_mul_linear`` (down), one launch each, then each token's top-k outputs weighted and
+    summed in rank order in fp32, cast once."""
     gate, experts = block.gate, block.experts
     logits = linear(x, gate.weight)
-    weights, chosen = route(logits, gate.top_k, gate.norm_topk_prob)
-    weights = weights.to(logits.dtype)  # as the stock router hands them to the experts
+    weights, chosen = moe_routing(logits, gate.top_k, gate.norm_topk_prob)
+    weights = weights.to(logits.dtype).float()  # the stock router hands the experts weights in its dtype
     tokens, top_k = chosen.shape
     flat = chosen.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
-    rows, inter = x[order // top_k], experts.down_proj.shape[2]
-    out = torch.empty(rows.shape[0], x.shape[1], device=x.device, dtype=x.dtype)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            gate_up = linear(rows[start:start + count], experts.gate_up_proj[expert])
-            out[start:start + count] = silu_mul_linear(gate_up[:, :inter], gate_up[:, inter:],
-                                                       experts.down_proj[expert])
-        start += count
+    offsets = torch.zeros(experts.num_experts + 1, dtype=torch.int64, device=x.device)
+    offsets[1:] = torch.bincount(flat, minlength=experts.num_experts).cumsum(0)
+    gate_up = grouped_linear(x[order // top_k], experts.gate_up_proj, offsets)
+    inter = experts.down_proj.shape[2]
+    out = grouped_silu_mul_linear(gate_up[:, :inter], gate_up[:, inter:], experts.down_proj, offsets)
     pairs = torch.empty_like(out)
-    pairs[order] = out
+    pairs[order] = out  # a permutation: every row written once
     pairs = pairs.view(tokens, top_k, -1).float()
-    total = pairs[:, 0] * weights[:, 0, None].float()
+    total = pairs[:, 0] * weights[:, 0, None]
     for rank in range(1, top_k):
-        total = total + pairs[:, rank] * weights[:, rank, None].float()
+        total = total + pairs[:, rank] * weights[:, rank, None]
     return total.to(x.dtype)
 
 
@@ -95,6 +80,21 @@ def layer_fn(block: Qwen3MoeSparseMoeBlock, implementation: str):
         block.experts.config._experts_implementation = implementation
         return block(x[None])[0]
     return stock
+
+
+def gathered_weights_gb(block: Qwen3MoeSparseMoeBlock, tokens: int) -> float:
+    """What ``batched_mm`` allocates: both expert weights gathered once per (token, slot) pair."""
+    experts = block.experts
+    per_pair = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
+    return tokens * block.gate.top_k * per_pair * experts.down_proj.element_size() / 1e9
+
+
+def too_big(block: Qwen3MoeSparseMoeBlock, implementation: str, tokens: int, device) -> str | None:
+    """Why an implementation is not run at this token count (None: run it)."""
+    if implementation != "batched_mm" or device.type != "cuda":
+        return None
+    need, free = gathered_weights_gb(block, tokens), torch.cuda.mem_get_info(device)[0] / 1e9
+    return f"skipped: would need {need:.3g} GB (free {free:.3g} GB)" if need > 0.6 * free else None
 
 
 def _alone_tokens(tokens: int) -> list:
@@ -135,6 +135,9 @@ def run(ctx: Run, layer: dict | None = None, tokens=None, dtype=torch.bfloat16, 
             for implementation in IMPLEMENTATIONS:
                 row = {"tokens": count, "implementation": implementation, **info, "skipped": None}
                 batch_rows.append(row)
+                row["skipped"] = too_big(block, implementation, count, ctx.device)
+                if row["skipped"]:
+                    continue
                 try:
                     measured = _measure(ctx, layer_fn(block, implementation), x, eager_out)
                     row.update(measured)

@@ -25,7 +25,7 @@ from benchmarks.__main__ import main as bench_main  # noqa: E402
 from benchmarks.__main__ import parse  # noqa: E402
 from benchmarks.schema import validate  # noqa: E402
 from benchmarks.timing import Run  # noqa: E402
-from helpers import m_dependent_linear  # noqa: E402
+from helpers import m_dependent_grouped_linear, m_dependent_linear  # noqa: E402
 from invariant_infer.engine.step_timer import DEVICE_PHASES, HOST_PHASES  # noqa: E402
 
 QUICK_RUN_TIMEOUT_S = 1200
@@ -230,10 +230,11 @@ def test_moe_rows(results):
     assert all(r["max_abs_diff_to_eager"] == 0.0 for r in rows if r["implementation"] == "eager")
 
 
-def test_moe_alone_check_catches_an_m_dependent_linear(monkeypatch):
-    """The section's alone check holds on the invariant kernels and fails when the router and expert projections
-    pick BLOCK_K by their row count (a token alone: 1 row, BLOCK_K 16; 32 tokens: the router's 32 rows and the
-    experts' own counts, BLOCK_K 64 above 4 rows). fp32, so that no bf16 rounding hides a changed sum."""
+def test_moe_alone_check_catches_an_m_dependent_expert_gemm(monkeypatch):
+    """The section's alone check holds on the invariant kernels and fails when the grouped expert GEMM picks
+    BLOCK_K by the largest expert's row count (a token alone: 1 row per expert, BLOCK_K 16; 32 tokens: more
+    rows, BLOCK_K 64), and likewise when the router linear picks it by M. fp32, so that no bf16 rounding hides
+    a changed sum."""
     def invariant_row():
         ctx = Run(device=torch.device("cpu"), quick=True)
         ctx.section = "moe"
@@ -242,6 +243,10 @@ def test_moe_alone_check_catches_an_m_dependent_linear(monkeypatch):
         return rows[0]["alone_bitwise_equal"], rows[0]["alone_max_abs_diff"]
 
     assert invariant_row() == (True, 0.0)
+    with monkeypatch.context() as patched:
+        patched.setattr(moe, "grouped_linear", m_dependent_grouped_linear)
+        equal, diff = invariant_row()
+        assert equal is False and diff > 0
     monkeypatch.setattr(moe, "linear", m_dependent_linear)
     equal, diff = invariant_row()
     assert equal is False and diff > 0
