@@ -72,14 +72,12 @@ def invariant_moe(block: Qwen3MoeSparseMoeBlock, x: torch.Tensor) -> torch.Tenso
 
 
 def layer_fn(block: Qwen3MoeSparseMoeBlock, implementation: str):
-    """x [T, H] -> [T, H] through one implementation."""
+    """x [T, H] -> [T, H] through one implementation (a stock one stays selected until the next call)."""
     if implementation == "invariant":
         return lambda x: invariant_moe(block, x)
 
-    def stock(x):
-        block.experts.config._experts_implementation = implementation
-        return block(x[None])[0]
-    return stock
+    block.experts.config._experts_implementation = implementation  # the ExpertsInterface entry
+    return lambda x: block(x[None])[0]
 
 
 def gathered_weights_gb(block: Qwen3MoeSparseMoeBlock, tokens: int) -> float:
