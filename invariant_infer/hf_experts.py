@@ -98,6 +98,34 @@ def router_forward(layout: MoeLayout):
     return forward
 
 
+def shared_expert_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A sparse block with a shared expert (Qwen2-MoE): routed experts + sigmoid(shared_expert_gate(x)) *
+    shared_expert(x). The sigmoid is taken as softmax([g, 0])[0] in fp32, one reduction per row: an
+    elementwise exp on CPU may round differently in the vectorized body and in the scalar tail, and
+    where a token lands in the tensor depends on the batch."""
+    batch, length, hidden = hidden_states.shape
+    x = hidden_states.view(-1, hidden)
+    shared = self.shared_expert(x)
+    _, weights, experts = self.gate(x)
+    routed = self.experts(x, experts, weights)
+    gate = self.shared_expert_gate(x).float()
+    gate = torch.softmax(torch.cat([gate, torch.zeros_like(gate)], dim=-1), dim=-1)[:, :1]
+    return (routed + gate.to(shared.dtype) * shared).reshape(batch, length, hidden)
+
+
+def _check_shared_expert(adapter: FamilyAdapter, block: nn.Module, where: str) -> None:
+    shared, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
+    if type(shared) is not adapter.mlp:
+        raise UnsupportedModelError(f"{where}.shared_expert is {type(shared).__name__}, not {adapter.mlp.__name__}")
+    for name, proj in [(f"shared_expert.{n}", getattr(shared, n, None)) for n in adapter.mlp_projections] + \
+            [("shared_expert_gate", gate)]:
+        if type(proj) is not nn.Linear:
+            raise UnsupportedModelError(f"{where}.{name} is {type(proj).__name__}; only plain torch.nn.Linear "
+                                        "layers are supported")
+    if gate.out_features != 1:
+        raise UnsupportedModelError(f"{where}.shared_expert_gate has {gate.out_features} outputs; expected 1")
+
+
 def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str) -> None:
     """Refuse a sparse MoE block the invariant forwards do not compute exactly."""
     layout = adapter.moe
@@ -120,6 +148,8 @@ def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str) -> 
         if type(weight) is not nn.Parameter or weight.dim() != 3:
             raise UnsupportedModelError(f"{where}.experts.{name} is not a 3-D parameter (quantized or packed experts "
                                         "are not supported)")
+    if layout.shared_expert:
+        _check_shared_expert(adapter, block, where)
     if router.weight.shape != (experts.num_experts, experts.gate_up_proj.shape[2]):
         raise UnsupportedModelError(f"{where}.gate.weight has shape {tuple(router.weight.shape)}; expected "
                                     f"({experts.num_experts}, {experts.gate_up_proj.shape[2]})")

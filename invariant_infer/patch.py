@@ -270,6 +270,8 @@ def make_invariant(model: nn.Module) -> nn.Module:
             _set_forward(module, _mlp_forward, patched)
         elif adapter.moe is not None and type(module) is adapter.moe.router:
             _set_forward(module, router_forward, patched)
+        elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
+            _set_forward(module, hf_experts.shared_expert_block_forward, patched)
 
     rotary = base.rotary_emb
     rotary._invariant_tables = _rope_tables(rotary, model.config.max_position_embeddings)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Qwen3-MoE, Mixtral): logits alone equal, bitwise, their rows in any
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert): logits alone equal, bitwise, their rows in any
 batch, also when the routing crowds every token onto a few experts and leaves others empty; routing
 ties go to the lowest expert index; each token's expert output and combine are bitwise the token
 alone; accuracy against float64; the refusals. The negative control makes the expert GEMM's tile
@@ -155,8 +155,8 @@ def _relative_error(got, ref):
 
 
 # Relative Frobenius error of the real-token logits against stock float64 (eager experts): at most
-# twice stock's own error in the dtype, and under these bounds (measured on the tiny presets:
-# 7.5e-3 / 9.3e-4 / 3.2e-7 for bf16 / fp16 / fp32, stock 7.6e-3 / 9.5e-4 / 3.1e-7).
+# twice stock's own error in the dtype, and under these bounds (measured on the tiny presets, worst
+# family: 7.5e-3 / 9.3e-4 / 3.2e-7 for bf16 / fp16 / fp32; stock 7.6e-3 / 9.5e-4 / 3.1e-7).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-6}
 
 
@@ -211,7 +211,8 @@ def test_refuses_grad_recording_forwards(family_checkpoints, family):
 
 def test_refuses_sliding_windows():
     configs = [random_config("mixtral", "tiny", sliding_window=256),
-               random_config("qwen3_moe", "tiny", use_sliding_window=True, sliding_window=256)]
+               random_config("qwen3_moe", "tiny", use_sliding_window=True, sliding_window=256),
+               random_config("qwen2_moe", "tiny", use_sliding_window=True, sliding_window=256)]
     for config in configs:
         with pytest.raises(UnsupportedModelError, match="sliding"):
             make_invariant(random_model(config))
@@ -243,6 +244,24 @@ def test_refuses_unsupported_expert_layouts(family, change, message):
     change(sparse_blocks(model)[-1])
     with pytest.raises(UnsupportedModelError, match=message):
         make_invariant(model)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda block: setattr(block, "shared_expert_gate", _OtherExperts()), "shared_expert_gate"),
+    (lambda block: setattr(block.shared_expert, "up_proj", _OtherExperts()), "shared_expert.up_proj"),
+    (lambda block: setattr(block, "shared_expert", _OtherExperts()), "shared_expert is"),
+])
+def test_refuses_unsupported_shared_experts(change, message):
+    model = random_model(random_config("qwen2_moe", "tiny"))
+    change(sparse_blocks(model)[0])
+    with pytest.raises(UnsupportedModelError, match=message):
+        make_invariant(model)
+
+
+def test_qwen2_moe_shared_expert_is_patched(family_checkpoints):
+    block = sparse_blocks(make_invariant(load_model(family_checkpoints("qwen2_moe"), torch.float32)))[0]
+    assert vars(block)["forward"].__func__ is hf_experts.shared_expert_block_forward
+    assert "forward" in vars(block.shared_expert) and "forward" in vars(block.shared_expert_gate)
 
 
 def test_refuses_quantized_models(family):

@@ -25,6 +25,9 @@ class MoeLayout:
     experts: type                         # @use_experts_implementation: gate_up_proj [E, 2I, H], down_proj [E, H, I]
     normalize: Callable[[nn.Module], bool]  # whether the router renormalises its top-k weights to sum 1
     weights_in_logits_dtype: bool         # routing weights cast to the router logits' dtype (else kept in fp32)
+    # A dense shared expert (the family's ``mlp`` class) added to every token's output, scaled by
+    # sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
+    shared_expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,6 @@ def sliding_window_refusal(config) -> str | None:
     return None
 
 
-from . import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe  # noqa: E402,F401  (each registers itself)
+from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: E402,F401  (each registers itself)
 
 __all__ = ["FAMILIES", "FamilyAdapter", "MoeLayout", "family_of", "register_family"]
