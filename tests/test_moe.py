@@ -4,17 +4,18 @@ ties go to the lowest expert index; each token's expert output and combine are b
 alone; accuracy against float64; the refusals. The negative control makes the expert GEMM's tile
 depend on how many rows an expert got."""
 import pytest
+import requests
 import torch
 from torch import nn
 
 import invariant_infer.hf_experts as hf_experts
 from helpers import BATCHINGS, DTYPES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model, logits_batched
-from helpers import m_dependent_linear, make_samples
+from helpers import MODEL, ServerProcess, m_dependent_linear, make_samples, save_tokenizer
 from invariant_infer import NonInvariantInputError, UnsupportedModelError, make_invariant, restore
 from invariant_infer.drift import logits_alone
 from invariant_infer.kernels import linear
 from invariant_infer.kernels.fused_linear import silu_mul_linear
-from invariant_infer.random_checkpoints import random_config, random_model
+from invariant_infer.random_checkpoints import random_config, random_model, save_random_checkpoint
 
 # Router rows kept random; the others are zeroed, so their logits tie exactly at 0: every token
 # routes among HOT and the lowest-index cold experts, and the highest-index experts get no token.
@@ -196,6 +197,26 @@ def test_random_checkpoints_randomise_experts_and_router(family):
         for weight in (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj):
             assert weight.std() > 0.01
         assert not torch.equal(block.experts.gate_up_proj[0], block.experts.gate_up_proj[1])
+
+
+def test_server_batched_completions_equal_alone(tmp_path):
+    """``invariant-infer serve`` on a MoE checkpoint: a batch of prompts gets exactly the tokens and
+    logprobs each prompt gets alone."""
+    path = save_random_checkpoint(tmp_path / "m", random_config("mixtral", "tiny", num_hidden_layers=1), seed=2)
+    save_tokenizer(path)
+    server = ServerProcess(["--model", str(path), "--served-model-name", MODEL, "--dtype", "bf16"], tmp_path / "log")
+    try:
+        prompts = [[int(t) for t in s] for s in make_samples(512, (9, 1, 14))]
+        params = {"model": MODEL, "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True}
+
+        def complete(prompt):
+            response = requests.post(server.url + "/v1/completions", json={"prompt": prompt, **params}, timeout=300)
+            assert response.status_code == 200, response.text
+            return [(c["text"], c["logprobs"]["token_logprobs"])
+                    for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
+        assert complete(prompts) == [complete(p)[0] for p in prompts]
+    finally:
+        server.stop()
 
 
 # ---- refusals ----------------------------------------------------------------------------------
