@@ -1,15 +1,15 @@
-"""Mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert): logits alone equal, bitwise, their rows in any
-batch, also when the routing crowds every token onto a few experts and leaves others empty; routing
-ties go to the lowest expert index; each token's expert output and combine are bitwise the token
-alone; accuracy against float64; the refusals. The negative control makes the expert GEMM's tile
-depend on how many rows an expert got."""
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert): logits alone
+equal, bitwise, their rows in any batch, also when the routing crowds every token onto a few experts
+and leaves others empty; routing ties go to the lowest expert index; each token's expert output and
+combine are bitwise the token alone; accuracy against float64; the refusals. The negative control
+makes the expert GEMM's tile depend on how many rows an expert got."""
 import pytest
 import requests
 import torch
 from torch import nn
 
 import invariant_infer.hf_experts as hf_experts
-from helpers import BATCHINGS, DTYPES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model, logits_batched
+from helpers import BATCHINGS, DEVICES, DTYPES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model, logits_batched
 from helpers import MODEL, ServerProcess, m_dependent_linear, make_samples, save_tokenizer
 from invariant_infer import NonInvariantInputError, UnsupportedModelError, make_invariant, restore
 from invariant_infer.drift import logits_alone
@@ -54,10 +54,28 @@ def expert_loads(model, run) -> list[torch.Tensor]:
     return loads
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_logits_alone_equal_logits_in_any_batch(family_checkpoints, family, dtype):
-    model = make_invariant(load_model(family_checkpoints(family), dtype))
+def test_logits_alone_equal_logits_in_any_batch(family_checkpoints, family, dtype, device):
+    model = make_invariant(load_model(family_checkpoints(family), dtype, device))
     assert batch_mismatches(model, make_samples(model.config.vocab_size)) == []
+
+
+REAL_PRESETS = {"qwen3_moe": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b"}
+
+
+@pytest.mark.gpu
+def test_invariant_at_real_widths_and_control(family, monkeypatch):
+    """One layer at the real models' widths (Qwen3-30B-A3B: 128 experts, top-8), bf16 on the GPU;
+    the control (expert GEMM tiles picked by an expert's row count) fails there too."""
+    config = random_config(family, REAL_PRESETS[family], num_hidden_layers=1, vocab_size=2048,
+                           max_position_embeddings=1024)
+    model = make_invariant(random_model(config, dtype=torch.bfloat16).to("cuda"))
+    samples = make_samples(config.vocab_size, (1, 33, 7, 20))
+    batchings = [Batching((0, 1, 2, 3)), Batching((3, 1, 0), left_pad=False, extra_pad=2)]
+    assert batch_mismatches(model, samples, batchings) == []
+    monkeypatch.setattr(hf_experts, "linear", m_dependent_linear)
+    assert batch_mismatches(model, samples, batchings) != []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
