@@ -276,9 +276,38 @@ def server(results: dict, out: Path) -> str | None:
     return _finish(fig, results, out / "server.png")
 
 
+def train(results: dict, out: Path) -> str | None:
+    rows = results.get("train") or []
+    if not rows:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    first = rows[0]
+    model = f"{_row_preset(first)}{first['layers']} layers, hidden {first['hidden']}, {first['dtype']}"
+    labels = [f"{r['layout']}\nB={r['batch']}×{r['seq']}" for r in rows]
+    _grouped_bars(ax1, labels, [r.get("stock_tokens_per_s") for r in rows],
+                  [r.get("invariant_tokens_per_s") for r in rows], "training tokens / s (higher is better)",
+                  f"Forward + backward ({model})\n(label = invariant/stock tokens/s)" + _suffix(results))
+    xs = range(len(rows))
+    width = 0.38
+    for offset, mode, color in ((-width / 2, "stock", STOCK), (width / 2, "invariant", INVARIANT)):
+        diffs = [r.get(f"{mode}_logprob_max_abs_diff") for r in rows]
+        ax2.bar([x + offset for x in xs], [d or 0 for d in diffs], width, color=color, label=mode)
+        for x, d in zip(xs, diffs):
+            text = "not run" if d is None else (f"{d:.3g}" if d else "0 (bitwise)")
+            ax2.annotate(text, (x + offset, d or 0), xytext=(0, 3), textcoords="offset points", ha="center",
+                         fontsize=7, color=color, rotation=90 if d == 0 else 0, va="bottom")
+    ax2.set_xticks(list(xs), labels)
+    top = max((r.get(f"{m}_logprob_max_abs_diff") or 0 for r in rows for m in ("stock", "invariant")), default=0)
+    ax2.set(ylabel="max |Δ logprob| (sample 0, batch vs alone)", ylim=(0, 1.5 * top if top else 1),
+            title="Trainer logprob mismatch: one sample in the training batch vs alone")
+    ax2.grid(True, axis="y", alpha=0.3)
+    ax2.legend(fontsize=8)
+    return _finish(fig, results, out / "train.png")
+
+
 def make_plots(results: dict, out: Path) -> list:
     made = []
-    for fn in (overhead_vs_m, throughput_vs_batch, divergence, kernels, engine, server):
+    for fn in (overhead_vs_m, throughput_vs_batch, divergence, kernels, engine, server, train):
         try:
             name = fn(results, out)
         except Exception as exc:  # a plot must never lose the numbers

@@ -87,6 +87,7 @@ def markdown(results: dict) -> str:
     out.append(engine_markdown(results))
     out.append(host_overhead_markdown(results))
     out.append(server_markdown(results))
+    out.append(train_markdown(results))
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
@@ -214,6 +215,33 @@ def server_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+TRAIN_LAYOUTS = {"padded": "padded (right)", "packed": "packed (one row)"}
+
+
+def train_markdown(results: dict) -> str:
+    rows = results.get("train") or []
+    if not rows and "train" not in (results.get("sections") or []):
+        return ""
+    first = rows[0] if rows else {}
+    model = (f" ({first.get('preset')}, {first.get('layers')} layers, hidden {first.get('hidden')}, vocab "
+             f"{first.get('vocab')}, {first.get('dtype')})" if rows else "")
+    out = [f"\n## Training step{model}: forward + backward, invariant vs stock\n\n"
+           "One step = zero grads, forward, next-token logprobs of the scored tokens, loss = their negative mean, "
+           "backward (no optimizer step). stock = HF `sdpa` + torch linear, fp32 `log_softmax` of the full logits "
+           "and gather (as TRL's `selective_log_softmax`); invariant = `make_invariant` + "
+           "`training.token_logprobs`. tok/s = real tokens / step time; time ratio = invariant / stock. "
+           "Mismatch = max |logprob of sample 0 inside the training batch − the same sample alone| over its "
+           "tokens (the trainer-vs-sampler gap RL importance ratios see); bitwise = `torch.equal`.\n"]
+    out.append(table(rows, [
+        ("layout", "_layout"), ("batch", "batch"), ("seq", "seq"), ("tokens", "tokens"),
+        ("stock tok/s", "stock_tokens_per_s"), ("invariant tok/s", "invariant_tokens_per_s"), ("time ratio", "ratio"),
+        ("stock peak GB", "stock_peak_gb"), ("invariant peak GB", "invariant_peak_gb"),
+        ("stock mismatch", "stock_logprob_max_abs_diff"), ("stock bitwise", "stock_logprob_bitwise_equal"),
+        ("invariant mismatch", "invariant_logprob_max_abs_diff"),
+        ("invariant bitwise", "invariant_logprob_bitwise_equal")]))
+    return "\n".join(out)
+
+
 def _preset(row: dict) -> str:
     return f"{row['preset']} " if row.get("preset") else ""
 
@@ -252,6 +280,8 @@ def _decorate(results: dict) -> None:
         row["_alone"] = (f"{row.get('invariant_rows_equal')}/{checked}" if checked else
                          "alone by construction" if row.get("mode") == "invariant" and
                          row.get("concurrency") == 1 else None)
+    for row in results.get("train") or []:
+        row["_layout"] = TRAIN_LAYOUTS.get(row.get("layout"), row.get("layout"))
     for row in (results.get("attention") or []) + (results.get("decode_attention") or []):
         row["_heads"] = f"{row.get('heads')}/{row.get('kv_heads')}/{row.get('head_dim')}"
 
@@ -321,6 +351,11 @@ def summary(results: dict) -> str:
                      f"errors {r['errors']}"
                      + (f"; ÷ stock {fmt(r['invariant_to_stock'])}" if r.get("invariant_to_stock") else "")
                      + (f"; equal alone {r['invariant_rows_equal']}/{checked}" if checked else ""))
+    for r in results.get("train") or []:
+        lines.append(f"train {r['layout']} {r['batch']}x{r['seq']}: stock {fmt(r['stock_tokens_per_s'])} tok/s, "
+                     f"invariant {fmt(r['invariant_tokens_per_s'])} tok/s (time ratio {fmt(r['ratio'])}); logprob "
+                     f"mismatch batch vs alone: stock {fmt(r['stock_logprob_max_abs_diff'])}, invariant "
+                     f"{fmt(r['invariant_logprob_max_abs_diff'])}")
     for r in results.get("divergence") or []:
         lines.append(f"divergence {r['case']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
                      f"({fmt(r['stock_rows_unequal'])}/{fmt(r.get('stock_rows_checked'))} rows differ); invariant "

@@ -30,6 +30,9 @@ REQUIRED = {
                       "forward_us", "logprobs_us", "host_us", "device_us", "host_us_per_seq"),
     "server": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "requests_per_s", "p50_ms",
                "p99_ms", "errors", "invariant_to_stock", "invariant_rows_checked", "invariant_rows_equal"),
+    "train": ("layout", "batch", "seq", "tokens", "stock_ms", "invariant_ms", "stock_tokens_per_s",
+              "invariant_tokens_per_s", "ratio", "stock_peak_gb", "invariant_peak_gb", "stock_logprob_max_abs_diff",
+              "invariant_logprob_max_abs_diff", "stock_logprob_bitwise_equal", "invariant_logprob_bitwise_equal"),
 }
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 
@@ -87,7 +90,7 @@ def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
     for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
-                    "server"):
+                    "server", "train"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing

@@ -9,8 +9,10 @@ from .attention_autograd import AttentionFunction, attention_autograd
 from .configs import (LINEAR_CONFIGS, AttentionBackwardConfig, AttentionConfig, LinearConfig, attention_backward_config,
                       attention_config, linear_config)
 from .fused_linear_autograd import SiluMulLinearFunction, silu_mul_linear_autograd
+from .grouped_linear import grouped_linear, grouped_silu_mul_linear
 from .linear import linear
 from .linear_autograd import LinearFunction, linear_autograd
+from .moe_routing import moe_routing
 from .paged_attention import paged_attention, write_kv
 from .rms_norm import rms_norm
 from .rms_norm_autograd import RMSNormFunction, rms_norm_autograd
@@ -23,6 +25,7 @@ __all__ = [
     "AttentionConfig", "attention", "attention_config",
     "AttentionBackwardConfig", "AttentionFunction", "attention_autograd", "attention_backward_config",
     "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config", "LinearFunction", "linear_autograd",
+    "grouped_linear", "grouped_silu_mul_linear", "moe_routing",
     "paged_attention", "write_kv",
     "rms_norm", "silu_mul", "token_logprobs",
     "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",

@@ -50,15 +50,36 @@ def _linear_kernel(
 
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * N can pass 2**31 (logits)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Chunk c covers K range [c * chunk_len, (c + 1) * chunk_len): fixed by K and K_CHUNKS only.
-    chunk_len = (((K + BLOCK_K - 1) // BLOCK_K + K_CHUNKS - 1) // K_CHUNKS) * BLOCK_K
     if PARALLEL_CHUNKS:
         first_chunk = pid_k
         last_chunk = pid_k + 1
     else:
         first_chunk = 0
         last_chunk = K_CHUNKS
+    acc = _k_tree_dot(x_ptr, up_ptr, w_ptr, offs_m, offs_n, first_chunk, last_chunk, M, N, K,
+                      stride_xm, stride_xk, stride_wn, stride_wk, K_CHUNKS, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K,
+                      DOT_PRECISION)
+
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    if PARALLEL_CHUNKS:
+        tl.store(y_ptrs, acc, mask=out_mask)  # fp32 partials, combined in chunk order below
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _k_tree_dot(x_ptr, up_ptr, w_ptr, offs_m, offs_n, first_chunk, last_chunk, M, N, K,
+                stride_xm, stride_xk, stride_wn, stride_wk,
+                K_CHUNKS: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] sum over chunks first_chunk..last_chunk-1 of the K-chunk tree:
+    the reduction order of one output tile, shared by every kernel that must give linear's bits."""
+    offs_k = tl.arange(0, BLOCK_K)
+    # Chunk c covers K range [c * chunk_len, (c + 1) * chunk_len): fixed by K and K_CHUNKS only.
+    chunk_len = (((K + BLOCK_K - 1) // BLOCK_K + K_CHUNKS - 1) // K_CHUNKS) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for chunk in range(first_chunk, last_chunk):
         k_begin = chunk * chunk_len
@@ -71,15 +92,7 @@ def _linear_kernel(
                               offs_m, offs_n, offs_k, k_begin, k_end, M, N,
                               stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
             acc += part
-
-    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    if PARALLEL_CHUNKS:
-        tl.store(y_ptrs, acc, mask=out_mask)  # fp32 partials, combined in chunk order below
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    return acc
 
 
 @triton.jit

@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 
 from invariant_infer.drift import batch_drift, logits_alone, logits_in_batch
 from invariant_infer.families import FAMILIES
-from invariant_infer.kernels import LinearConfig, linear, linear_config
+from invariant_infer.kernels import LinearConfig, grouped_linear, linear, linear_config
 from invariant_infer.kernels import launch as launch_mod
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -96,6 +96,15 @@ def m_dependent_linear(x, weight, bias=None):
     base = linear_config(x.device.type, x.dtype, *weight.shape)
     cfg = LinearConfig(base.block_m, base.block_n, 16 if m <= 4 else 64)
     return linear(x, weight, bias, config=cfg)
+
+
+def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None):
+    """Negative control for the grouped expert GEMM: picks BLOCK_K by the largest expert's row
+    count, as batch-size-keyed grouped GEMMs do."""
+    base = linear_config(x.device.type, x.dtype, *weight.shape[1:])
+    most = int((expert_offsets[1:] - expert_offsets[:-1]).max())
+    cfg = LinearConfig(base.block_m, base.block_n, 16 if most <= 4 else 64)
+    return grouped_linear(x, weight, expert_offsets, bias, config=cfg)
 
 
 BPE_WORDS = "the a model token batch score sequence invariant logits prompt completion cat dog runs fast".split()
@@ -309,3 +318,15 @@ def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, opti
                               options={"num_warps": num_warps, "num_stages": num_stages, **pinned})
     assert compiled.asm["cubin"]
     return compiled
+
+
+def reduction_layouts(compiled) -> list[str]:
+    """The operand and result types, layouts spelled out, of every dot and reduction in the TTGIR:
+    the layouts fix which thread sums which elements, so equal layouts mean equal summation trees."""
+    ttgir = compiled.asm["ttgir"]
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    spell = lambda text: re.sub(r"#\w+", lambda m: aliases.get(m.group(0), m.group(0)), text)  # noqa: E731
+    ops = [line for line in ttgir.splitlines() if re.search(r"\b(tt\.dot|warp_group_dot) ", line)
+           or line.strip().startswith("}) : ")]
+    assert ops, "no dot or reduction found"
+    return [spell(re.sub(r" loc\(.*$", "", line.rsplit(" : ", 1)[-1])) for line in ops]

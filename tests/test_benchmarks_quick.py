@@ -5,6 +5,7 @@ run: ``--model-preset`` (argument validation, shapes per family, the cheap secti
 padding for a Llama preset, in-process)."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import torch
 # benchmarks/ is a folder of the repository, not part of the installed package.
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import SECTIONS, divergence, e2e, host_overhead, matmul, norm_attention, scoring  # noqa: E402
+from benchmarks import SECTIONS, divergence, e2e, host_overhead, matmul, norm_attention, scoring, train  # noqa: E402
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
 from benchmarks.__main__ import main as bench_main  # noqa: E402
@@ -27,7 +28,8 @@ from benchmarks.timing import Run  # noqa: E402
 from invariant_infer.engine.step_timer import DEVICE_PHASES, HOST_PHASES  # noqa: E402
 
 QUICK_RUN_TIMEOUT_S = 1200
-PLOTS = ("overhead_vs_m.png", "throughput_vs_batch.png", "divergence.png", "kernels.png", "engine.png", "server.png")
+PLOTS = ("overhead_vs_m.png", "throughput_vs_batch.png", "divergence.png", "kernels.png", "engine.png", "server.png",
+         "train.png")
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +171,50 @@ def test_server_rows(results):
     assert checked and all(r["invariant_rows_checked"] == 2 == r["invariant_rows_equal"] for r in checked)
 
 
+def test_train_rows(results):
+    rows = results["train"]
+    assert [(r["layout"], r["batch"], r["seq"]) for r in rows] == [
+        (layout, b, s) for layout in train.LAYOUTS for b, s in train.QUICK_SHAPES]
+    for row in rows:
+        assert (row["preset"], row["layers"], row["dtype"]) == ("qwen2:tiny", 2, "bfloat16")
+        assert row["tokens"] >= row["seq"] and row["ratio"] > 0
+        assert row["stock_tokens_per_s"] > 0 and row["invariant_tokens_per_s"] > 0
+        assert row["stock_peak_gb"] is None is row["invariant_peak_gb"]  # CPU
+        assert row["invariant_logprob_max_abs_diff"] == 0.0 and row["invariant_logprob_bitwise_equal"] is True
+        assert isinstance(row["stock_logprob_max_abs_diff"], float) and row["stock_logprob_max_abs_diff"] >= 0
+        assert isinstance(row["stock_logprob_bitwise_equal"], bool)
+
+
+def test_train_mismatch_catches_an_m_dependent_linear(monkeypatch):
+    """The section's mismatch is 0 on the invariant kernels and nonzero when every projection picks BLOCK_K by M
+    (``benchmarks.fuzz``'s negative control: sample 0 alone is 32 rows, BLOCK_K 16; the batch of 3 has more rows,
+    the shape's own config), in the forward with grad (the batch) and without (alone)."""
+    import invariant_infer.patch
+    from benchmarks.fuzz import m_dependent_linear
+    # The module, not the package's function of the same name (``import ... as`` would give the function).
+    linear_autograd_mod = importlib.import_module("invariant_infer.kernels.linear_autograd")
+
+    def mismatch():
+        ctx = Run(device=torch.device("cpu"), quick=True)
+        ctx.section = "train"
+        rows = train.run(ctx, shapes=((3, 32),), dtype=torch.float32)["train"]
+        assert ctx.skipped == [] and [r["layout"] for r in rows] == list(train.LAYOUTS)
+        return [(r["invariant_logprob_max_abs_diff"], r["invariant_logprob_bitwise_equal"]) for r in rows]
+
+    assert mismatch() == [(0.0, True)] * len(train.LAYOUTS)
+    monkeypatch.setattr(invariant_infer.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(linear_autograd_mod, "linear",
+                        lambda x, w, b=None, config=None: m_dependent_linear(x, w, b))
+    for diff, equal in mismatch():  # padded and packed
+        assert diff > 0 and equal is False
+
+
 def test_report_and_plots(quick_run):
     results, text, out, _ = quick_run
     assert "NOT meaningful" in text and "left-pad B=4 lens 7/5/3/1" in text
     for heading in ("## Divergence", "## Matmul", "## Scoring", "## Serving engine (qwen2:tiny",
-                    "## Engine host overhead (qwen2:tiny", "## HTTP server (qwen2:tiny", "## RMSNorm"):
+                    "## Engine host overhead (qwen2:tiny", "## HTTP server (qwen2:tiny", "## Training step (qwen2:tiny",
+                    "## RMSNorm"):
         assert heading in text
     assert "analytic estimates, not measurements" in text and "÷ stock engine" in text and "| 2/2 |" in text
     assert "Host phases are meaningful on CPU" in text

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import invariant_infer.kernels  # noqa: F401  (loads the kernel modules)
-from helpers import compile_for
+from helpers import compile_for, reduction_layouts
 from invariant_infer.kernels import LINEAR_CONFIGS, attention_config
 
 configs_mod = sys.modules["invariant_infer.kernels.configs"]
@@ -101,18 +101,6 @@ def test_a_variable_set_after_import_is_refused_at_the_next_launch(monkeypatch):
         launch_mod.launch(Kernel(), (1,), torch.device("cuda"), 1)
 
 
-def _reduction_layouts(compiled) -> list[str]:
-    """The operand and result types, layouts spelled out, of every dot and reduction in the TTGIR:
-    the layouts fix which thread sums which elements, so equal layouts mean equal summation trees."""
-    ttgir = compiled.asm["ttgir"]
-    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
-    spell = lambda text: re.sub(r"#\w+", lambda m: aliases.get(m.group(0), m.group(0)), text)  # noqa: E731
-    ops = [line for line in ttgir.splitlines() if re.search(r"\b(tt\.dot|warp_group_dot) ", line)
-           or line.strip().startswith("}) : ")]
-    assert ops, "no dot or reduction found"
-    return [spell(re.sub(r" loc\(.*$", "", line.rsplit(" : ", 1)[-1])) for line in ops]
-
-
 def _alignment_cases():
     bf16 = {"ptr": "*bf16"}
     yield "linear", linear_mod._linear_kernel, bf16, dict(
@@ -133,7 +121,7 @@ def test_alignment_reaches_the_arithmetic_of_row_reductions_only(name, kernel, t
     summation tree. That is why the row kernels take ``reduction_rows``."""
     params = inspect.signature(kernel.fn).parameters
     aligned = [p for p in params if p.endswith("_ptr") or re.fullmatch(r"stride_\w*[^dkn]", p)]
-    layouts = [_reduction_layouts(compile_for(kernel, 90, types, constexprs, warps, stages, aligned=a))
+    layouts = [reduction_layouts(compile_for(kernel, 90, types, constexprs, warps, stages, aligned=a))
                for a in (aligned, [])]
     assert (layouts[0] == layouts[1]) == (name != "rms_norm"), layouts
 

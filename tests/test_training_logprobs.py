@@ -119,3 +119,16 @@ def test_bad_arguments_are_refused(tiny_checkpoint):
     make_invariant(model)
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(model, ids, temperature=0.0)
+
+
+def test_packed_rows_give_the_engines_logprobs(tiny_checkpoint):
+    """One packed row (position_ids restarting at each sequence, as DataCollatorWithFlattening builds it)."""
+    model = make_invariant(load_model(tiny_checkpoint, torch.bfloat16))
+    sequences, prompt_lengths, engine_logps = zip(*rollouts(model))
+    ids = torch.tensor([sum(sequences, [])])
+    positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+    logps = token_logprobs(model.train(), ids, position_ids=positions, temperature=T)[0]
+    starts = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).tolist()
+    got = [logps[a + p - 1:b - 1].tolist() for a, b, p in zip(starts, starts[1:], prompt_lengths)]
+    assert got == list(engine_logps)
+    assert all(logps[b - 1] == 0 for b in starts[1:-1]), "the first token of the next sequence is not scored"
