@@ -2,11 +2,12 @@
 function registered with transformers' ``ExpertsInterface`` under the name ``invariant``.
 
 Three places where stock MoE depends on the batch, and what runs here instead:
-  * routing: the router linear on the invariant kernel, then ``route``: per token, softmax in
-    fp32, the top-k by a stable descending sort (exact ties go to the lowest expert index), and
-    the renormalisation summed in rank order;
-  * experts: the (token, slot) pairs sorted by expert (stable), then ``expert_forward``, whose
-    every row is bitwise what that row alone gives, however many rows its expert got;
+  * routing: the router linear on the invariant kernel, then ``route`` (the ``moe_routing``
+    kernel): per token, softmax in fp32, the top-k (exact ties go to the lowest expert index),
+    renormalised in rank order;
+  * experts: the (token, slot) pairs sorted by expert (stable), then ``expert_forward`` (the
+    grouped kernels, one launch for all experts), whose every row is bitwise what that row
+    alone gives through the linear kernel, however many rows its expert got;
   * combine: each token's k expert outputs weighted and summed in top-k rank order in fp32,
     then cast once (``combine``); no index_add_ / scatter-add, whose order depends on the batch.
 """
@@ -18,8 +19,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from .errors import UnsupportedModelError
 from .families import FamilyAdapter, MoeLayout
-from .kernels import linear
-from .kernels.fused_linear import silu_mul_linear
+from .kernels import grouped_linear, grouped_silu_mul_linear, linear, moe_routing
 
 EXPERTS_IMPLEMENTATION = "invariant"
 # The expert layout the experts function computes: concatenated [gate; up], [out, in] weights,
@@ -38,30 +38,17 @@ def _refuse_grad(*tensors) -> None:
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] logits -> (weights fp32 [T, k], experts int64 [T, k]), descending, each row on its own."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    ranked = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: ties keep the lower index first
-    weights, experts = ranked.values[:, :top_k], ranked.indices[:, :top_k]
-    if normalize:
-        total = weights[:, 0]
-        for rank in range(1, top_k):
-            total = total + weights[:, rank]
-        weights = weights / total[:, None]
-    return weights.contiguous(), experts.contiguous()
+    return moe_routing(router_logits, top_k, normalize)
 
 
 def expert_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    offsets: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` [S, H] sorted by expert (rows offsets[e]:offsets[e+1] are expert e's) -> [S, H]:
-    down_proj[e] @ (silu(gate) * up), with [gate; up] = gate_up_proj[e] @ row."""
+    down_proj[e] @ (silu(gate) * up), with [gate; up] = gate_up_proj[e] @ row. One grouped launch
+    per projection; no host sync."""
     intermediate = down_proj.shape[2]
-    out = x.new_empty(x.shape[0], down_proj.shape[1])
-    bounds = offsets.tolist()
-    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if start == end:
-            continue
-        gate_up = linear(x[start:end], gate_up_proj[expert])
-        out[start:end] = silu_mul_linear(gate_up[:, :intermediate], gate_up[:, intermediate:], down_proj[expert])
-    return out
+    gate_up = grouped_linear(x, gate_up_proj, offsets)
+    return grouped_silu_mul_linear(gate_up[:, :intermediate], gate_up[:, intermediate:], down_proj, offsets)
 
 
 def combine(pair_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

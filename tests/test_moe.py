@@ -10,7 +10,7 @@ from torch import nn
 
 import invariant_infer.hf_experts as hf_experts
 from helpers import BATCHINGS, DEVICES, DTYPES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model, logits_batched
-from helpers import MODEL, ServerProcess, m_dependent_linear, make_samples, save_tokenizer
+from helpers import MODEL, ServerProcess, m_dependent_grouped_linear, make_samples, save_tokenizer
 from invariant_infer import NonInvariantInputError, UnsupportedModelError, make_invariant, restore
 from invariant_infer.drift import logits_alone
 from invariant_infer.kernels import linear
@@ -74,7 +74,7 @@ def test_invariant_at_real_widths_and_control(family, monkeypatch):
     samples = make_samples(config.vocab_size, (1, 33, 7, 20))
     batchings = [Batching((0, 1, 2, 3)), Batching((3, 1, 0), left_pad=False, extra_pad=2)]
     assert batch_mismatches(model, samples, batchings) == []
-    monkeypatch.setattr(hf_experts, "linear", m_dependent_linear)
+    monkeypatch.setattr(hf_experts, "grouped_linear", m_dependent_grouped_linear)
     assert batch_mismatches(model, samples, batchings) != []
 
 
@@ -98,7 +98,7 @@ def test_m_dependent_expert_gemm_is_caught(family_checkpoints, family, monkeypat
     model = make_invariant(load_model(family_checkpoints(family), torch.float32))
     samples = make_samples(model.config.vocab_size)
     assert batch_mismatches(model, samples, BATCHINGS[:2]) == []
-    monkeypatch.setattr(hf_experts, "linear", m_dependent_linear)
+    monkeypatch.setattr(hf_experts, "grouped_linear", m_dependent_grouped_linear)
     assert batch_mismatches(model, samples, BATCHINGS[:2]) != []
 
 
