@@ -65,10 +65,9 @@ def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     """The ``invariant`` experts implementation: [T, H], [T, k] experts, [T, k] weights -> [T, H]."""
     _refuse_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj)
     tokens, top_k = top_k_index.shape
-    flat = top_k_index.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=flat.device)
-    offsets[1:] = torch.bincount(flat, minlength=self.num_experts).cumsum(0)
+    by_expert, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    # offsets[e] = pairs routed to experts below e; searchsorted needs no host sync (bincount does)
+    offsets = torch.searchsorted(by_expert, torch.arange(self.num_experts + 1, device=by_expert.device))
     sorted_out = expert_forward(hidden_states[order // top_k], self.gate_up_proj, self.down_proj, offsets)
     pair_outputs = torch.empty_like(sorted_out)
     pair_outputs[order] = sorted_out  # a permutation: every row written once
