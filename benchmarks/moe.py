@@ -10,20 +10,24 @@ at Qwen3-30B-A3B widths (``LAYER``: hidden 2048, 128 experts, top-8, expert inte
     ``torch.topk``); an implementation that fails on the device is recorded with the reason, and
     ``batched_mm`` (it gathers both expert weights per (token, slot) pair: 100+ GB at 2048 tokens) is
     not run where that would take over 60% of the free GPU memory.
-  * ``invariant``: ``invariant_moe`` (the router on the invariant linear, ``moe_routing``, the
-    experts through ``grouped_linear`` / ``grouped_silu_mul_linear``, one launch each for all experts,
-    the top-k outputs summed in rank order in fp32).
+  * ``invariant``: the same block as ``make_invariant`` patches it (``invariant_infer.hf_experts``):
+    the router on the invariant linear and ``moe_routing``, the experts through the ``invariant``
+    ExpertsInterface entry (``grouped_linear`` / ``grouped_silu_mul_linear``, one launch each for all
+    experts), the top-k outputs summed in rank order in fp32.
 Per token count T: one forward over T tokens, timed; then tokens 0, T // 2 and T - 1 each alone (a
 1-token forward) against their rows of the T-token output: bitwise (``torch.equal``) and max |Δ|.
 """
 from __future__ import annotations
+
+import types
 
 import torch
 from tqdm import tqdm
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from invariant_infer.kernels import grouped_linear, grouped_silu_mul_linear, linear, moe_routing
+from invariant_infer import hf_experts
+from invariant_infer.families import FAMILIES
 
 from .timing import Run, free_memory, time_ms
 
@@ -45,38 +49,16 @@ def build_layer(layer: dict, device, dtype=torch.bfloat16, seed: int = 0) -> Qwe
     return block.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def invariant_moe(block: Qwen3MoeSparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
-    """[T, H] -> [T, H], each row on its own: the router on ``linear``, ``moe_routing``, the (token,
-    slot) pairs sorted by expert (stable) through ``grouped_linear`` (gate/up) and
-    ``grouped_silu_mul_linear`` (down), one launch each, then each token's top-k outputs weighted and
-    summed in rank order in fp32, cast once."""
-    gate, experts = block.gate, block.experts
-    logits = linear(x, gate.weight)
-    weights, chosen = moe_routing(logits, gate.top_k, gate.norm_topk_prob)
-    weights = weights.to(logits.dtype).float()  # the stock router hands the experts weights in its dtype
-    tokens, top_k = chosen.shape
-    flat = chosen.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    offsets = torch.zeros(experts.num_experts + 1, dtype=torch.int64, device=x.device)
-    offsets[1:] = torch.bincount(flat, minlength=experts.num_experts).cumsum(0)
-    gate_up = grouped_linear(x[order // top_k], experts.gate_up_proj, offsets)
-    inter = experts.down_proj.shape[2]
-    out = grouped_silu_mul_linear(gate_up[:, :inter], gate_up[:, inter:], experts.down_proj, offsets)
-    pairs = torch.empty_like(out)
-    pairs[order] = out  # a permutation: every row written once
-    pairs = pairs.view(tokens, top_k, -1).float()
-    total = pairs[:, 0] * weights[:, 0, None]
-    for rank in range(1, top_k):
-        total = total + pairs[:, rank] * weights[:, rank, None]
-    return total.to(x.dtype)
-
-
 def layer_fn(block: Qwen3MoeSparseMoeBlock, implementation: str):
-    """x [T, H] -> [T, H] through one implementation (a stock one stays selected until the next call)."""
+    """x [T, H] -> [T, H] through one implementation (it stays selected until the next call).
+    ``invariant`` is what ``make_invariant`` installs in a Qwen3-MoE model: the family's router
+    forward on ``block.gate`` and the ``invariant`` entry of transformers' ``ExpertsInterface``."""
     if implementation == "invariant":
-        return lambda x: invariant_moe(block, x)
-
-    block.experts.config._experts_implementation = implementation  # the ExpertsInterface entry
+        hf_experts.register()
+        block.gate.forward = types.MethodType(hf_experts.router_forward(FAMILIES["qwen3_moe"].moe), block.gate)
+    else:
+        block.gate.__dict__.pop("forward", None)  # the class's stock router
+    block.experts.config._experts_implementation = implementation
     return lambda x: block(x[None])[0]
 
 
@@ -117,6 +99,7 @@ def run(ctx: Run, layer: dict | None = None, tokens=None, dtype=torch.bfloat16, 
     layer = layer or (QUICK_LAYER if ctx.quick else LAYER)
     tokens = tuple(tokens or (QUICK_TOKENS if ctx.quick else TOKENS))
     block = build_layer(layer, ctx.device, dtype)
+    hf_experts.check_sparse_block(FAMILIES["qwen3_moe"], block, "the moe layer")  # as make_invariant does
     info = {"hidden": layer["hidden_size"], "experts": layer["num_experts"], "top_k": layer["num_experts_per_tok"],
             "intermediate": layer["moe_intermediate_size"], "dtype": str(dtype).removeprefix("torch.")}
     gen = torch.Generator().manual_seed(1)

@@ -26,6 +26,7 @@ from benchmarks.__main__ import parse  # noqa: E402
 from benchmarks.schema import validate  # noqa: E402
 from benchmarks.timing import Run  # noqa: E402
 from helpers import m_dependent_grouped_linear, m_dependent_linear  # noqa: E402
+from invariant_infer import hf_experts  # noqa: E402
 from invariant_infer.engine.step_timer import DEVICE_PHASES, HOST_PHASES  # noqa: E402
 
 QUICK_RUN_TIMEOUT_S = 1200
@@ -244,10 +245,10 @@ def test_moe_alone_check_catches_an_m_dependent_expert_gemm(monkeypatch):
 
     assert invariant_row() == (True, 0.0)
     with monkeypatch.context() as patched:
-        patched.setattr(moe, "grouped_linear", m_dependent_grouped_linear)
+        patched.setattr(hf_experts, "grouped_linear", m_dependent_grouped_linear)
         equal, diff = invariant_row()
         assert equal is False and diff > 0
-    monkeypatch.setattr(moe, "linear", m_dependent_linear)
+    monkeypatch.setattr(hf_experts, "linear", m_dependent_linear)
     equal, diff = invariant_row()
     assert equal is False and diff > 0
 
