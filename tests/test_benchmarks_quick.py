@@ -18,7 +18,8 @@ import torch
 # benchmarks/ is a folder of the repository, not part of the installed package.
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import SECTIONS, divergence, e2e, host_overhead, matmul, moe, norm_attention, scoring, train  # noqa: E402
+from benchmarks import (SECTIONS, divergence, e2e, host_overhead, matmul, moe, norm_attention, scoring,  # noqa: E402
+                        train)
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
 from benchmarks.__main__ import main as bench_main  # noqa: E402
