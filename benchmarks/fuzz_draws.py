@@ -121,14 +121,15 @@ def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None):
 
 @contextlib.contextmanager
 def batch_variant_linear():
-    """Every patched projection goes through ``m_dependent_linear`` for the block, and the MoE
-    experts' gate/up projection through ``m_dependent_grouped_linear``."""
-    original, original_grouped = patch.linear, hf_experts.grouped_linear
-    patch.linear, hf_experts.grouped_linear = m_dependent_linear, m_dependent_grouped_linear
+    """Every patched projection (the MoE routers too) goes through ``m_dependent_linear`` for the
+    block, and the MoE experts' gate/up projection through ``m_dependent_grouped_linear``."""
+    originals = patch.linear, hf_experts.linear, hf_experts.grouped_linear
+    patch.linear = hf_experts.linear = m_dependent_linear
+    hf_experts.grouped_linear = m_dependent_grouped_linear
     try:
         yield
     finally:
-        patch.linear, hf_experts.grouped_linear = original, original_grouped
+        patch.linear, hf_experts.linear, hf_experts.grouped_linear = originals
 
 
 def fuzz_overrides(family: str) -> dict:

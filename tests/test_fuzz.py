@@ -80,9 +80,9 @@ def test_fuzz_covers_a_moe_family(tmp_path, monkeypatch):
 
 def test_negative_control_patches_the_moe_experts_too():
     with fuzz.batch_variant_linear():
-        assert invariant_infer.patch.linear is fuzz.m_dependent_linear
+        assert invariant_infer.patch.linear is fuzz.m_dependent_linear is hf_experts.linear  # router too
         assert hf_experts.grouped_linear is fuzz.m_dependent_grouped_linear
-    assert invariant_infer.patch.linear is not fuzz.m_dependent_linear
+    assert fuzz.m_dependent_linear not in (invariant_infer.patch.linear, hf_experts.linear)
     assert hf_experts.grouped_linear is not fuzz.m_dependent_grouped_linear
 
 
