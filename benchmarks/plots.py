@@ -328,7 +328,7 @@ def moe(results: dict, out: Path) -> str | None:
         ax1.plot([r["tokens"] for r in sel], [r["tokens_per_s"] for r in sel], style, color=color, label=label)
         for r in sel:
             if r.get("invariant_time_ratio"):
-                ax1.annotate(f"{1 / r['invariant_time_ratio']:.2f}×", (r["tokens"], r["tokens_per_s"]),
+                ax1.annotate(f"{1 / r['invariant_time_ratio']:.2g}×", (r["tokens"], r["tokens_per_s"]),
                              xytext=(4, -4), textcoords="offset points", fontsize=7, color=color, va="top")
         xs = [counts.index(r["tokens"]) + (i - (len(impls) - 1) / 2) * width for r in sel]
         diffs = [r.get("alone_max_abs_diff") or 0 for r in sel]
