@@ -78,6 +78,7 @@ class Server:
     def __init__(self, checkpoint: Path, kernels: str, args: list[str], log: Path):
         import requests
         self.kernels, self.log_path, self.url = kernels, log, None
+        self._terminated = False
         self.session = requests.Session()
         self._log = open(log, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
@@ -115,7 +116,10 @@ class Server:
             return ""
 
     def terminate(self) -> None:
-        if self.proc.poll() is None:
+        """One SIGTERM only: a second one that lands after the server restored the default handlers
+        (while its interpreter exits) would kill it with -15."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self) -> int | None:
