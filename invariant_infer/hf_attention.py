@@ -24,6 +24,10 @@ PAGED_BATCH_KWARG = "paged_batch"
 def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
                    mask_function=causal_mask_function, attention_mask=None, device=None, **kwargs):
     """Mask builder for transformers' ``create_causal_mask``; returns ``sequence_bounds``."""
+    if kwargs.get("local_size") is not None:
+        # A sliding-window mask, which Qwen2-MoE builds even when no layer uses it. Sliding layers
+        # are refused by make_invariant, and a layer handed this None fails in invariant_attention.
+        return None
     if mask_function is not causal_mask_function:
         raise NonInvariantInputError(
             "invariant attention supports plain causal masks with 2-D padding and packed rows (position_ids "

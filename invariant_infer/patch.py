@@ -12,6 +12,9 @@ What changes (and nothing process-wide):
   * every MLP of the family -> same projections, with silu(gate) * up fused into the down projection;
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
   * attention -> the ``invariant`` attention and mask functions (see ``hf_attention``);
+  * in mixture-of-experts families, every router -> the invariant linear and routing, and the
+    experts -> the ``invariant`` experts implementation (see ``hf_experts``); MoE forwards that
+    would record autograd are refused (MoE training is not supported);
   * a pre-forward hook on the base model derives ``position_ids`` from the mask
     (cumsum - 1, pads at 0) and rejects masks that cannot be invariant; for packed rows
     (no mask, position_ids restarting, ``cu_seq_lens_*``) it checks the layout and hands
@@ -33,7 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import hf_attention
+from . import hf_attention, hf_experts
 from .errors import NonInvariantInputError, UnsupportedModelError
 from .families import FamilyAdapter, family_of, sliding_window_refusal
 from .kernels import linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul_linear_autograd
@@ -174,6 +177,11 @@ def _refuse_dropout(base: nn.Module) -> None:
                 f"layers.{index}.self_attn has attention_dropout={rate} and the model is in train mode: dropout is "
                 "not batch-invariant. Load the model with attention_dropout=0.0 (these families ship with 0) or "
                 "call model.eval().")
+        jitter = getattr(layer.mlp, "jitter_noise", 0.0)  # Mixtral's router_jitter_noise
+        if jitter:
+            raise NonInvariantInputError(
+                f"layers.{index}.mlp has router_jitter_noise={jitter} and the model is in train mode: the noise is "
+                "random per token, not batch-invariant. Call model.eval() or load with router_jitter_noise=0.0.")
 
 
 # ---- checks ----------------------------------------------------------------------------------------
@@ -212,9 +220,12 @@ def _check_model(model: nn.Module, sharded: bool = False) -> tuple[FamilyAdapter
         for name, proj in adapter.projections(layer).items():
             if type(proj) is not nn.Linear:
                 raise _not_plain_linear(f"layers.{index}.{name}", proj)
-        if type(layer.mlp) is not adapter.mlp:
+        if adapter.is_sparse(layer):
+            hf_experts.check_sparse_block(adapter, layer.mlp, f"layers.{index}.mlp")
+        elif adapter.mlp is None or type(layer.mlp) is not adapter.mlp:
+            expected = [cls.__name__ for cls in (adapter.mlp, adapter.moe and adapter.moe.block) if cls]
             raise UnsupportedModelError(f"layers.{index}.mlp is {type(layer.mlp).__name__}, not the "
-                                        f"{adapter.mlp.__name__} the {adapter.model_type} adapter patches")
+                                        f"{' or '.join(expected)} the {adapter.model_type} adapter patches")
         for name in adapter.head_norms:
             if type(getattr(layer.self_attn, name, None)) is not adapter.rms_norm:
                 raise UnsupportedModelError(f"layers.{index}.self_attn.{name} is not a {adapter.rms_norm.__name__}")
@@ -269,6 +280,7 @@ def make_invariant(model: nn.Module) -> nn.Module:
     row_parallel = {proj for layer in base.layers for name, proj in adapter.projections(layer).items()
                     if name in adapter.row_parallel}
     patched: list = []
+    router_forward = hf_experts.router_forward(adapter.moe) if adapter.moe else None
     for module in model.modules():
         if module in sharded:
             _set_forward(module, sharded[module], patched)
@@ -276,8 +288,12 @@ def make_invariant(model: nn.Module) -> nn.Module:
             _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward, patched)
         elif type(module) is adapter.rms_norm:
             _set_forward(module, _rms_norm_forward, patched)
-        elif type(module) is adapter.mlp:
+        elif adapter.mlp is not None and type(module) is adapter.mlp:
             _set_forward(module, _mlp_forward, patched)
+        elif adapter.moe is not None and type(module) is adapter.moe.router:
+            _set_forward(module, router_forward, patched)
+        elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
+            _set_forward(module, hf_experts.shared_expert_block_forward, patched)
 
     rotary = base.rotary_emb
     rotary._invariant_tables = _rope_tables(rotary, model.config.max_position_embeddings)
@@ -286,11 +302,16 @@ def make_invariant(model: nn.Module) -> nn.Module:
     hook = base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
     previous_attn = model.config._attn_implementation
     model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
+    previous_experts = None
+    if adapter.moe is not None:
+        hf_experts.register()
+        previous_experts = model.config._experts_implementation
+        model.set_experts_implementation(hf_experts.EXPERTS_IMPLEMENTATION)
     extensions = list(_INSTANCE_EXTENSIONS)
     for install, _ in extensions:
         install(model)
-    setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "rotary": rotary,
-                                 "extensions": extensions, "family": adapter})
+    setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "experts": previous_experts,
+                                 "rotary": rotary, "extensions": extensions, "family": adapter})
     return model
 
 
@@ -311,6 +332,8 @@ def restore(model: nn.Module) -> nn.Module:
     state["hook"].remove()
     del state["rotary"]._invariant_tables
     model.set_attn_implementation(state["attn"])
+    if state["experts"] is not None:
+        model.set_experts_implementation(state["experts"])
     for _, remove in reversed(state["extensions"]):
         remove(model)
     delattr(model, _STATE_ATTR)

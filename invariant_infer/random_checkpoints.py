@@ -3,7 +3,8 @@
 Real models' shapes (``"qwen2.5-1.5b"``, ``"llama-3.1-8b"`` ...) and small ones that run on CPU
 (``"tiny"``) come from each family's presets (``invariant_infer.families``). Weights are random,
 and so are the biases and RMSNorm weights that transformers initialises to constants, so that
-every patched path carries signal.
+every patched path carries signal. The MoE families' 3-D expert weights and routers are drawn by
+transformers' own init (normal, std ``initializer_range``), a different draw per expert.
 """
 from __future__ import annotations
 

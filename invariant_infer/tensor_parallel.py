@@ -103,6 +103,9 @@ def _check_param(name: str, param, placement) -> None:
 def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout) -> dict[nn.Module, object]:
     """The forward each sharded module runs instead of transformers' TP hooks, after checking that
     the plan and the shards are ones the invariant trees serve (else ``UnsupportedModelError``)."""
+    if adapter.moe is not None:
+        raise UnsupportedModelError(f"{adapter.model_type}: tensor parallelism is supported for the dense families "
+                                    "only; the experts' K trees are not split across ranks")
     problem = tp_size_refusal(model.config, layout.size)
     if problem:
         raise UnsupportedModelError(problem)

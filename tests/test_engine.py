@@ -9,7 +9,7 @@ import torch
 
 import invariant_infer.engine.engine as engine_module
 import invariant_infer.patch
-from helpers import FAMILY_NAMES, load_model, m_dependent_linear, train_tokenizer
+from helpers import FAMILY_NAMES, MOE_FAMILY_NAMES, load_model, m_dependent_linear, train_tokenizer
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.generation import seeded_sampling
@@ -66,7 +66,7 @@ def family_models(family_checkpoints):
     return get
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FAMILY_NAMES + MOE_FAMILY_NAMES)
 def test_any_schedule_equals_alone_generate_and_score(family_models, family):
     model = family_models(family)
     prompts = prompts_for(model.config.vocab_size, (9, 3, 14), seed=1)

@@ -19,7 +19,7 @@ PACKAGES = {"invariant_infer": ROOT / "invariant_infer", "invariant_infer.kernel
 LAYERS = [
     ["invariant_infer.kernels.*"],
     ["invariant_infer.errors", "invariant_infer.families.*", "invariant_infer.padding", "invariant_infer.packing",
-     "invariant_infer.hf_attention",
+     "invariant_infer.hf_attention", "invariant_infer.hf_experts",
      "invariant_infer.tensor_parallel", "invariant_infer.patch", "invariant_infer.random_checkpoints"],
     ["invariant_infer.drift", "invariant_infer.sampling", "invariant_infer.generation", "invariant_infer.scoring",
      "invariant_infer.engine.*", "invariant_infer.loading", "invariant_infer.weight_update", "invariant_infer.training",
@@ -32,7 +32,7 @@ LAYERS = [
 # Cycles a package's registration needs: families/__init__ imports each family module, which
 # registers itself with the package.
 ALLOWED_CYCLE_EDGES = {(f"invariant_infer.families.{name}", "invariant_infer.families")
-                       for name in ("llama", "mistral", "qwen2", "qwen3")}
+                       for name in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")}
 
 
 def module_files() -> dict[str, Path]:

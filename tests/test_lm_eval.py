@@ -126,9 +126,11 @@ def reference_store():
     return {}
 
 
-# One family and dtype: lm-eval has no family-specific path; every family and dtype is checked at
-# model level (tests/test_model_invariance.py), including right-padded batches without a mask.
-@pytest.mark.parametrize("family, dtype", [("qwen2", torch.float32)], ids=["qwen2-fp32"])
+# One dense and one mixture-of-experts family: lm-eval has no family-specific path; every family and
+# dtype is checked at model level (tests/test_model_invariance.py, tests/test_moe.py), including
+# right-padded batches without a mask.
+@pytest.mark.parametrize("family, dtype", [("qwen2", torch.float32), ("mixtral", torch.bfloat16)],
+                         ids=["qwen2-fp32", "mixtral-bf16"])
 def test_lm_eval_results_do_not_depend_on_batch_size(family, dtype, checkpoints, task_manager, offline,
                                                      reference_store):
     model, tokenizer = load(checkpoints(family), dtype)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import invariant_infer.patch
-from helpers import BATCHINGS, DEVICES, DTYPES, FAMILY_NAMES, Batching, batch_mismatches, load_model, make_samples
+from helpers import BATCHINGS, DEVICES, DTYPES, FAMILY_NAMES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model
+from helpers import make_samples
 from helpers import m_dependent_linear
 from invariant_infer import make_invariant, pad_sequences
 from invariant_infer.drift import logits_alone, logits_in_batch
@@ -33,7 +34,7 @@ def test_base_model_without_lm_head(family_checkpoints):
     """AutoModel (the base model, no lm_head) is patched too: hidden states are batch-invariant."""
     from transformers import AutoModel
 
-    for family in FAMILY_NAMES:
+    for family in FAMILY_NAMES + MOE_FAMILY_NAMES:
         base = make_invariant(AutoModel.from_pretrained(family_checkpoints(family), dtype=torch.bfloat16).eval())
         samples = make_samples(base.config.vocab_size, lengths=(7, 3))
         ids, mask = pad_sequences(samples, side="left")

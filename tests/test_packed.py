@@ -6,7 +6,7 @@ from transformers import DataCollatorWithFlattening
 
 import invariant_infer.hf_attention
 import invariant_infer.patch
-from helpers import DEVICES, FAMILY_NAMES, load_model, m_dependent_linear, make_samples
+from helpers import DEVICES, FAMILY_NAMES, MOE_FAMILY_NAMES, load_model, m_dependent_linear, make_samples
 from invariant_infer import NonInvariantInputError, make_invariant
 from invariant_infer.kernels import attention
 from invariant_infer.kernels.configs import AttentionConfig
@@ -67,7 +67,7 @@ def test_packed_accuracy_against_alone_stock(family_checkpoints):
             assert (g - r).abs().max().item() < 1e-4, family
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FAMILY_NAMES + MOE_FAMILY_NAMES)
 def test_several_packed_rows(family_checkpoints, family):
     """[B, T] packed rows (each row a concatenation, a sequence never spanning two rows), with
     position_ids only, and with cu_seq_lens over the flattened B * T tokens as well."""
