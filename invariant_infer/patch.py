@@ -44,7 +44,7 @@ from .kernels.configs import row_parallel_config
 from .kernels.fused_linear import silu_mul_linear
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
-from .tensor_parallel import tp_forwards, tp_layout
+from .tensor_parallel import moe_refusal, tp_forwards, tp_layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -204,7 +204,7 @@ def _check_model(model: nn.Module, sharded: bool = False) -> tuple[FamilyAdapter
     config = getattr(model, "config", None)
     adapter = family_of(config)
     base = _base_model(model)
-    problem = adapter.refuse_config(config) or sliding_window_refusal(config)
+    problem = (sharded and moe_refusal(adapter)) or adapter.refuse_config(config) or sliding_window_refusal(config)
     if problem:
         raise UnsupportedModelError(f"{config.model_type}: {problem}")
     if getattr(config, "hidden_act", "silu") != "silu":

@@ -64,6 +64,13 @@ def tp_layout(model: nn.Module) -> TPLayout | None:
     return TPLayout(size=size, rank=tp_mesh.get_local_rank(), mesh=tp_mesh, group=tp_mesh.get_group())
 
 
+def moe_refusal(adapter) -> str | None:
+    if adapter.moe is None:
+        return None
+    return ("tensor parallelism is supported for the dense families only (the experts' "
+            "K trees are not split across ranks); load the model without tp_plan")
+
+
 def supported_tp_sizes(config) -> list[int]:
     """The TP sizes whose shards the K trees and the heads allow for ``config``."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -103,9 +110,6 @@ def _check_param(name: str, param, placement) -> None:
 def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout) -> dict[nn.Module, object]:
     """The forward each sharded module runs instead of transformers' TP hooks, after checking that
     the plan and the shards are ones the invariant trees serve (else ``UnsupportedModelError``)."""
-    if adapter.moe is not None:
-        raise UnsupportedModelError(f"{adapter.model_type}: tensor parallelism is supported for the dense families "
-                                    "only; the experts' K trees are not split across ranks")
     problem = tp_size_refusal(model.config, layout.size)
     if problem:
         raise UnsupportedModelError(problem)

@@ -3,7 +3,8 @@ torchrun and patched by make_invariant gives, at TP 2 and TP 4, the single-proce
 model's logits bitwise (every family, fp32/bf16/fp16, a left-padded batch). Negative controls:
 stock transformers at TP 2 against stock at TP 1, and the invariant model with the row-parallel
 exchange replaced by an all-reduce of each rank's rounded sums (TP-dependent on any machine).
-Refusals: TP sizes the heads or the K trees do not divide, a plan layout the trees do not serve;
+Refusals: TP sizes the heads or the K trees do not divide, a plan layout the trees do not serve,
+a mixture-of-experts family;
 restore gives back transformers' own TP forward.
 Each TP size is one torchrun (tests/tp_worker.py) that runs every check of that size."""
 from __future__ import annotations
@@ -39,6 +40,7 @@ RUN_TIMEOUT = 300
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-checkpoints")
     paths = {f: save_random_checkpoint(root / f, random_config(f, "tiny", **TP_SHAPE), seed=3) for f in FAMILY_NAMES}
+    paths["moe"] = save_random_checkpoint(root / "moe", random_config("qwen3_moe", "tiny"))
     for name, overrides in REFUSED.items():
         paths[name] = save_random_checkpoint(root / name, random_config("qwen2", "tiny", **{**TP_SHAPE, **overrides}))
     return paths
@@ -71,7 +73,8 @@ def tp_runs(checkpoints, tmp_path_factory) -> dict[int, Path]:
     outs = {size: tmp_path_factory.mktemp(f"tp{size}") for size in (2, 4)}
     torchrun(2, outs[2], [*models(checkpoints), *dtypes, "--variant", "invariant", "--variant", "stock:fp32",
                           "--variant", "restored:fp32",
-                          "--variant", "allreduce:bf16", "--refuse-plan", f"plan={checkpoints['qwen2']}"])
+                          "--variant", "allreduce:bf16", "--refuse-plan", f"plan={checkpoints['qwen2']}",
+                          "--refuse", f"moe={checkpoints['moe']}"])
     torchrun(4, outs[4], [*models(checkpoints), *dtypes, "--variant", "invariant",
                           *[arg for name in REFUSED for arg in ("--refuse", f"{name}={checkpoints[name]}")]])
     return outs
@@ -137,6 +140,8 @@ def test_refusals_name_the_sizes_that_work(tp_runs):
     assert "Sizes that work for this model: [1, 2]" in i160
     plan = (tp_runs[2] / "refused-plan.txt").read_text()
     assert plan.startswith("UnsupportedModelError: tp_plan shards model.embed_tokens as 'embedding_colwise'")
+    moe = (tp_runs[2] / "refused-moe.txt").read_text()
+    assert moe.startswith("UnsupportedModelError: qwen3_moe: tensor parallelism is supported for the dense families")
 
 
 def test_supported_sizes_of_real_shapes():
