@@ -10,14 +10,18 @@ Models: each family's ``tiny`` preset (hidden 64) with 1 layer, 2 query heads on
 a 128-token vocabulary (FUZZ_OVERRIDES), written with ``save_pretrained`` and loaded with
 ``from_pretrained(dtype=...)`` as users load real checkpoints. Every family keeps its features:
 qwen2 q/k/v bias, untied head; qwen3 q/k head norms, head_dim 16 != 64 / 2, tied; llama3 RoPE
-scaling, attention and MLP biases, tied; mistral no sliding window, untied. A pool is one
+scaling, attention and MLP biases, tied; mistral no sliding window, untied; the mixture-of-experts
+families a sparse block of 8 experts (qwen3_moe top-4 renormalised, head_dim 16; mixtral top-2,
+routing weights in fp32; qwen2_moe top-2 not renormalised, with its gated shared expert), so a batch
+crowds some experts and leaves others empty. A pool is one
 model per (family, dtype) and SAMPLES_PER_POOL samples per family, the same for every dtype
 (lengths 1, MAX_LEN, LONG_LEN, then uniform in 1..MAX_LEN); a sample's alone logits are
 computed on its first use and cached.
 
 Every draw is a pure function of (seed, batching index, families, dtypes, pool options), so
 ``--replay I`` with the same options runs batching I again. Exit status 1 if any row differs;
-with ``--negative-control`` (the linear picks BLOCK_K by M, as batch-size-keyed heuristics do),
+with ``--negative-control`` (the linear picks BLOCK_K by M, as batch-size-keyed heuristics do, and
+the MoE experts' grouped GEMM by its most crowded expert),
 exit status 1 if NO row differs, i.e. the fuzzer failed to catch a batch-variant path.
 ``--workers N`` runs the batchings in N processes (worker k takes every N-th index); the
 summary is the same as one process's.
@@ -48,11 +52,13 @@ from invariant_infer.families import FAMILIES
 from invariant_infer.loading import DTYPES
 
 from .fuzz_draws import (LONG_LEN, MAX_BATCH, MAX_EXTRA_PAD, MAX_LEN, SAMPLES_PER_POOL, Batching, Pools,
-                         batch_variant_linear, draw, fuzz_overrides, m_dependent_linear, pool_lengths)
+                         batch_variant_linear, draw, fuzz_overrides, m_dependent_grouped_linear, m_dependent_linear,
+                         pool_lengths)
 from .fuzz_parallel import exit_status, outcomes, run_or_stop
 from .report import git_commit
 
-__all__ = ["Batching", "DTYPES", "draw", "m_dependent_linear", "pool_lengths", "main", "parse", "run"]
+__all__ = ["Batching", "DTYPES", "draw", "m_dependent_grouped_linear", "m_dependent_linear", "pool_lengths", "main",
+           "parse", "run"]
 
 
 def _new_cell() -> dict:

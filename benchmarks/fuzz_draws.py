@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import invariant_infer.patch as patch
-from invariant_infer import make_invariant
+from invariant_infer import hf_experts, make_invariant
 from invariant_infer.drift import logits_alone
-from invariant_infer.kernels import linear
+from invariant_infer.kernels import grouped_linear, linear
 from invariant_infer.kernels.configs import linear_config
 from invariant_infer.loading import DTYPES
 from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
@@ -24,10 +24,11 @@ from invariant_infer.random_checkpoints import random_config, save_random_checkp
 # so the fuzz models are each family's "tiny" preset with 1 layer (every kernel still runs and any
 # batch dependence reaches the logits), 2 query heads sharing 1 KV head (still GQA) and a 128-token
 # vocabulary (one lm_head tile, as with 512): about 2x the batchings/s of 2 layers and 4 heads.
-# What makes each family different stays (see the module docstring); qwen3's head_dim 16 keeps
-# head_dim != hidden / heads (64 / 2 = 32).
+# What makes each family different stays (see the module docstring); qwen3's and qwen3_moe's
+# head_dim 16 keeps head_dim != hidden / heads (64 / 2 = 32). With 1 layer every MoE family's one
+# layer is a sparse block (qwen3_moe's dense ``mlp_only_layers=[1]`` is gone).
 FUZZ_OVERRIDES = dict(num_hidden_layers=1, vocab_size=128, num_attention_heads=2, num_key_value_heads=1)
-FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16)}
+FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16), "qwen3_moe": dict(head_dim=16)}
 SAMPLES_PER_POOL = 24
 MAX_LEN = 40
 # One longer sample per pool: on CPU the attention's KV block is 64 keys and blocks start at a
@@ -36,6 +37,9 @@ LONG_LEN = 72
 MAX_BATCH = 8
 MAX_EXTRA_PAD = 8
 SMALL_M = 32  # negative control: the linear's BLOCK_K is 16 at M <= SMALL_M rows
+# ... and the grouped expert GEMM's is 16 when no expert has more than SMALL_EXPERT_ROWS rows: a
+# sample alone gives an expert at most one row per token, a batch gives its crowded experts more
+SMALL_EXPERT_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -106,15 +110,26 @@ def m_dependent_linear(x, weight, bias=None, config=None):
     return linear(x, weight, bias, config=config)
 
 
+def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None):
+    """Negative control for the MoE experts: BLOCK_K 16 while no expert has more than
+    SMALL_EXPERT_ROWS rows, the shape's own config above, as batch-size-keyed grouped GEMMs do."""
+    config = linear_config(x.device.type, x.dtype, *weight.shape[1:])
+    if int((expert_offsets[1:] - expert_offsets[:-1]).max()) <= SMALL_EXPERT_ROWS:
+        config = replace(config, block_k=16)
+    return grouped_linear(x, weight, expert_offsets, bias, config=config)
+
+
 @contextlib.contextmanager
 def batch_variant_linear():
-    """Every patched projection goes through ``m_dependent_linear`` for the block."""
-    original = patch.linear
-    patch.linear = m_dependent_linear
+    """Every patched projection (the MoE routers too) goes through ``m_dependent_linear`` for the
+    block, and the MoE experts' gate/up projection through ``m_dependent_grouped_linear``."""
+    originals = patch.linear, hf_experts.linear, hf_experts.grouped_linear
+    patch.linear = hf_experts.linear = m_dependent_linear
+    hf_experts.grouped_linear = m_dependent_grouped_linear
     try:
         yield
     finally:
-        patch.linear = original
+        patch.linear, hf_experts.linear, hf_experts.grouped_linear = originals
 
 
 def fuzz_overrides(family: str) -> dict:

@@ -57,6 +57,12 @@ CONFIGS = {
                                        high_freq_factor=4.0, original_max_position_embeddings=32)),
     "mistral": dict(_COMMON, num_key_value_heads=1, rope_theta=10000.0, rms_norm_eps=1e-5,
                     tie_word_embeddings=False, sliding_window=None),
+    "qwen3_moe": dict(_COMMON, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=10000.0,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, use_sliding_window=False),
+    "mixtral": dict(_COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                    num_key_value_heads=1, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    sliding_window=None, router_jitter_noise=0.0),
 }
 SAMPLE_LENGTHS = (6, 1, 11, 3)
 # name -> (members in batch order, padding side, extra padding, inputs_embeds)
@@ -93,8 +99,8 @@ def parameter_values(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """fp32 values with at most 8 significant bits (exact in bf16): matrices j/128 / 2^round(log2(fan_in)/2),
     biases j/4096, norm weights in [0.5, 1.5)."""
     count = math.prod(shape)
-    if len(shape) == 2:
-        scale = 2.0 ** -(7 + round(math.log2(shape[1]) / 2))
+    if len(shape) in (2, 3):  # matrices, and the experts' stacked [E, N, K] matrices
+        scale = 2.0 ** -(7 + round(math.log2(shape[-1]) / 2))
         values = integers(name, count, -127, 128) * scale
     elif name.endswith("bias"):
         values = integers(name, count, -127, 128) * 2.0 ** -12

@@ -1,4 +1,5 @@
-"""PNG plots (matplotlib, Agg): overhead vs M, throughput vs batch, divergence, kernels."""
+"""PNG plots (matplotlib, Agg): overhead vs M, throughput vs batch, divergence, kernels, engine, server,
+training, MoE layer."""
 from __future__ import annotations
 
 import math
@@ -305,9 +306,55 @@ def train(results: dict, out: Path) -> str | None:
     return _finish(fig, results, out / "train.png")
 
 
+MOE_LINES = {"invariant": (INVARIANT, "o-"), "eager": (STOCK, "s--"), "batched_mm": ("#2ca02c", "^--"),
+             "grouped_mm": ("#9467bd", "v--")}
+
+
+def moe(results: dict, out: Path) -> str | None:
+    rows = [r for r in results.get("moe") or [] if r.get("tokens_per_s")]
+    if not rows:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    first = rows[0]
+    layer = (f"hidden {first['hidden']}, {first['experts']} experts, top-{first['top_k']}, "
+             f"intermediate {first['intermediate']}, {first['dtype']}")
+    impls = list(dict.fromkeys(r["implementation"] for r in rows))
+    width = 0.8 / len(impls)
+    counts = sorted({r["tokens"] for r in rows})
+    for i, impl in enumerate(impls):
+        color, style = MOE_LINES.get(impl, ("gray", "x:"))
+        sel = sorted((r for r in rows if r["implementation"] == impl), key=lambda r: r["tokens"])
+        label = impl if impl == "invariant" else f"stock {impl}"
+        ax1.plot([r["tokens"] for r in sel], [r["tokens_per_s"] for r in sel], style, color=color, label=label)
+        for r in sel:
+            if r.get("invariant_time_ratio"):
+                ax1.annotate(f"{1 / r['invariant_time_ratio']:.2g}×", (r["tokens"], r["tokens_per_s"]),
+                             xytext=(4, -4), textcoords="offset points", fontsize=7, color=color, va="top")
+        xs = [counts.index(r["tokens"]) + (i - (len(impls) - 1) / 2) * width for r in sel]
+        diffs = [r.get("alone_max_abs_diff") or 0 for r in sel]
+        ax2.bar(xs, diffs, width, color=color, label=label)
+        for x, r in zip(xs, sel):
+            text = "0 (bitwise)" if r.get("alone_bitwise_equal") else f"{r.get('alone_max_abs_diff'):.3g}"
+            ax2.annotate(text, (x, r.get("alone_max_abs_diff") or 0), xytext=(0, 3), textcoords="offset points",
+                         ha="center", va="bottom", fontsize=7, color=color, rotation=90)
+    ax1.set(xscale="log", yscale="log", xlabel="tokens in the batch", ylabel="tokens / s (higher is better)",
+            title=f"One MoE layer ({layer})\n(label = invariant/stock tokens/s)" + _suffix(results))
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.margins(x=0.15)
+    _log_ticks(ax1, counts)
+    top = max((r.get("alone_max_abs_diff") or 0 for r in rows), default=0)
+    ax2.set_xticks(range(len(counts)), [str(c) for c in counts])
+    ax2.set(xlabel="tokens in the batch", ylabel="max |Δ output|, tokens alone vs in the batch",
+            ylim=(0, 1.6 * top if top else 1), title="A token alone vs inside the batch")
+    ax2.grid(True, axis="y", alpha=0.3)
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=8)
+    return _finish(fig, results, out / "moe.png")
+
+
 def make_plots(results: dict, out: Path) -> list:
     made = []
-    for fn in (overhead_vs_m, throughput_vs_batch, divergence, kernels, engine, server, train):
+    for fn in (overhead_vs_m, throughput_vs_batch, divergence, kernels, engine, server, train, moe):
         try:
             name = fn(results, out)
         except Exception as exc:  # a plot must never lose the numbers

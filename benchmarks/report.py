@@ -88,6 +88,7 @@ def markdown(results: dict) -> str:
     out.append(host_overhead_markdown(results))
     out.append(server_markdown(results))
     out.append(train_markdown(results))
+    out.append(moe_markdown(results))
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
@@ -242,6 +243,27 @@ def train_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+def moe_markdown(results: dict) -> str:
+    rows = results.get("moe") or []
+    if not rows and "moe" not in (results.get("sections") or []):
+        return ""
+    first = rows[0] if rows else {}
+    layer = (f" (hidden {first.get('hidden')}, {first.get('experts')} experts, top-{first.get('top_k')}, expert "
+             f"intermediate {first.get('intermediate')}, {first.get('dtype')})" if rows else "")
+    out = [f"\n## One MoE layer{layer}: invariant vs stock experts implementations\n\n"
+           "transformers' `Qwen3MoeSparseMoeBlock`, random weights, one forward over T tokens. stock = the stock "
+           "router with `config._experts_implementation` = eager / batched_mm / grouped_mm; invariant = the router on "
+           "the invariant linear, row-wise routing, the experts on the invariant kernels, the top-k outputs summed "
+           "in rank order in fp32. time ratio = invariant time / this implementation's time (above 1 = invariant "
+           "slower). Alone: tokens 0, T/2 and T-1 each run alone vs their rows in the batch (bitwise = "
+           "`torch.equal`); Δ eager = max |output − stock eager's|.\n"]
+    out.append(table(rows, [
+        ("T", "tokens"), ("implementation", "implementation"), ("ms", "ms"), ("tok/s", "tokens_per_s"),
+        ("time ratio", "invariant_time_ratio"), ("alone bitwise", "alone_bitwise_equal"),
+        ("alone max abs Δ", "alone_max_abs_diff"), ("Δ eager", "max_abs_diff_to_eager"), ("skipped", "skipped")]))
+    return "\n".join(out)
+
+
 def _preset(row: dict) -> str:
     return f"{row['preset']} " if row.get("preset") else ""
 
@@ -356,6 +378,10 @@ def summary(results: dict) -> str:
                      f"invariant {fmt(r['invariant_tokens_per_s'])} tok/s (time ratio {fmt(r['ratio'])}); logprob "
                      f"mismatch batch vs alone: stock {fmt(r['stock_logprob_max_abs_diff'])}, invariant "
                      f"{fmt(r['invariant_logprob_max_abs_diff'])}")
+    for r in results.get("moe") or []:
+        ratio = f" (time ratio {fmt(r['invariant_time_ratio'])})" if r.get("invariant_time_ratio") else ""
+        lines.append(f"moe {r['implementation']} T={r['tokens']}: {fmt(r['tokens_per_s'])} tok/s{ratio}; alone vs "
+                     f"batch max|Δ| {fmt(r['alone_max_abs_diff'])}" + (f"; {r['skipped']}" if r.get("skipped") else ""))
     for r in results.get("divergence") or []:
         lines.append(f"divergence {r['case']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
                      f"({fmt(r['stock_rows_unequal'])}/{fmt(r.get('stock_rows_checked'))} rows differ); invariant "

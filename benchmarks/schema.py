@@ -33,6 +33,9 @@ REQUIRED = {
     "train": ("layout", "batch", "seq", "tokens", "stock_ms", "invariant_ms", "stock_tokens_per_s",
               "invariant_tokens_per_s", "ratio", "stock_peak_gb", "invariant_peak_gb", "stock_logprob_max_abs_diff",
               "invariant_logprob_max_abs_diff", "stock_logprob_bitwise_equal", "invariant_logprob_bitwise_equal"),
+    "moe": ("tokens", "implementation", "hidden", "experts", "top_k", "intermediate", "dtype", "ms", "tokens_per_s",
+            "invariant_time_ratio", "alone_checked", "alone_bitwise_equal", "alone_max_abs_diff",
+            "max_abs_diff_to_eager", "skipped"),
 }
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 
@@ -90,7 +93,7 @@ def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
     for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
-                    "server", "train"):
+                    "server", "train", "moe"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing

@@ -18,18 +18,21 @@ import torch
 # benchmarks/ is a folder of the repository, not part of the installed package.
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import SECTIONS, divergence, e2e, host_overhead, matmul, norm_attention, scoring, train  # noqa: E402
+from benchmarks import (SECTIONS, divergence, e2e, host_overhead, matmul, moe, norm_attention, scoring,  # noqa: E402
+                        train)
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
 from benchmarks.__main__ import main as bench_main  # noqa: E402
 from benchmarks.__main__ import parse  # noqa: E402
 from benchmarks.schema import validate  # noqa: E402
 from benchmarks.timing import Run  # noqa: E402
+from helpers import m_dependent_grouped_linear, m_dependent_linear  # noqa: E402
+from invariant_infer import hf_experts  # noqa: E402
 from invariant_infer.engine.step_timer import DEVICE_PHASES, HOST_PHASES  # noqa: E402
 
 QUICK_RUN_TIMEOUT_S = 1200
 PLOTS = ("overhead_vs_m.png", "throughput_vs_batch.png", "divergence.png", "kernels.png", "engine.png", "server.png",
-         "train.png")
+         "train.png", "moe.png")
 
 
 @pytest.fixture(scope="module")
@@ -209,12 +212,54 @@ def test_train_mismatch_catches_an_m_dependent_linear(monkeypatch):
         assert diff > 0 and equal is False
 
 
+def test_moe_rows(results):
+    rows = results["moe"]
+    assert [(r["tokens"], r["implementation"]) for r in rows] == [
+        (t, impl) for t in moe.QUICK_TOKENS for impl in moe.IMPLEMENTATIONS]
+    layer = moe.QUICK_LAYER
+    for row in rows:
+        assert (row["hidden"], row["experts"], row["top_k"], row["intermediate"], row["dtype"]) == (
+            layer["hidden_size"], layer["num_experts"], layer["num_experts_per_tok"], layer["moe_intermediate_size"],
+            "bfloat16")
+        assert row["skipped"] is None and row["ms"] > 0 and row["tokens_per_s"] > 0
+        assert row["alone_checked"] == len({0, row["tokens"] // 2, row["tokens"] - 1})
+        assert row["max_abs_diff_to_eager"] < 0.05  # bf16 outputs of magnitude ~1
+        if row["implementation"] == "invariant":
+            assert row["alone_bitwise_equal"] is True and row["alone_max_abs_diff"] == 0.0
+            assert row["invariant_time_ratio"] is None
+        else:
+            assert row["invariant_time_ratio"] > 0 and isinstance(row["alone_bitwise_equal"], bool)
+    assert all(r["max_abs_diff_to_eager"] == 0.0 for r in rows if r["implementation"] == "eager")
+
+
+def test_moe_alone_check_catches_an_m_dependent_expert_gemm(monkeypatch):
+    """The section's alone check holds on the invariant kernels and fails when the grouped expert GEMM picks
+    BLOCK_K by the largest expert's row count (a token alone: 1 row per expert, BLOCK_K 16; 32 tokens: more
+    rows, BLOCK_K 64), and likewise when the router linear picks it by M. fp32, so that no bf16 rounding hides
+    a changed sum."""
+    def invariant_row():
+        ctx = Run(device=torch.device("cpu"), quick=True)
+        ctx.section = "moe"
+        rows = moe.run(ctx, tokens=(32,), dtype=torch.float32)["moe"]
+        assert ctx.skipped == [] and [r["implementation"] for r in rows] == list(moe.IMPLEMENTATIONS)
+        return rows[0]["alone_bitwise_equal"], rows[0]["alone_max_abs_diff"]
+
+    assert invariant_row() == (True, 0.0)
+    with monkeypatch.context() as patched:
+        patched.setattr(hf_experts, "grouped_linear", m_dependent_grouped_linear)
+        equal, diff = invariant_row()
+        assert equal is False and diff > 0
+    monkeypatch.setattr(hf_experts, "linear", m_dependent_linear)
+    equal, diff = invariant_row()
+    assert equal is False and diff > 0
+
+
 def test_report_and_plots(quick_run):
     results, text, out, _ = quick_run
     assert "NOT meaningful" in text and "left-pad B=4 lens 7/5/3/1" in text
     for heading in ("## Divergence", "## Matmul", "## Scoring", "## Serving engine (qwen2:tiny",
                     "## Engine host overhead (qwen2:tiny", "## HTTP server (qwen2:tiny", "## Training step (qwen2:tiny",
-                    "## RMSNorm"):
+                    "## One MoE layer (hidden 64, 8 experts, top-2", "## RMSNorm"):
         assert heading in text
     assert "analytic estimates, not measurements" in text and "÷ stock engine" in text and "| 2/2 |" in text
     assert "Host phases are meaningful on CPU" in text

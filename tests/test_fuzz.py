@@ -15,6 +15,7 @@ import pytest
 
 import invariant_infer.patch
 import parallel_work
+from invariant_infer import hf_experts
 from benchmarks import fuzz, fuzz_engine
 from benchmarks.fuzz_parallel import WorkerFailed, outcomes
 from invariant_infer.families import FAMILIES
@@ -56,6 +57,33 @@ def test_negative_control_is_caught(tmp_path):
     assert summary["negative_control"] and summary["batchings"] == 4
     assert summary["rows_unequal"] > 0 and summary["max_abs_diff"] > 0
     assert invariant_infer.patch.linear is not fuzz.m_dependent_linear  # restored afterwards
+
+
+MOE = ["--batchings", "2", "--families", "qwen3_moe", "--dtypes", "fp32", *SMALL]
+
+
+def test_fuzz_covers_a_moe_family(tmp_path, monkeypatch):
+    """qwen3_moe batchings (a sparse block, 8 experts, top-4): every row bitwise alone. The same batchings
+    with only the experts' grouped GEMM keyed by its most crowded expert differ, so the fuzz sees batch
+    dependence in the experts, not just in the dense projections."""
+    out = tmp_path / "moe.json"
+    assert fuzz.main([*MOE, "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["rows"] == expected_rows(2, ["qwen3_moe"], ["fp32"]) > 2 and summary["rows_unequal"] == 0
+    assert list(summary["per_model"]) == ["qwen3_moe/fp32"]
+    assert summary["model_overrides"]["qwen3_moe"]["head_dim"] == 16
+    monkeypatch.setattr(hf_experts, "grouped_linear", fuzz.m_dependent_grouped_linear)
+    assert fuzz.main([*MOE, "--out", str(out)]) == 1  # a mismatch: exit status 1
+    summary = json.loads(out.read_text())
+    assert summary["rows_unequal"] > 0 and summary["max_abs_diff"] > 0
+
+
+def test_negative_control_patches_the_moe_experts_too():
+    with fuzz.batch_variant_linear():
+        assert invariant_infer.patch.linear is fuzz.m_dependent_linear is hf_experts.linear  # router too
+        assert hf_experts.grouped_linear is fuzz.m_dependent_grouped_linear
+    assert fuzz.m_dependent_linear not in (invariant_infer.patch.linear, hf_experts.linear)
+    assert hf_experts.grouped_linear is not fuzz.m_dependent_grouped_linear
 
 
 def test_mismatch_fails_with_a_replay_command(tmp_path, monkeypatch, capsys):
