@@ -100,11 +100,11 @@ def _generator(seed: int, family: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(family.encode()))
 
 
-def m_dependent_linear(x, weight, bias=None):
+def m_dependent_linear(x, weight, bias=None, config=None):
     """Negative control: BLOCK_K 16 for at most SMALL_M rows, the shape's own config above, as
     batch-size-keyed heuristics and autotuners do (tests/test_linear.py has the same idea)."""
     m = x.reshape(-1, x.shape[-1]).shape[0]
-    config = linear_config(x.device.type, x.dtype, *weight.shape)
+    config = config or linear_config(x.device.type, x.dtype, *weight.shape)
     if m <= SMALL_M:
         config = replace(config, block_k=16)
     return linear(x, weight, bias, config=config)

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from invariant_infer.families import FAMILIES
 from invariant_infer.kernels import linear
+from invariant_infer.kernels.configs import row_parallel_config
 from invariant_infer.random_checkpoints import random_config
 
 from .timing import Run, time_ms
@@ -17,6 +18,8 @@ DEFAULT_FAMILY, DEFAULT_PRESET = "qwen2", "qwen2.5-1.5b"
 # Shape name -> the projections it stands for (k and v, gate and up have one shape each).
 PROJECTIONS = {"q": "self_attn.q_proj", "k/v": "self_attn.k_proj", "o": "self_attn.o_proj",
                "gate/up": "mlp.gate_proj", "down": "mlp.down_proj"}
+# The row-parallel ones run the K tree that tensor parallelism splits, as in the patched model.
+ROW_PARALLEL = tuple(name for name, path in PROJECTIONS.items() if path in FAMILIES[DEFAULT_FAMILY].row_parallel)
 MS = (1, 8, 32, 128, 512, 2048, 8192)
 QUICK_MS = (1, 8, 32)
 
@@ -76,7 +79,8 @@ def run(ctx: Run, shapes: dict | None = None, ms=None, dtype=torch.bfloat16, fam
                 weights[name] = (w, b, x_all)
             w, b, x_all = weights[name]
             x = x_all[:m]
-            stock_fn, inv_fn = (lambda: F.linear(x, w, b)), (lambda: linear(x, w, b))
+            config = row_parallel_config(ctx.device.type, dtype, n, k) if name in ROW_PARALLEL else None
+            stock_fn, inv_fn = (lambda: F.linear(x, w, b)), (lambda: linear(x, w, b, config=config))
             y_stock, y_inv = stock_fn(), inv_fn()  # also the warm-up (Triton compiles here)
             stock_ms = time_ms(stock_fn, ctx.device, reps=3, warmup=0, flush_l2=True)
             inv_ms = time_ms(inv_fn, ctx.device, reps=3 if ctx.on_gpu else 1, warmup=0, flush_l2=True)

@@ -3,6 +3,10 @@
 Which classes are patched comes from the model family's adapter (``invariant_infer.families``).
 What changes (and nothing process-wide):
   * every ``nn.Linear`` (q/k/v/o, gate/up/down, with or without bias, lm_head) -> fixed-order Triton linear;
+    the row-parallel ones (o_proj, down_proj) reduce K as the tree tensor parallelism splits
+    (``kernels.configs.row_parallel_config``), so their bits do not depend on the TP size;
+  * a model that transformers sharded for tensor parallelism: each sharded module runs the
+    TP-size-invariant forward of ``invariant_infer.tensor_parallel`` instead of transformers' hooks;
   * every RMSNorm of the family (layer norms, final norm, Qwen3's per-head q/k norms) -> one-row-per-program
     Triton RMSNorm;
   * every MLP of the family -> same projections, with silu(gate) * up fused into the down projection;
@@ -30,14 +34,17 @@ import types
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import hf_attention, hf_experts
 from .errors import NonInvariantInputError, UnsupportedModelError
 from .families import FamilyAdapter, family_of, sliding_window_refusal
 from .kernels import linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul_linear_autograd
+from .kernels.configs import row_parallel_config
 from .kernels.fused_linear import silu_mul_linear
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
+from .tensor_parallel import moe_refusal, tp_forwards, tp_layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -61,6 +68,13 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias)
 
 
+def _row_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    config = row_parallel_config(x.device.type, x.dtype, *self.weight.shape)
+    if _records_grad(x, self.weight, self.bias):
+        return linear_autograd(x, self.weight, self.bias, config=config)
+    return linear(x, self.weight, self.bias, config=config)
+
+
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if _records_grad(hidden_states, self.weight):
         return rms_norm_autograd(hidden_states, self.weight, self.variance_epsilon)
@@ -72,9 +86,10 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # down_proj(silu_mul(gate, up)) gives, without writing the [tokens x intermediate] product.
     down = self.down_proj
     gate, up = self.gate_proj(x), self.up_proj(x)
+    config = row_parallel_config(gate.device.type, gate.dtype, *down.weight.shape)
     if _records_grad(gate, up, down.weight, down.bias):
-        return silu_mul_linear_autograd(gate, up, down.weight, down.bias)
-    return silu_mul_linear(gate, up, down.weight, down.bias)
+        return silu_mul_linear_autograd(gate, up, down.weight, down.bias, config=config)
+    return silu_mul_linear(gate, up, down.weight, down.bias, config=config)
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
@@ -185,11 +200,11 @@ def _not_plain_linear(name: str, module) -> UnsupportedModelError:
                                  "or adapter layers; merge LoRA first)")
 
 
-def _check_model(model: nn.Module) -> tuple[FamilyAdapter, nn.Module]:
+def _check_model(model: nn.Module, sharded: bool = False) -> tuple[FamilyAdapter, nn.Module]:
     config = getattr(model, "config", None)
     adapter = family_of(config)
     base = _base_model(model)
-    problem = adapter.refuse_config(config) or sliding_window_refusal(config)
+    problem = (sharded and moe_refusal(adapter)) or adapter.refuse_config(config) or sliding_window_refusal(config)
     if problem:
         raise UnsupportedModelError(f"{config.model_type}: {problem}")
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -226,7 +241,7 @@ def _check_model(model: nn.Module) -> tuple[FamilyAdapter, nn.Module]:
         if param.device.type not in SUPPORTED_DEVICES:
             raise UnsupportedModelError(f"parameter {name} is on {param.device}; supported devices: "
                                         f"{SUPPORTED_DEVICES}")
-        if type(param.data) is not torch.Tensor:
+        if type(param.data) is not torch.Tensor and not (sharded and isinstance(param.data, DTensor)):
             raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
                                         "are supported")
     return adapter, base
@@ -246,8 +261,9 @@ def register_instance_extension(install, remove) -> None:
 
 
 def _set_forward(module: nn.Module, fn, patched: list) -> None:
+    # An instance-level forward already there (transformers' TP hooks) comes back on restore.
+    patched.append((module, module.__dict__.get("forward")))
     module.forward = types.MethodType(fn, module)
-    patched.append(module)
 
 
 def make_invariant(model: nn.Module) -> nn.Module:
@@ -256,14 +272,20 @@ def make_invariant(model: nn.Module) -> nn.Module:
     Returns the same model. Idempotent. Undo with ``restore(model)``."""
     if getattr(model, _STATE_ATTR, None) is not None:
         return model
-    adapter, base = _check_model(model)
+    layout = tp_layout(model)
+    adapter, base = _check_model(model, sharded=layout is not None)
+    sharded = tp_forwards(model, adapter, base, layout) if layout is not None else {}
     hf_attention.register()
 
+    row_parallel = {proj for layer in base.layers for name, proj in adapter.projections(layer).items()
+                    if name in adapter.row_parallel}
     patched: list = []
     router_forward = hf_experts.router_forward(adapter.moe) if adapter.moe else None
     for module in model.modules():
-        if type(module) is nn.Linear:
-            _set_forward(module, _linear_forward, patched)
+        if module in sharded:
+            _set_forward(module, sharded[module], patched)
+        elif type(module) is nn.Linear:
+            _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward, patched)
         elif type(module) is adapter.rms_norm:
             _set_forward(module, _rms_norm_forward, patched)
         elif adapter.mlp is not None and type(module) is adapter.mlp:
@@ -302,8 +324,11 @@ def restore(model: nn.Module) -> nn.Module:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         return model
-    for module in state["patched"]:
+    for module, previous in state["patched"]:
         del module.forward
+        module.__dict__.pop("_invariant_tp", None)
+        if previous is not None:
+            module.forward = previous
     state["hook"].remove()
     del state["rotary"]._invariant_tables
     model.set_attn_implementation(state["attn"])

@@ -87,6 +87,38 @@ def linear_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> Linea
     return cfg
 
 
+# Row-parallel layers (o_proj, down_proj: tensor parallelism splits their K) reduce K as a tree of
+# up to TREE_LEAVES equal leaves, each summed in BLOCK_K steps from its own start, the leaves' fp32
+# sums added in leaf order. A TP size t dividing the leaf count gives each rank whole leaves, so
+# every TP size that divides it (and one process) computes the same tree: see tree_leaves.
+TREE_LEAVES = 8
+MIN_BLOCK_K = 16  # tl.dot's smallest K
+
+
+def tree_leaves(k: int) -> int:
+    """Leaves of the K tree for a row-parallel layer of K inputs: the most (TREE_LEAVES, 4, 2, 1)
+    such that each leaf is a whole number of MIN_BLOCK_K steps. A function of K alone."""
+    leaves = TREE_LEAVES
+    while leaves > 1 and k % (leaves * MIN_BLOCK_K):
+        leaves //= 2
+    return leaves
+
+
+def row_parallel_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> LinearConfig:
+    """The config of a row-parallel layer: ``linear_config``'s tiles, K cut into ``tree_leaves(k)``
+    chunks (leaves) and BLOCK_K the largest power of two up to linear_config's that divides a
+    leaf, so that a leaf's BLOCK_K steps start at the leaf on every rank. Fixed by the shape alone."""
+    base = linear_config(device_type, dtype, n, k)
+    leaves = tree_leaves(k)
+    leaf = k // leaves
+    block_k = base.block_k
+    while block_k > MIN_BLOCK_K and leaf % block_k:
+        block_k //= 2
+    if leaf % block_k:  # k is not a multiple of 16: one leaf, BLOCK_K steps masked at its end
+        return replace(base, k_chunks=1)
+    return replace(base, block_k=block_k, k_chunks=leaves)
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     block_m: int

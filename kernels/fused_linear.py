@@ -17,9 +17,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: LinearConfig | None = None, parallel_chunks: bool | None = None) -> torch.Tensor:
-    """linear(silu_mul(gate, up), weight, bias), bitwise, without writing silu_mul's output."""
+def _gate_up_rows(gate, up, weight, bias):
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul_linear: gate {tuple(gate.shape)} {gate.dtype} vs up {tuple(up.shape)} {up.dtype}")
     _check_operands(gate, weight, bias)
@@ -27,5 +25,19 @@ def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, 
     if g2.stride() != u2.stride():
         u2 = u2.contiguous()
         g2 = g2.contiguous()
+    return g2, u2
+
+
+def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    config: LinearConfig | None = None, parallel_chunks: bool | None = None) -> torch.Tensor:
+    """linear(silu_mul(gate, up), weight, bias), bitwise, without writing silu_mul's output."""
+    g2, u2 = _gate_up_rows(gate, up, weight, bias)
     y = launch_linear(g2, weight, bias, config, PROLOGUE_SILU_MUL, up=u2, parallel_chunks=parallel_chunks)
     return y.reshape(*gate.shape[:-1], weight.shape[0])
+
+
+def silu_mul_linear_partials(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                             config: LinearConfig) -> torch.Tensor:
+    """``linear_partials(silu_mul(gate, up), weight, config)``, bitwise, with the fused prologue."""
+    g2, u2 = _gate_up_rows(gate, up, weight, None)
+    return launch_linear(g2, weight, None, config, PROLOGUE_SILU_MUL, up=u2, partials=True)

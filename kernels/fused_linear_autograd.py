@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .configs import LinearConfig
 from .fused_linear import silu_mul_linear
 from .linear_autograd import grad_bias, grad_input, grad_weight
 from .silu_mul import silu_mul
@@ -21,10 +22,10 @@ class SiluMulLinearFunction(torch.autograd.Function):
     """``silu_mul_linear`` with the batch-invariant, deterministic backward of the unfused pair."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias=None):
+    def forward(ctx, gate, up, weight, bias=None, config=None):
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
-        return silu_mul_linear(gate, up, weight, bias)
+        return silu_mul_linear(gate, up, weight, bias, config=config)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -39,10 +40,11 @@ class SiluMulLinearFunction(torch.autograd.Function):
             dw = grad_weight(grad_y2, silu_mul(gate, up).reshape(-1, k))
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = grad_bias(grad_y2)
-        return d_gate, d_up, dw, db
+        return d_gate, d_up, dw, db, None
 
 
 def silu_mul_linear_autograd(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Differentiable ``silu_mul_linear``: the fused forward's bits, the unfused pair's gradients."""
-    return SiluMulLinearFunction.apply(gate, up, weight, bias)
+                             bias: torch.Tensor | None = None, *, config: LinearConfig | None = None) -> torch.Tensor:
+    """Differentiable ``silu_mul_linear``: the fused forward's bits, the unfused pair's gradients.
+    ``config`` is the forward's tile config (the MLP passes the row-parallel tree's)."""
+    return SiluMulLinearFunction.apply(gate, up, weight, bias, config)

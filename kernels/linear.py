@@ -163,19 +163,25 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None,
-                  parallel_chunks: bool | None = None):
+                  parallel_chunks: bool | None = None, partials: bool = False):
     """Launch on 2-D ``x2`` [M, K]; the prologue operands are used only by their prologue.
-    ``parallel_chunks`` forces a schedule (tests); by default ``parallel_chunks_pays`` picks it."""
+    ``parallel_chunks`` forces a schedule (tests); by default ``parallel_chunks_pays`` picks it.
+    ``partials`` returns the uncombined fp32 chunk sums [k_chunks, M, N] (no bias), for a caller
+    that combines them with other chunks of the same tree (``combine_partials``)."""
     m, k = x2.shape
     n = weight.shape[0]
     cfg = config or linear_config(x2.device.type, x2.dtype, n, k)
+    if partials:
+        if bias is not None:
+            raise ValueError("linear partials take no bias: combine_partials adds it once")
+        parallel_chunks = True
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     if m == 0:
-        return y
+        return torch.empty((cfg.k_chunks, 0, n), device=x2.device, dtype=torch.float32) if partials else y
     has_bias = bias is not None
     if parallel_chunks is None:
         parallel_chunks = parallel_chunks_pays(x2.device, m, n, cfg)
-    parallel_chunks = parallel_chunks and cfg.k_chunks > 1
+    parallel_chunks = parallel_chunks and (cfg.k_chunks > 1 or partials)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.k_chunks if parallel_chunks else 1)
     out = torch.empty((cfg.k_chunks, m, n), device=x2.device, dtype=torch.float32) if parallel_chunks else y
     stride_ys = out.stride(0) if parallel_chunks else 0
@@ -190,12 +196,36 @@ def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None,
         DOT_PRECISION=DOT_PRECISION,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if partials:
+        return out
     if parallel_chunks:
-        block_n = 1024
-        launch(_chunk_combine_kernel, (m, triton.cdiv(n, block_n)), x2.device,
-               out, bias if has_bias else out, y, m, n, out.stride(0), out.stride(1), y.stride(0),
-               HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, BLOCK_N=block_n)
+        _combine(out, bias, y)
     return y
+
+
+def _combine(parts, bias, y):
+    m, n = y.shape
+    block_n = 1024
+    launch(_chunk_combine_kernel, (m, triton.cdiv(n, block_n)), parts.device,
+           parts, parts if bias is None else bias, y, m, n, parts.stride(0), parts.stride(1), y.stride(0),
+           HAS_BIAS=bias is not None, K_CHUNKS=parts.shape[0], BLOCK_N=block_n)
+
+
+def combine_partials(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 chunk sums ``parts`` [chunks, M, N] added in chunk order (then bias), in ``dtype``:
+    the bits ``linear`` gives for that tree, whichever process computed each chunk."""
+    if parts.dtype != torch.float32 or parts.dim() != 3 or not parts.is_contiguous():
+        raise ValueError(f"combine_partials takes contiguous fp32 [chunks, M, N], got {parts.dtype} {tuple(parts.shape)}")
+    y = torch.empty(parts.shape[1:], device=parts.device, dtype=dtype)
+    if y.shape[0]:
+        _combine(parts, bias, y)
+    return y
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> torch.Tensor:
+    """The fp32 sums of each of ``config.k_chunks`` K chunks of x @ W^T, [k_chunks, M, N], uncombined."""
+    _check_operands(x, weight, None)
+    return launch_linear(x.reshape(-1, weight.shape[1]), weight, None, config, partials=True)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

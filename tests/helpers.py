@@ -90,8 +90,9 @@ def batch_mismatches(model, samples, batchings=BATCHINGS):
     return mismatches
 
 
-def m_dependent_linear(x, weight, bias=None):
-    """Negative control: picks BLOCK_K by M, as batch-size-keyed heuristics and autotuners do."""
+def m_dependent_linear(x, weight, bias=None, config=None):
+    """Negative control: picks BLOCK_K by M, as batch-size-keyed heuristics and autotuners do
+    (whatever ``config`` the caller asks for, e.g. a row-parallel layer's K tree)."""
     m = x.reshape(-1, x.shape[-1]).shape[0]
     base = linear_config(x.device.type, x.dtype, *weight.shape)
     cfg = LinearConfig(base.block_m, base.block_n, 16 if m <= 4 else 64)

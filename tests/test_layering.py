@@ -20,7 +20,7 @@ LAYERS = [
     ["invariant_infer.kernels.*"],
     ["invariant_infer.errors", "invariant_infer.families.*", "invariant_infer.padding", "invariant_infer.packing",
      "invariant_infer.hf_attention", "invariant_infer.hf_experts",
-     "invariant_infer.patch", "invariant_infer.random_checkpoints"],
+     "invariant_infer.tensor_parallel", "invariant_infer.patch", "invariant_infer.random_checkpoints"],
     ["invariant_infer.drift", "invariant_infer.sampling", "invariant_infer.generation", "invariant_infer.scoring",
      "invariant_infer.engine.*", "invariant_infer.loading", "invariant_infer.weight_update", "invariant_infer.training",
      "invariant_infer"],

@@ -143,12 +143,12 @@ def test_lm_eval_results_do_not_depend_on_batch_size(family, dtype, checkpoints,
             assert batched[task][doc] == alone[task][doc], f"{task} doc {doc}: batch 8 differs from batch 1"
 
 
-def batch_keyed_linear(x, weight, bias=None):
+def batch_keyed_linear(x, weight, bias=None, config=None):
     """Negative control: a smaller BLOCK_K once M (rows of the whole batch) passes 32, as M-keyed
     autotuners do. Every batch-size-1 request here has at most 32 tokens, so alone it is exactly
     the invariant linear; only the batched rows change their reduction order."""
     m = x.reshape(-1, x.shape[-1]).shape[0]
-    config = linear_config(x.device.type, x.dtype, *weight.shape)
+    config = config or linear_config(x.device.type, x.dtype, *weight.shape)
     if m > 32:
         config = replace(config, block_k=16)
     return linear(x, weight, bias, config=config)

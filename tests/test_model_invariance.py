@@ -77,12 +77,12 @@ REAL_WIDTH_BATCHINGS = [Batching((0, 1, 2, 3)), Batching((3, 1, 0), left_pad=Fal
 STOCK_BATCHINGS = [Batching(b.members, b.left_pad, b.extra_pad, pass_positions=True) for b in REAL_WIDTH_BATCHINGS]
 
 
-def halved_block_k_at_small_m(x, weight, bias=None):
+def halved_block_k_at_small_m(x, weight, bias=None, config=None):
     """Negative control at real widths: half the fixed BLOCK_K when M <= 4 (a deliberately
     M-dependent config, cheaper in the interpreter than m_dependent_linear's BLOCK_K of 16)."""
     m = x.reshape(-1, x.shape[-1]).shape[0]
-    base = linear_config(x.device.type, x.dtype, *weight.shape)
-    block_k = base.block_k // 2 if m <= 4 else base.block_k
+    base = config or linear_config(x.device.type, x.dtype, *weight.shape)
+    block_k = max(16, base.block_k // 2) if m <= 4 else base.block_k
     return linear(x, weight, bias, config=replace(base, block_k=block_k))
 
 

@@ -39,6 +39,8 @@ class FamilyAdapter:
     attention_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     mlp_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     head_norms: tuple[str, ...] = ()      # RMSNorms inside attention, applied to each head before RoPE
+    # Projections whose K tensor parallelism splits: they reduce K as the row-parallel tree.
+    row_parallel: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
     # Returns why a config cannot be made invariant, or None.
     refuse_config: Callable[[object], str | None] = field(default=lambda config: None)
     # Config fields of real models (their shapes) and of small test models, by name.
