@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .configs import LinearConfig, linear_config
 from .launch import DOT_PRECISION, launch
+from .silu_mul import rounded_silu
 
 
 # Optional prologue applied to each x tile as it is loaded (a fusion). It computes exactly the
@@ -108,8 +109,7 @@ def _chunk_dot(acc, x_ptr, up_ptr, w_ptr, offs_m, offs_n, offs_k, k_begin, k_end
         if PROLOGUE == PROLOGUE_SILU_MUL:  # x is gate: silu(gate) rounded, times up, rounded (as silu_mul)
             up = tl.load(up_ptr + x_offs, mask=x_mask, other=0.0)
             g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty)
-            x = (act.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            x = (rounded_silu(g, x_ptr.dtype.element_ty) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (ks[:, None] < k_end), other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)

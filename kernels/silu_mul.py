@@ -13,6 +13,13 @@ import triton.language as tl
 from .launch import launch
 
 
+@triton.jit
+def rounded_silu(g, dtype: tl.constexpr):
+    """silu(g) for fp32 g, rounded to ``dtype`` and back to fp32: the factor the forward, its fused
+    prologue and the backward all multiply ``up`` by, so they share one formula."""
+    return (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, M, N,
                      BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -22,7 +29,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, M, N,
     g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # Round silu(g) to the model dtype before the product, as torch's two separate ops do.
-    act = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+    act = rounded_silu(g, y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], (act * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .silu_mul import silu_mul
+from .silu_mul import rounded_silu, silu_mul
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -26,7 +26,7 @@ def _silu_mul_backward_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, stride_g, st
     sig = 1.0 / (1.0 + tl.exp(-g))
     # The forward multiplies up by silu(g) rounded to the dtype: d(up) uses that same factor,
     # computed as the forward computes it.
-    act = (g / (1.0 + tl.exp(-g))).to(dg_ptr.dtype.element_ty).to(tl.float32)
+    act = rounded_silu(g, dg_ptr.dtype.element_ty)
     dg = dy * u * (sig * (1.0 + g * (1.0 - sig)))
     offsets = rows[:, None] * stride_d + cols[None, :]
     tl.store(dg_ptr + offsets, dg.to(dg_ptr.dtype.element_ty), mask=mask)
