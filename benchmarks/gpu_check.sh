@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One-shot GPU check: GPU-marked tests, this GPU's golden digests, then the full benchmark suite (Qwen2.5-1.5B; every section of
+# One-shot GPU check: GPU-marked tests, this GPU's golden digests, tensor parallelism where the machine has two or
+# more GPUs (the tensor_parallel benchmark section: TP 1, 2, 4, 8 as the GPUs allow, each checked bitwise against
+# TP 1, into tensor-parallel/), then the full benchmark suite (Qwen2.5-1.5B; every section of
 # benchmarks.SECTIONS, the serving engine and the HTTP server last, each with its share of the budget) under a time
 # budget, then the matmul section at other families' shapes (Qwen3-8B, Llama-3.1-8B).
 # Everything lands in one folder: $OUT if set, else benchmarks/results/<date>-<gpu>/; the extra
 # presets in sub-folders of it, one per preset (qwen3-8b/, llama-3.1-8b/).
 # Sized for < 8 minutes on one H200. Env overrides: PYTHON, TOTAL_S (default 450),
-# TEST_TIMEOUT_S (180), GOLDEN_TIMEOUT_S (120), SUITE_MAX_S (300), BENCH_COMMIT (commit id when .git is absent),
+# TEST_TIMEOUT_S (180), GOLDEN_TIMEOUT_S (120), TP_TIMEOUT_S (150), SUITE_MAX_S (300), BENCH_COMMIT (commit id when .git is absent),
 # SUITE_ARGS (extra arguments for python -m benchmarks, e.g. "--quick" for a dry run on CPU),
 # EXTRA_PRESETS ("qwen3:qwen3-8b llama:llama-3.1-8b"; empty to skip), EXTRA_SECTIONS (matmul),
 # EXTRA_S (100: seconds of TOTAL_S kept from the suite for the extra presets), EXTRA_MAX_S (60: the
@@ -18,6 +20,7 @@ PY=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-450}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-180}
 GOLDEN_TIMEOUT_S=${GOLDEN_TIMEOUT_S:-120}
+TP_TIMEOUT_S=${TP_TIMEOUT_S:-150}
 SUITE_MAX_S=${SUITE_MAX_S:-300}
 EXTRA_PRESETS=${EXTRA_PRESETS-qwen3:qwen3-8b llama:llama-3.1-8b}
 EXTRA_SECTIONS=${EXTRA_SECTIONS:-matmul}
@@ -93,13 +96,36 @@ timeout -k 10 "$GOLDEN_TIMEOUT_S" $PY -m benchmarks.golden_digests --device cuda
   2>&1 | tee "$DEST/golden_digests.log"
 GOLDEN_RC=$?
 
+# -- 1c. tensor parallelism, where the machine has two or more GPUs -------------------------------------
+# The suite below leaves the section out: here it runs on every GPU the machine has, or not at all.
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+TP_RC=0
+if (( GPUS >= 2 )); then
+  echo "[gpu_check] tensor parallelism on $GPUS GPUs (timeout ${TP_TIMEOUT_S}s)"
+  timeout -k 10 "$TP_TIMEOUT_S" $PY -m benchmarks --only tensor_parallel --out "$DEST/tensor-parallel" --no-plots \
+    2>&1 | tee "$DEST/tensor-parallel.log"
+  TP_RC=$?
+  $PY - "$DEST/tensor-parallel/results.json" <<'PYEOF' 2>&1 | tee -a "$DEST/tensor-parallel.log"
+import json, sys
+rows = json.load(open(sys.argv[1]))["tp_steps"]
+bad = [r["tp"] for r in rows if not r["bitwise_equal_to_tp1"]]
+print(f"[gpu_check] tensor parallelism: TP {[r['tp'] for r in rows]} measured; not bitwise TP 1: {bad}")
+sys.exit(1 if bad or len(rows) < 2 else 0)
+PYEOF
+  (( PIPESTATUS[0] != 0 )) && TP_RC=1
+else
+  echo "[gpu_check] tensor parallelism: skipped ($GPUS GPU; it needs two or more)"
+fi
+SUITE_SECTIONS=$($PY -c "from benchmarks import SECTIONS; print(','.join(s for s in SECTIONS if s != 'tensor_parallel'))")
+
 # -- 2. full suite, with what is left of the time budget (less EXTRA_S for step 3) -----------------
 ELAPSED=$(( $(date +%s) - START ))
 BUDGET=$(( TOTAL_S - ELAPSED - 60 - EXTRA_S ))
 (( BUDGET > SUITE_MAX_S )) && BUDGET=$SUITE_MAX_S
 (( BUDGET < 60 )) && BUDGET=60
 echo "[gpu_check] benchmark suite, budget ${BUDGET}s (${ELAPSED}s elapsed)"
-timeout -k 10 $(( BUDGET + 60 )) $PY -m benchmarks --out "$DEST" --budget-s "$BUDGET" ${SUITE_ARGS:-} 2>&1 | tee "$DEST/suite.log"
+timeout -k 10 $(( BUDGET + 60 )) $PY -m benchmarks --out "$DEST" --budget-s "$BUDGET" --only "$SUITE_SECTIONS" \
+  ${SUITE_ARGS:-} 2>&1 | tee "$DEST/suite.log"
 SUITE_RC=$?
 
 # -- 3. other families' shapes: EXTRA_SECTIONS per preset, sharing what is left of TOTAL_S ----------
@@ -133,8 +159,8 @@ done
 
 # -- 4. exit codes and the summary, last -------------------------------------------------------------
 TOTAL=$(( $(date +%s) - START ))
-printf 'install_rc=%s\ntests_rc=%s\ngolden_rc=%s\nsuite_rc=%s\nextra_rc=%s\ntotal_s=%s\n' "$INSTALL_RC" "$TESTS_RC" \
-  "$GOLDEN_RC" "$SUITE_RC" "$EXTRA_RC" "$TOTAL" | tee "$DEST/exit_codes.txt"
+printf 'install_rc=%s\ntests_rc=%s\ngolden_rc=%s\ntp_rc=%s\nsuite_rc=%s\nextra_rc=%s\ntotal_s=%s\n' "$INSTALL_RC" \
+  "$TESTS_RC" "$GOLDEN_RC" "$TP_RC" "$SUITE_RC" "$EXTRA_RC" "$TOTAL" | tee "$DEST/exit_codes.txt"
 echo "================ summary ($DEST) ================"
 grep -E "passed|failed|error|skipped" "$DEST/pytest.log" | tail -1
 tail -n 4 "$DEST/golden_digests.log"
@@ -145,5 +171,5 @@ for D in "$DEST" ${EXTRA_DIRS[@]+"${EXTRA_DIRS[@]}"}; do
     echo "no results.json in $D; see $D/suite.log"
   fi
 done
-echo "tests rc $TESTS_RC, golden digests rc $GOLDEN_RC, suite rc $SUITE_RC, extra presets rc $EXTRA_RC, ${TOTAL}s"
-exit $(( TESTS_RC != 0 || GOLDEN_RC != 0 || SUITE_RC != 0 || EXTRA_RC != 0 ))
+echo "tests rc $TESTS_RC, golden digests rc $GOLDEN_RC, tensor parallelism rc $TP_RC, suite rc $SUITE_RC, extra presets rc $EXTRA_RC, ${TOTAL}s"
+exit $(( TESTS_RC != 0 || GOLDEN_RC != 0 || TP_RC != 0 || SUITE_RC != 0 || EXTRA_RC != 0 ))

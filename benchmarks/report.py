@@ -89,6 +89,7 @@ def markdown(results: dict) -> str:
     out.append(server_markdown(results))
     out.append(train_markdown(results))
     out.append(moe_markdown(results))
+    out.append(tensor_parallel_markdown(results))
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
@@ -264,6 +265,27 @@ def moe_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+def tensor_parallel_markdown(results: dict) -> str:
+    if not results.get("tp_exchange") and not results.get("tp_steps"):
+        return ""
+    out = ["\n## Tensor parallelism: bytes of the row-parallel exchange, and step time at TP 1 vs TP t\n\n"
+           "On paper, per token and rank, for each row-parallel layer: ours = a ring all-gather of the K tree's "
+           "fp32 leaf sums, (t-1)/t x leaves x N x 4 bytes; stock = a ring all-reduce in bf16, 2 (t-1)/t x N x 2 "
+           "bytes; model = x decoder layers.\n"]
+    out.append(table(results.get("tp_exchange"), [
+        ("preset", "preset"), ("TP", "tp"), ("layer", "layer"), ("N", "N"), ("K", "K"), ("leaves", "leaves"),
+        ("ours B/token", "ours_bytes_per_token"), ("stock bf16 B/token", "stock_bf16_bytes_per_token"),
+        ("ours / stock", "ratio"), ("ours B/token, model", "ours_bytes_per_token_model")]))
+    out.append("\nMeasured: one engine per size on the same checkpoint and requests (greedy); step times on rank "
+               "0; ratio = TP t's time / TP 1's; bitwise = every token and logprob equal to TP 1's.\n")
+    out.append(table(results.get("tp_steps"), [
+        ("TP", "tp"), ("requests", "requests"), ("prompt", "prompt_tokens"), ("decode", "decode_tokens"),
+        ("prefill step ms", "prefill_step_ms"), ("decode step ms", "decode_step_ms"),
+        ("prefill ratio", "prefill_ratio_to_tp1"), ("decode ratio", "decode_ratio_to_tp1"),
+        ("bitwise = TP 1", "bitwise_equal_to_tp1"), ("dtype", "dtype")]))
+    return "\n".join(out)
+
+
 def _preset(row: dict) -> str:
     return f"{row['preset']} " if row.get("preset") else ""
 
@@ -382,6 +404,10 @@ def summary(results: dict) -> str:
         ratio = f" (time ratio {fmt(r['invariant_time_ratio'])})" if r.get("invariant_time_ratio") else ""
         lines.append(f"moe {r['implementation']} T={r['tokens']}: {fmt(r['tokens_per_s'])} tok/s{ratio}; alone vs "
                      f"batch max|Δ| {fmt(r['alone_max_abs_diff'])}" + (f"; {r['skipped']}" if r.get("skipped") else ""))
+    for r in results.get("tp_steps") or []:
+        lines.append(f"tensor parallel TP {r['tp']}: prefill step {fmt(r['prefill_step_ms'])} ms, decode step "
+                     f"{fmt(r['decode_step_ms'])} ms (x{fmt(r['decode_ratio_to_tp1'])} TP 1); bitwise = TP 1 "
+                     f"{r['bitwise_equal_to_tp1']}")
     for r in results.get("divergence") or []:
         lines.append(f"divergence {r['case']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
                      f"({fmt(r['stock_rows_unequal'])}/{fmt(r.get('stock_rows_checked'))} rows differ); invariant "

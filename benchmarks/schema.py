@@ -36,6 +36,10 @@ REQUIRED = {
     "moe": ("tokens", "implementation", "hidden", "experts", "top_k", "intermediate", "dtype", "ms", "tokens_per_s",
             "invariant_time_ratio", "alone_checked", "alone_bitwise_equal", "alone_max_abs_diff",
             "max_abs_diff_to_eager", "skipped"),
+    "tp_exchange": ("preset", "tp", "layer", "N", "K", "leaves", "ours_bytes_per_token", "stock_bf16_bytes_per_token",
+                    "ratio"),
+    "tp_steps": ("tp", "requests", "prompt_tokens", "decode_tokens", "prefill_step_ms", "decode_step_ms",
+                 "prefill_ratio_to_tp1", "decode_ratio_to_tp1", "bitwise_equal_to_tp1"),
 }
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 
@@ -93,7 +97,7 @@ def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
     for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
-                    "server", "train", "moe"):
+                    "server", "train", "moe", "tp_exchange", "tp_steps"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing

@@ -11,3 +11,8 @@ class UnsupportedModelError(InvariantInferError, TypeError):
 
 class NonInvariantInputError(InvariantInferError, ValueError):
     """The inputs would make the result depend on the batch (e.g. an attention mask with holes)."""
+
+
+class TensorParallelError(InvariantInferError, RuntimeError):
+    """A tensor-parallel rank died or failed, so the ranks can no longer run in step; the message
+    names the rank. Every rank is stopped: start the ranks again."""

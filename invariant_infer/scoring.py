@@ -20,8 +20,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from .errors import TensorParallelError
 from .kernels import linear, token_logprobs
 from .patch import is_invariant
+from .tensor_parallel import rank_mirror, tp_layout
 
 # Elements of one logits chunk: 32 Mi (64 MiB in bf16); a Qwen2.5 vocab gives 220 rows a chunk.
 LOGITS_CHUNK_ELEMENTS = 1 << 25
@@ -104,6 +106,18 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     return logprobs, is_argmax
 
 
+def _sharded_head_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None):
+    """``token_logprobs_from_hidden`` over a tensor-parallel lm_head: the same chunks and kernels."""
+    if chunk_rows is None:
+        chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])
+    logprobs = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+    is_argmax = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.bool)
+    for start in range(0, hidden.shape[0], chunk_rows):
+        end = min(start + chunk_rows, hidden.shape[0])
+        logprobs[start:end], is_argmax[start:end] = token_logprobs(lm_head(hidden[start:end]), targets[start:end])
+    return logprobs, is_argmax
+
+
 def naive_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
                          lm_head_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The usual way, for benchmarks: full fp32 [T x V] logits, then torch.log_softmax and a gather."""
@@ -112,10 +126,21 @@ def naive_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, tar
     return logprobs.gather(1, targets[:, None])[:, 0], logits.argmax(-1) == targets
 
 
-@torch.inference_mode()
 def score_batch(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
                 chunk_rows: int | None = None) -> list[ScoreResult]:
-    """Score one batch (right-padded) in one forward of the base model."""
+    """Score one batch (right-padded) in one forward of the base model (on every rank, in step,
+    for the model of ``TensorParallelRanks``)."""
+    mirror = rank_mirror(model)
+    if mirror is not None:
+        return mirror.call("score_batch", (list(sequences), list(prompt_lengths), chunk_rows),
+                           lambda: score_batch_here(model, sequences, prompt_lengths, chunk_rows=chunk_rows))
+    return score_batch_here(model, sequences, prompt_lengths, chunk_rows=chunk_rows)
+
+
+@torch.inference_mode()
+def score_batch_here(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
+                     chunk_rows: int | None = None) -> list[ScoreResult]:
+    """``score_batch`` in this process alone (a rank of a tensor-parallel model runs its share)."""
     lm_head = model.get_output_embeddings()
     device = lm_head.weight.device
     longest = max(len(s) for s in sequences)
@@ -132,9 +157,12 @@ def score_batch(model, sequences: Sequence[Sequence[int]], prompt_lengths: Seque
     positions_t = torch.tensor(positions, dtype=torch.long, device=device)
     # The base model only: the CausalLM forward would build the full logits.
     hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    logprobs, is_argmax = token_logprobs_from_hidden(
-        hidden[rows_t, positions_t], lm_head.weight, ids[rows_t, positions_t + 1],
-        lm_head_bias=lm_head.bias, chunk_rows=chunk_rows)
+    targets = ids[rows_t, positions_t + 1]
+    if tp_layout(model) is not None:  # the sharded head's own forward: its slice, then an all-gather
+        logprobs, is_argmax = _sharded_head_logprobs(lm_head, hidden[rows_t, positions_t], targets, chunk_rows)
+    else:
+        logprobs, is_argmax = token_logprobs_from_hidden(hidden[rows_t, positions_t], lm_head.weight, targets,
+                                                         lm_head_bias=lm_head.bias, chunk_rows=chunk_rows)
     logprobs, is_argmax = logprobs.cpu(), is_argmax.cpu()
     results, offset = [], 0
     for seq, start in zip(sequences, prompt_lengths):
@@ -188,6 +216,8 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
 def _score_or_error(model, sequences, prompt_lengths) -> list[ScoreResult] | str:
     try:
         return score_batch(model, sequences, prompt_lengths)
+    except TensorParallelError:  # not a row's fault: the ranks stopped
+        raise
     except Exception as exc:  # reported per row by score_group
         return f"scoring failed: {type(exc).__name__}: {exc}"
 

@@ -1,5 +1,6 @@
-"""The two backends of the scoring job: one process holding the model, or a Ray Data pipeline of
-actors each holding it. Both score every row with the same bits; the job does not know which runs.
+"""The two backends of the scoring job: one process holding the model (or rank 0 of
+``TensorParallelRanks``, the model sharded over several), or a Ray Data pipeline of actors each
+holding it. All score every row with the same bits; the job does not know which runs.
 """
 from __future__ import annotations
 
@@ -8,33 +9,46 @@ from typing import Iterator
 from transformers import AutoConfig
 
 from .distributed import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS, require_ray, score_requests
+from .errors import TensorParallelError, UnsupportedModelError
 from .loading import load_model
 from .scoring import ScoreResult, score_planned
 from .scoring_job import JobError, Request
+from .tensor_parallel_ranks import TensorParallelRanks
 
 Scored = Iterator[list[tuple[Request, ScoreResult | str]]]
 
 
 class LocalBackend:
-    """The model in this process, batches packed by ``plan_batches``."""
+    """The model in this process, batches packed by ``plan_batches``; with ``ranks``, the model
+    is rank 0's of those tensor-parallel ranks, and ``close`` stops them."""
 
-    def __init__(self, model):
-        self.model, self.config = model, model.config
+    def __init__(self, model, ranks: TensorParallelRanks | None = None):
+        self.model, self.config, self.ranks = model, model.config, ranks
 
     @classmethod
-    def load(cls, path: str, *, dtype: str | None = None, device: str | None = None) -> LocalBackend:
+    def load(cls, path: str, *, dtype: str | None = None, device: str | None = None,
+             tensor_parallel_size: int = 1) -> LocalBackend:
         try:
-            return cls(load_model(path, dtype=dtype, device=device))
+            if tensor_parallel_size == 1:
+                return cls(load_model(path, dtype=dtype, device=device))
+            ranks = TensorParallelRanks(path, tensor_parallel_size, dtype=dtype, device=device)
+            return cls(ranks.model, ranks)
+        except UnsupportedModelError as exc:
+            raise JobError(f"--tensor-parallel-size {tensor_parallel_size}: {exc}") from None
         except Exception as exc:
             raise JobError(f"cannot load {path}: {exc}") from None
 
     def score(self, requests: list[Request], max_batch_tokens: int) -> Scored:
-        for batch in score_planned(self.model, [r.ids for r in requests], [r.prompt_length for r in requests],
-                                   max_batch_tokens):
-            yield [(requests[i], result) for i, result in batch]
+        try:
+            for batch in score_planned(self.model, [r.ids for r in requests], [r.prompt_length for r in requests],
+                                       max_batch_tokens):
+                yield [(requests[i], result) for i, result in batch]
+        except TensorParallelError as exc:
+            raise JobError(f"{exc}; the rows written so far are kept: re-run to resume") from None
 
     def close(self) -> None:
-        pass
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 class RayBackend:

@@ -30,13 +30,19 @@ def run(args) -> int:
     options = JobOptions(args.input, args.output, args.tokenizer or args.model, args.max_batch_tokens, args.verify)
     try:
         options.check()  # fatal problems first, before minutes of model loading
+        tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
+        if tensor_parallel_size < 1:
+            raise JobError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+        if getattr(args, "ray", False) and tensor_parallel_size > 1:
+            raise JobError("--tensor-parallel-size and --ray do not combine: each Ray worker holds the whole model")
         if getattr(args, "ray", False):
             backend = RayBackend(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                  address=args.ray_address, num_workers=args.num_workers,
                                  gpus_per_worker=args.gpus_per_worker, rows_per_task=args.rows_per_task,
                                  max_restarts=args.max_restarts)
         else:
-            backend = LocalBackend.load(args.model, dtype=args.dtype, device=args.device)
+            backend = LocalBackend.load(args.model, dtype=args.dtype, device=args.device,
+                                        tensor_parallel_size=tensor_parallel_size)
     except JobError as exc:
         print(f"score: {exc}", file=sys.stderr)
         return EXIT_FATAL
@@ -62,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="padded tokens per batch (rows x longest); results do not depend on it")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--device", choices=DEVICES, help="default: cuda if available")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="ranks (processes, one GPU each on cuda) the model is sharded over, started and "
+                             "stopped by this command; results are bitwise those of 1 (default: 1)")
     parser.add_argument("--verify", type=int, default=0, metavar="K",
                         help="re-score K random rows alone and check their digests bitwise")
     ray = parser.add_argument_group("scale out on Ray Data (pip install \"invariant-infer[ray]\")")

@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed on stdout)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--device", choices=DEVICES, help="default: cuda if available")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="ranks (processes, one GPU each on cuda) the model is sharded over; results are bitwise "
+                        "those of 1 (default: 1)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step at most")
     p.add_argument("--kv-cache-memory", type=int, help="bytes of KV cache (default: 256 MiB on cpu, half "

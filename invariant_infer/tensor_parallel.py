@@ -51,6 +51,17 @@ class TPLayout:
     group: object       # its process group
 
 
+# Where a driver of several ranks (``TensorParallelRanks``) sets itself on rank 0's model: the engine
+# and scoring then run each step through ``mirror.call(command, payload, local)``, which has every
+# other rank run the same step while this one runs ``local()``.
+RANK_MIRROR_ATTR = "_invariant_rank_mirror"
+
+
+def rank_mirror(model: nn.Module):
+    """The driver that runs ``model``'s steps on the other ranks too (None: this process alone)."""
+    return getattr(model, RANK_MIRROR_ATTR, None)
+
+
 def tp_layout(model: nn.Module) -> TPLayout | None:
     """The TP layout transformers set on ``model`` (None for a single-process model)."""
     size = getattr(model, "_tp_size", None) or 1
@@ -184,11 +195,15 @@ def _gathered_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return shard.full_tensor()
 
 
+# torch 2.13 renames all_gather_into_tensor (and deprecates the old name); earlier releases have the old only.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def exchange_partials(parts: torch.Tensor, bias, dtype: torch.dtype, layout: TPLayout) -> torch.Tensor:
     """All-gather the ranks' fp32 leaf sums [leaves / t, M, N] into [leaves, M, N] (rank order is
     leaf order) and add them in leaf order, then the bias: the single-process tree's bits."""
     gathered = parts.new_empty((parts.shape[0] * layout.size, *parts.shape[1:]))
-    dist.all_gather_into_tensor(gathered, parts.contiguous(), group=layout.group)
+    _all_gather(gathered, parts.contiguous(), group=layout.group)
     return combine_partials(gathered, bias, dtype)
 
 

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import (SECTIONS, divergence, e2e, host_overhead, matmul, moe, norm_attention, scoring,  # noqa: E402
                         train)
+from benchmarks import tensor_parallel as tp_bench  # noqa: E402
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
 from benchmarks.__main__ import main as bench_main  # noqa: E402
@@ -230,6 +231,31 @@ def test_moe_rows(results):
         else:
             assert row["invariant_time_ratio"] > 0 and isinstance(row["alone_bitwise_equal"], bool)
     assert all(r["max_abs_diff_to_eager"] == 0.0 for r in rows if r["implementation"] == "eager")
+
+
+def test_tensor_parallel_rows(results):
+    exchange = results["tp_exchange"]  # qwen2.5-1.5b: 12 heads / 2 KV heads, so TP 2 only
+    assert [(r["tp"], r["layer"], r["N"], r["K"], r["leaves"]) for r in exchange] == [
+        (2, "o_proj", 1536, 1536, 8), (2, "down_proj", 1536, 8960, 8)]
+    for row in exchange:  # (t-1)/t x 8 leaves x N x 4 bytes vs 2 (t-1)/t x N x 2
+        assert row["ours_bytes_per_token"] == 0.5 * 8 * 1536 * 4 and row["stock_bf16_bytes_per_token"] == 2 * 0.5 * 1536 * 2
+        assert row["ratio"] == 8.0 and row["ours_bytes_per_token_model"] == row["ours_bytes_per_token"] * 28
+    steps = results["tp_steps"]
+    assert [r["tp"] for r in steps] == [1, 2]
+    for row in steps:
+        assert row["prefill_step_ms"] > 0 and row["decode_step_ms"] > 0 and row["decode_ratio_to_tp1"] > 0
+        assert row["bitwise_equal_to_tp1"] is True and row["steps"] == tp_bench.QUICK_DECODE
+
+
+def test_tensor_parallel_check_catches_a_tp_dependent_exchange(monkeypatch):
+    """The section's bitwise column fails when every rank all-reduces its own rounded sum."""
+    import tp_controls
+    from invariant_infer import tensor_parallel
+    monkeypatch.setattr(tensor_parallel, "exchange_partials", tensor_parallel.exchange_partials)
+    ctx = Run(device=torch.device("cpu"), quick=True)
+    ctx.section = "tensor_parallel"
+    steps = tp_bench.run(ctx, rank_init=tp_controls.use_allreduce_exchange)["tp_steps"]
+    assert ctx.skipped == [] and [(r["tp"], r["bitwise_equal_to_tp1"]) for r in steps] == [(1, True), (2, False)]
 
 
 def test_moe_alone_check_catches_an_m_dependent_expert_gemm(monkeypatch):

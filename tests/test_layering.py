@@ -25,7 +25,7 @@ LAYERS = [
      "invariant_infer.engine.*", "invariant_infer.loading", "invariant_infer.weight_update", "invariant_infer.training",
      "invariant_infer"],
     ["invariant_infer.server.*", "invariant_infer.distributed", "invariant_infer.scoring_job",
-     "invariant_infer.scoring_backends", "invariant_infer.integrations.*"],
+     "invariant_infer.scoring_backends", "invariant_infer.integrations.*", "invariant_infer.tensor_parallel_ranks"],
     ["invariant_infer.cli", "invariant_infer.demo", "invariant_infer.scoring_cli", "invariant_infer.serve_cli"],
     ["benchmarks.*"],
 ]

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 from invariant_infer import tensor_parallel
-from invariant_infer.kernels.linear import combine_partials
 from invariant_infer.patch import make_invariant, restore
+from tp_controls import allreduce_exchange
 
 # A layout the trees do not serve: embeddings sharded on the hidden dimension.
 PLAN_OVERRIDE = {"model.embed_tokens": "embedding_colwise"}
@@ -39,13 +39,6 @@ def padded_batch(vocab: int):
         ids[row, width - n:] = torch.randint(1, vocab, (n,), generator=generator)
         mask[row, width - n:] = 1
     return ids, mask
-
-
-def allreduce_exchange(parts, bias, dtype, layout):
-    """The control: this rank's leaves added, rounded to ``dtype``, then summed across ranks."""
-    y = combine_partials(parts.contiguous(), None, dtype)
-    dist.all_reduce(y, group=layout.group)
-    return y if bias is None else y + bias
 
 
 def logits(path: str, dtype: torch.dtype, variant: str) -> torch.Tensor:

@@ -6,6 +6,10 @@
 
 ``add_request`` / ``step`` / ``abort`` drive it one step at a time (a server does);
 ``generate`` and ``score`` run until their requests finish.
+
+On the model of ``TensorParallelRanks`` (``invariant_infer.tensor_parallel_ranks``) the engine runs
+in rank 0's process: it schedules, samples and keeps the requests; every step's forward and logits
+run on all ranks in step, and each result is bitwise that of one process.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import TensorParallelError
 from ..patch import is_invariant, make_invariant
 from ..sampling import sample_next_token
 from ..scoring import ScoreResult
@@ -79,7 +84,9 @@ class Engine:
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
         dtype, device = model.get_output_embeddings().weight.dtype, model.get_output_embeddings().weight.device
         page_size = ModelRunner.page_size_for(config, device, dtype)
-        self.page_bytes = page_bytes = ModelRunner.page_bytes(config, dtype, page_size)
+        self.tensor_parallel_size = getattr(model, "_tp_size", None) or 1
+        # kv_cache_memory is per rank; a rank holds 1 / tensor_parallel_size of the KV heads.
+        self.page_bytes = page_bytes = ModelRunner.page_bytes(config, dtype, page_size, self.tensor_parallel_size)
         if kv_cache_memory is None:
             kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY if device.type != "cuda" else \
                 int(torch.cuda.mem_get_info(device)[0] * DEFAULT_CUDA_KV_CACHE_FRACTION)
@@ -189,6 +196,8 @@ class Engine:
                 continue
             try:
                 advanced += self._process(group, hidden)
+            except TensorParallelError:
+                raise
             except Exception as exc:  # noqa: BLE001  (logits of the group failed: fail its requests, go on)
                 for chunk in group:
                     self._finish(chunk.seq, "error", error=f"{type(exc).__name__}: {exc}")
@@ -213,6 +222,8 @@ class Engine:
             if timer:
                 timer.mark("forward")
             return [(chunks, hidden, None)]
+        except TensorParallelError:  # the ranks are out of step: no request can run alone either
+            raise
         except Exception as exc:  # noqa: BLE001
             if len(chunks) == 1:
                 return [(chunks, None, f"{type(exc).__name__}: {exc}")]
@@ -247,7 +258,7 @@ class Engine:
             timer.mark("output")
         if not rows:
             return []
-        logits = self.runner.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        logits = self.runner.logits_of(hidden, rows)
         if timer:
             timer.mark("forward")
         if prompt_targets:

@@ -7,6 +7,11 @@ each token's absolute position; attention receives a ``paged_batch`` keyword tha
 forward passes through to its attention function (``invariant_infer.hf_attention``), which
 writes the step's K/V into the pages and attends over each sequence's own pages.
 
+Under tensor parallelism (a model that ``TensorParallelRanks`` drives), each rank holds its shard of
+the KV heads in its own pages; rank 0 schedules, and each step's metadata (plain lists: token ids,
+positions, slots, block tables) goes to every rank through the model's rank mirror, so all ranks
+run the same forward and the same logits rows.
+
 The step's metadata is copied into buffers allocated once, and ``decode_buckets`` pads a
 decode-only step to a fixed number of rows, as CUDA-graph capture needs (benchmarks/README.md lists
 what capture needs besides).
@@ -17,7 +22,7 @@ attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kern
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +31,7 @@ from transformers import AttentionInterface
 from ..hf_attention import PAGED_BATCH_KWARG
 from ..kernels import attention_config, linear, paged_attention, token_logprobs, write_kv
 from ..padding import sequence_bounds
+from ..tensor_parallel import rank_mirror, tp_layout
 from .scheduler import ScheduledChunk
 
 STOCK_ATTN_IMPLEMENTATION = "invariant_infer_paged_stock"
@@ -84,12 +90,25 @@ class PagedBatch:
 
 
 @dataclass
+class StepMetadata:
+    """One step's packed tokens and pages, as plain lists (what rank 0 sends the other ranks)."""
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_starts: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    num_real_tokens: int
+
+
+@dataclass
 class StepInputs:
     """What one forward reads: views of the runner's persistent buffers."""
     input_ids: torch.Tensor        # long [1, T]
     position_ids: torch.Tensor     # long [1, T]
     batch: PagedBatch
     num_real_tokens: int           # the first rows; padding rows follow
+    metadata: StepMetadata | None = field(default=None, repr=False)
 
 
 class ModelRunner:
@@ -101,7 +120,11 @@ class ModelRunner:
         self.lm_head = model.get_output_embeddings()
         self.device, self.dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        layout = tp_layout(model)
+        self.tp_size = layout.size if layout else 1
+        if self.tp_size > 1 and not invariant:
+            raise ValueError("kernels='stock' runs one process only (stock tensor parallelism is not invariant)")
+        self.num_kv_heads = config.num_key_value_heads // self.tp_size  # this rank's shard of the KV heads
         self.head_dim = _head_dim(config)
         self.page_size, self.num_pages = page_size, num_pages
         self.decode_buckets = sorted(set(decode_buckets))
@@ -130,6 +153,11 @@ class ModelRunner:
         if not invariant:
             AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, _paged_stock_attention)
             model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
+        self.mirror = rank_mirror(model)
+        if self.mirror is not None:  # every other rank builds the same runner over its shard
+            options = dict(num_pages=num_pages, page_size=page_size, invariant=invariant, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, decode_buckets=tuple(decode_buckets))
+            self.mirror.call("runner", options, lambda: None)
 
     @staticmethod
     def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:
@@ -137,9 +165,11 @@ class ModelRunner:
         return attention_config(device.type, dtype, _head_dim(config)).block_n
 
     @staticmethod
-    def page_bytes(config, dtype: torch.dtype, page_size: int) -> int:
+    def page_bytes(config, dtype: torch.dtype, page_size: int, tp_size: int = 1) -> int:
+        """Bytes of one page on one rank (a rank holds 1 / tp_size of the KV heads)."""
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * page_size * config.num_key_value_heads * _head_dim(config) * element
+        kv_heads = config.num_key_value_heads // tp_size
+        return 2 * config.num_hidden_layers * page_size * kv_heads * _head_dim(config) * element
 
     def bucket(self, chunks: list[ScheduledChunk]) -> int:
         """Rows of the step: a decode-only step is padded to the smallest bucket that holds it."""
@@ -150,9 +180,12 @@ class ModelRunner:
         return len(chunks)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        """Pack the chunks' tokens and paged metadata into the persistent buffers. Padding rows (one
-        token each, at position i % page_size of scratch page i // page_size, attending to the
-        scratch keys before it) compute alone, like every row, so no real row's bits change."""
+        return self.load(self.step_metadata(chunks))
+
+    def step_metadata(self, chunks: list[ScheduledChunk]) -> StepMetadata:
+        """The chunks' packed tokens and pages. Padding rows (one token each, at position
+        i % page_size of scratch page i // page_size, attending to the scratch keys before it)
+        compute alone, like every row, so no real row's bits change."""
         ids, positions, slots, starts, lens, tables = [], [], [], [0], [], []
         for chunk in chunks:
             seq, end = chunk.seq, chunk.start + chunk.num_tokens
@@ -173,6 +206,12 @@ class ModelRunner:
             lens.append(offset + 1)
             tables.append([page])
         self.padding_rows += len(ids) - num_real
+        return StepMetadata(ids, positions, slots, starts, lens, tables, num_real)
+
+    def load(self, metadata: StepMetadata) -> StepInputs:
+        """Copy a step's metadata into the persistent buffers."""
+        ids, positions, slots, starts, lens, tables = (metadata.ids, metadata.positions, metadata.slots,
+                                                      metadata.query_starts, metadata.seq_lens, metadata.block_tables)
         tokens, seqs, width = len(ids), len(lens), max(map(len, tables))
         for buf, values in ((self.input_ids, ids), (self.positions, positions), (self.slot_mapping, slots),
                             (self.query_starts, starts), (self.seq_lens, lens)):
@@ -182,11 +221,17 @@ class ModelRunner:
         batch = PagedBatch(self.k_caches, self.v_caches, self.slot_mapping[:tokens], self.query_starts[:seqs + 1],
                            self.seq_lens[:seqs], self.block_tables[:seqs, :width],
                            max(starts[s + 1] - starts[s] for s in range(seqs)), starts, lens, self.invariant)
-        return StepInputs(self.input_ids[:tokens][None], self.positions[:tokens][None], batch, num_real)
+        return StepInputs(self.input_ids[:tokens][None], self.positions[:tokens][None], batch,
+                          metadata.num_real_tokens, metadata)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states [T, H] of the step's real packed tokens (on every rank, in step)."""
+        if self.mirror is not None:
+            return self.mirror.call("forward", inputs.metadata, lambda: self._forward(inputs))
+        return self._forward(inputs)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Final hidden states [T, H] of the step's real packed tokens."""
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
         # A prepared 4-D mask: transformers passes it through untouched (attention ignores it here).
         mask = sequence_bounds(None, 1, inputs.input_ids.shape[1], 0, self.device)
         out = self.base(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=mask,
@@ -196,9 +241,20 @@ class ModelRunner:
     def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         return self.forward(self.prepare(chunks))
 
+    def logits_of(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits [R, V] of the rows ``rows`` of a forward's hidden states (on every rank, in step:
+        under tensor parallelism each rank computes its vocabulary slice)."""
+        def local():
+            return self.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if self.mirror is not None:
+            return self.mirror.call("logits", rows, local)
+        return local()
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, V] (model dtype) of hidden rows [R, H]."""
+        if self.tp_size > 1:  # the sharded head's own forward: its slice, then an all-gather (copies)
+            return self.lm_head(hidden)
         if self.invariant:
             return linear(hidden, self.lm_head.weight, self.lm_head.bias)
         return F.linear(hidden, self.lm_head.weight, self.lm_head.bias)

@@ -7,16 +7,24 @@ goes to stdout.
 SIGTERM / SIGINT close the listening socket in the signal handler itself, so from then on a new
 connection is refused; uvicorn then lets in-flight requests finish, the engine stops and the
 process exits 0. (uvicorn alone closes it only on its main loop's next tick, and a tick can wait
-behind the engine's lock; until then the kernel keeps completing new connections.)"""
+behind the engine's lock; until then the kernel keeps completing new connections.)
+
+With ``--tensor-parallel-size N`` the server is rank 0 of ``TensorParallelRanks``: it starts the
+other ranks, and stops them when it exits. A rank that dies stops the server within seconds, with
+the rank named on stderr and exit code 1; requests in flight get an error."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import sys
+import threading
 
 import uvicorn
 
 from ..engine import AsyncEngine, Engine
 from ..loading import load_model, load_tokenizer
+from ..tensor_parallel_ranks import TensorParallelRanks
 from .app import create_app
 from .state import ServerOptions
 
@@ -24,11 +32,36 @@ from .state import ServerOptions
 # stream (and --stream-write-timeout starts counting) after a few hundred KiB, not after the
 # megabytes Linux's autotuning would buffer; ample for event streams and ordinary responses.
 SEND_BUFFER_BYTES = 64 << 10
+EXIT_RANK_FAILED = 1
+FORCED_EXIT_AFTER_S = 15.0  # after a rank's failure: the drain gets this long, then the process exits
 
 
-def build(args):
-    """The app for the checkpoint ``args.model``: the engine wraps the model itself."""
-    model = load_model(args.model, dtype=args.dtype, device=args.device, invariant=False)
+class RankFailure:
+    """What a rank's failure does to the server: stop it (at most FORCED_EXIT_AFTER_S later)."""
+
+    def __init__(self):
+        self.server: uvicorn.Server | None = None
+        self.message: str | None = None
+
+    def __call__(self, message: str) -> None:
+        self.message = message
+        print(f"invariant-infer serve: {message}; shutting down", file=sys.stderr, flush=True)
+        if self.server is not None:
+            self.server.should_exit = True
+            for listening in getattr(self.server, "servers", []):
+                listening.close()
+        timer = threading.Timer(FORCED_EXIT_AFTER_S, os._exit, (EXIT_RANK_FAILED,))
+        timer.daemon = True
+        timer.start()
+
+
+def build(args, ranks: TensorParallelRanks | None = None):
+    """The app for the checkpoint ``args.model`` (or for ``ranks.model``, the sharded one): the
+    engine wraps the model itself."""
+    if ranks is not None:
+        model = ranks.model
+    else:
+        model = load_model(args.model, dtype=args.dtype, device=args.device, invariant=False)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
@@ -53,7 +86,27 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args) -> int:
-    app = build(args)
+    size = getattr(args, "tensor_parallel_size", 1)
+    if size == 1:
+        return _serve(args, None, None)
+    if args.kernels != "invariant":
+        print("invariant-infer serve: --tensor-parallel-size runs the invariant kernels only", file=sys.stderr)
+        return 2
+    failure = RankFailure()
+    try:
+        ranks = TensorParallelRanks(args.model, size, dtype=args.dtype, device=args.device, on_failure=failure)
+    except Exception as exc:  # noqa: BLE001  (a refused size, a rank that failed loading)
+        print(f"invariant-infer serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        code = _serve(args, ranks, failure)
+    finally:
+        ranks.close()
+    return EXIT_RANK_FAILED if failure.message else code
+
+
+def _serve(args, ranks: TensorParallelRanks | None, failure: RankFailure | None) -> int:
+    app = build(args, ranks)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -68,6 +121,10 @@ def serve(args) -> int:
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None, access_log=False)
     server = DrainingServer(config)
+    if failure is not None:
+        failure.server = server
+        if failure.message:  # a rank failed while the app was built
+            return EXIT_RANK_FAILED
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"invariant-infer serve: listening on http://{shown}:{port}", flush=True)
     server.run(sockets=[sock])

@@ -44,6 +44,10 @@ class WeightUpdater:
         """The response body of a successful update; raises ``UpdateRefused`` otherwise."""
         if self.updating:
             raise self._refuse("refused", 409, "another weight update is running", "update_in_progress")
+        if self.async_engine.engine.tensor_parallel_size > 1:
+            raise self._refuse("refused", 400, "weight updates are not supported with --tensor-parallel-size > 1 "
+                               "(the other ranks hold their own shards); the old weights keep serving",
+                               "unsupported_with_tensor_parallelism")
         self.updating = True
         self.metrics.weight_update_in_progress.set(1)
         try:
