@@ -175,6 +175,7 @@ class TensorParallelRanks:
             raise RuntimeError("TensorParallelRanks starts its own process group, and this process has one already")
         self.size, self.on_failure = tensor_parallel_size, on_failure
         self.failure: str | None = None
+        self._started = False  # on_failure is for failures after the start (a failed start raises)
         self._lock = threading.Lock()  # one step at a time
         self._failure_lock = threading.Lock()
         self._closing = False
@@ -211,6 +212,7 @@ class TensorParallelRanks:
             raise TensorParallelError(self.failure) from exc
         setattr(self.model, RANK_MIRROR_ATTR, self)
         self.model.model.register_forward_pre_hook(self._refuse_alone)
+        self._started = True
 
     # ---- steps ---------------------------------------------------------------------------------
 
@@ -231,9 +233,13 @@ class TensorParallelRanks:
             try:
                 result = local()
             except BaseException as exc:
+                here = f"{type(exc).__name__}: {exc}"[:300]
                 notice = self._death_notice()
-                raise TensorParallelError(self._fail(notice or f"rank 0 failed in {command}: "
-                                                     f"{type(exc).__name__}: {exc}")) from exc
+                message = self._fail(f"{notice}; rank 0's {command} then raised {here}" if notice
+                                     else f"rank 0 failed in {command}: {here}")
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # the ranks are stopped; the exit goes on
+                    raise
+                raise TensorParallelError(message) from exc
             finally:
                 self._in_call = False
             self._collect(command)
@@ -292,7 +298,7 @@ class TensorParallelRanks:
                 self.failure = f"{message}; every rank is stopped: start them again"
         for worker in self.workers:
             worker.kill()
-        if first and self.on_failure is not None and not self._closing:
+        if first and self.on_failure is not None and self._started and not self._closing:
             self.on_failure(self.failure)
         return self.failure
 
