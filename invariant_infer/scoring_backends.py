@@ -4,6 +4,9 @@ holding it. All score every row with the same bits; the job does not know which 
 """
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from typing import Iterator
 
 from transformers import AutoConfig
@@ -16,6 +19,19 @@ from .scoring_job import JobError, Request
 from .tensor_parallel_ranks import TensorParallelRanks
 
 Scored = Iterator[list[tuple[Request, ScoreResult | str]]]
+EXIT_RANK_FAILED = 2          # the score command's fatal exit status
+FORCED_EXIT_AFTER_S = 15.0    # after a rank's failure, a job still waiting on a collective (NCCL) ends here
+
+
+def _exit_if_stuck(message: str) -> None:
+    """A rank failed: the job normally raises at once (gloo returns when a peer dies); if a
+    collective still holds it (NCCL waits for its timeout), the process ends after FORCED_EXIT_AFTER_S."""
+    def end() -> None:
+        print(f"score: {message}; the rows written so far are kept: re-run to resume", file=sys.stderr, flush=True)
+        os._exit(EXIT_RANK_FAILED)
+    timer = threading.Timer(FORCED_EXIT_AFTER_S, end)
+    timer.daemon = True
+    timer.start()
 
 
 class LocalBackend:
@@ -31,7 +47,8 @@ class LocalBackend:
         try:
             if tensor_parallel_size == 1:
                 return cls(load_model(path, dtype=dtype, device=device))
-            ranks = TensorParallelRanks(path, tensor_parallel_size, dtype=dtype, device=device)
+            ranks = TensorParallelRanks(path, tensor_parallel_size, dtype=dtype, device=device,
+                                        on_failure=_exit_if_stuck)
             return cls(ranks.model, ranks)
         except UnsupportedModelError as exc:
             raise JobError(f"--tensor-parallel-size {tensor_parallel_size}: {exc}") from None
