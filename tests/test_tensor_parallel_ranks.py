@@ -1,5 +1,5 @@
 """The engine, scoring and the commands at TP 2 (CPU, gloo on 127.0.0.1): ``TensorParallelRanks``
-with ``Engine`` and ``score_sequences``, ``invariant-infer score --tensor-parallel-size 2`` and
+with ``Engine`` and ``score_sequences`` (also at TP 4), ``invariant-infer score --tensor-parallel-size 2`` and
 ``invariant-infer serve --tensor-parallel-size 2`` give bitwise the results of one process.
 Faults: a rank killed mid-step or while idle fails the call or the command within seconds, naming
 the rank; a rank that cannot start fails the start; SIGTERM stops every rank; no rank outlives its
@@ -116,11 +116,11 @@ def assert_same(expected, got) -> None:
     assert all(torch.equal(a, b) for a, b in zip(scores_1, scores_2))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_engine_and_scores_at_tp2_are_those_of_one_process(checkpoint, dtype):
+@pytest.mark.parametrize("size, dtype", [(2, "fp32"), (2, "bf16"), (4, "fp32")])
+def test_engine_and_scores_at_tp2_and_tp4_are_those_of_one_process(checkpoint, size, dtype):
     single = engine_results(load_model(checkpoint, dtype=dtype, device="cpu"))
-    with TensorParallelRanks(checkpoint, 2, dtype=dtype, device="cpu") as ranks:
-        assert ranks.model._tp_size == 2 and len(ranks.workers) == 1
+    with TensorParallelRanks(checkpoint, size, dtype=dtype, device="cpu") as ranks:
+        assert ranks.model._tp_size == size and len(ranks.workers) == size - 1
         sharded = engine_results(ranks.model)
     assert_same(single, sharded)
 
