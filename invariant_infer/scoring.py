@@ -86,12 +86,14 @@ def plan_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int
 
 
 def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, *,
-                               lm_head_bias: torch.Tensor | None = None,
-                               chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               lm_head_bias: torch.Tensor | None = None, chunk_rows: int | None = None,
+                               head=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states [T, H] and the tokens they predict [T] -> (fp32 [T] logprobs, bool [T] is-argmax).
 
     Only [chunk_rows x V] logits, in the model dtype, exist at a time. The chunk size does not
-    change any bit: the linear kernel is M-invariant and the logprob kernel reduces rows alone."""
+    change any bit: the linear kernel is M-invariant and the logprob kernel reduces rows alone.
+    ``head``: a module that turns rows into logits in place of ``linear(rows, weight, bias)``
+    (a tensor-parallel lm_head's own forward: its vocabulary slice, then an all-gather)."""
     vocab = lm_head_weight.shape[0]
     if chunk_rows is None:
         chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
@@ -100,21 +102,10 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     is_argmax = torch.empty(total, device=hidden.device, dtype=torch.bool)
     for start in range(0, total, chunk_rows):
         end = min(start + chunk_rows, total)
-        logits = linear(hidden[start:end], lm_head_weight, lm_head_bias)
+        rows = hidden[start:end]
+        logits = head(rows) if head is not None else linear(rows, lm_head_weight, lm_head_bias)
         logprobs[start:end], is_argmax[start:end] = token_logprobs(logits, targets[start:end])
         del logits
-    return logprobs, is_argmax
-
-
-def _sharded_head_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None):
-    """``token_logprobs_from_hidden`` over a tensor-parallel lm_head: the same chunks and kernels."""
-    if chunk_rows is None:
-        chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])
-    logprobs = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-    is_argmax = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.bool)
-    for start in range(0, hidden.shape[0], chunk_rows):
-        end = min(start + chunk_rows, hidden.shape[0])
-        logprobs[start:end], is_argmax[start:end] = token_logprobs(lm_head(hidden[start:end]), targets[start:end])
     return logprobs, is_argmax
 
 
@@ -157,12 +148,9 @@ def score_batch_here(model, sequences: Sequence[Sequence[int]], prompt_lengths: 
     positions_t = torch.tensor(positions, dtype=torch.long, device=device)
     # The base model only: the CausalLM forward would build the full logits.
     hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    targets = ids[rows_t, positions_t + 1]
-    if tp_layout(model) is not None:  # the sharded head's own forward: its slice, then an all-gather
-        logprobs, is_argmax = _sharded_head_logprobs(lm_head, hidden[rows_t, positions_t], targets, chunk_rows)
-    else:
-        logprobs, is_argmax = token_logprobs_from_hidden(hidden[rows_t, positions_t], lm_head.weight, targets,
-                                                         lm_head_bias=lm_head.bias, chunk_rows=chunk_rows)
+    logprobs, is_argmax = token_logprobs_from_hidden(
+        hidden[rows_t, positions_t], lm_head.weight, ids[rows_t, positions_t + 1], lm_head_bias=lm_head.bias,
+        chunk_rows=chunk_rows, head=lm_head if tp_layout(model) is not None else None)
     logprobs, is_argmax = logprobs.cpu(), is_argmax.cpu()
     results, offset = [], 0
     for seq, start in zip(sequences, prompt_lengths):

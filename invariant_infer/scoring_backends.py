@@ -51,7 +51,8 @@ class LocalBackend:
                                         on_failure=_exit_if_stuck)
             return cls(ranks.model, ranks)
         except UnsupportedModelError as exc:
-            raise JobError(f"--tensor-parallel-size {tensor_parallel_size}: {exc}") from None
+            where = f"--tensor-parallel-size {tensor_parallel_size}" if tensor_parallel_size > 1 else f"cannot load {path}"
+            raise JobError(f"{where}: {exc}") from None
         except Exception as exc:
             raise JobError(f"cannot load {path}: {exc}") from None
 

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -220,6 +221,20 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 START_TIMEOUT = 240
+
+
+def run_bounded(command: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``command`` in its own session; its whole process group is killed if it outlives
+    ``timeout`` or the test is interrupted."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 def save_tokenizer(path) -> None:
     """The scoring tests' byte-level BPE, saved as a PreTrainedTokenizerFast with a chat template."""

@@ -10,8 +10,6 @@ Each TP size is one torchrun (tests/tp_worker.py) that runs every check of that 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import FAMILY_NAMES
+from helpers import FAMILY_NAMES, run_bounded
 from invariant_infer.kernels.configs import row_parallel_config, tree_leaves
 from invariant_infer.kernels.fused_linear import silu_mul_linear, silu_mul_linear_partials
 from invariant_infer.kernels.linear import combine_partials, linear, linear_partials
@@ -52,15 +50,8 @@ def torchrun(nproc: int, out: Path, args: list[str]) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", "127.0.0.1:0", "--nproc-per-node", str(nproc), str(WORKER), "--out", str(out), *args]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, f"torchrun with {nproc} ranks failed:\n{output[-6000:]}"
+    run = run_bounded(command, RUN_TIMEOUT, env)
+    assert run.returncode == 0, f"torchrun with {nproc} ranks failed:\n{(run.stdout + run.stderr)[-6000:]}"
 
 
 def models(checkpoints) -> list[str]:

@@ -22,7 +22,7 @@ import torch
 from openai import OpenAI
 
 import tp_controls
-from helpers import ServerProcess, save_tokenizer
+from helpers import ServerProcess, run_bounded, save_tokenizer
 from invariant_infer import tensor_parallel
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.errors import TensorParallelError, UnsupportedModelError
@@ -191,14 +191,7 @@ def score_command(checkpoint: str, inputs: Path, output: Path, *extra: str) -> l
 
 
 def run_command(command: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=COMMAND_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+    return run_bounded(command, COMMAND_TIMEOUT)
 
 
 def write_rows(path: Path, count: int) -> Path:
@@ -249,6 +242,28 @@ def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_d
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"{written} already in output" in resumed.stderr
     assert output.read_bytes() == (tmp_path / "tp1.jsonl").read_bytes()
+
+
+def test_sigterm_to_the_score_command_stops_every_rank(checkpoint, tmp_path):
+    inputs = write_rows(tmp_path / "in.jsonl", 40)
+    output = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(score_command(checkpoint, inputs, output, "--tensor-parallel-size", "2",
+                                          "--max-batch-tokens", "24"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while not (output.exists() and output.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job ended before writing a row"
+            time.sleep(0.05)
+        rank = ranks_of(proc.pid)
+        assert len(rank) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(FAILS_WITHIN_S) == -signal.SIGTERM
+        assert not wait_gone(rank)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_commands_refuse_a_size_before_starting_ranks(checkpoint, tmp_path):
