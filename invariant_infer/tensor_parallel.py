@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from transformers.integrations.tensor_parallel import TensorParallelLayer, replace_layer_number_by_wildcard
+from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
 
 from .errors import NonInvariantInputError, UnsupportedModelError
 from .kernels.configs import TREE_LEAVES, linear_config, row_parallel_config, tree_leaves
@@ -71,7 +71,8 @@ def tp_layout(model: nn.Module) -> TPLayout | None:
     if mesh.size() != size:
         raise UnsupportedModelError(f"the model's device mesh {mesh} combines tensor parallelism with other "
                                     "parallel dimensions; make_invariant supports tensor parallelism alone")
-    tp_mesh = mesh["tp"]
+    names = getattr(mesh, "mesh_dim_names", None)  # transformers 5.17 builds a 1-D mesh without names
+    tp_mesh = mesh["tp"] if names and "tp" in names else mesh
     return TPLayout(size=size, rank=tp_mesh.get_local_rank(), mesh=tp_mesh, group=tp_mesh.get_group())
 
 
@@ -190,9 +191,18 @@ def _colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gathered_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary slice, then every rank's slice gathered (copies). The slices are
+    torch.chunk's (DTensor's Shard(0)): ceil(V / t) columns each, the last ones fewer or none."""
+    layout = self._invariant_tp
     y = _colwise_forward(self, x)
-    shard = TensorParallelLayer._from_local_last_dim_shard(y, self._invariant_tp.mesh, self.out_features)
-    return shard.full_tensor()
+    vocab, width = self.out_features, -(-self.out_features // layout.size)
+    rows = y.reshape(-1, y.shape[-1])
+    if rows.shape[-1] < width:
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[-1]))
+    gathered = rows.new_empty((layout.size * rows.shape[0], width))
+    _all_gather(gathered, rows.contiguous(), group=layout.group)
+    full = gathered.view(layout.size, rows.shape[0], width).transpose(0, 1).reshape(rows.shape[0], -1)[:, :vocab]
+    return full.reshape(*y.shape[:-1], vocab)
 
 
 # torch 2.13 renames all_gather_into_tensor (and deprecates the old name); earlier releases have the old only.

@@ -125,6 +125,24 @@ def test_engine_and_scores_at_tp2_and_tp4_are_those_of_one_process(checkpoint, s
     assert_same(single, sharded)
 
 
+def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
+    """Each engine's runner has its own pages on every rank: the first engine's prefix hits after a
+    second engine ran read the first one's KV, as in one process."""
+    params = SamplingParams(max_tokens=4, logprobs=1)  # no prompt logprobs: a repeated prompt hits the cache
+    prompts, other = [list(range(5, 85)), list(range(100, 180))], [list(range(200, 280))]  # pages of 64 on CPU
+
+    def run(model):
+        first, second = Engine(model), Engine(model)
+        before = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]
+        second.generate(other, params)
+        after = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]  # prefix hits
+        assert first.blocks.prefix_hits > 0  # the second run of the prompts read cached pages
+        return before, after
+    single = run(load_model(checkpoint, dtype="fp32", device="cpu"))
+    with TensorParallelRanks(checkpoint, 2, dtype="fp32", device="cpu") as ranks:
+        assert run(ranks.model) == single
+
+
 def test_control_allreduce_exchange_at_tp2_differs(checkpoint, monkeypatch):
     """Every rank (this one included) swaps in the control exchange; monkeypatch restores it here."""
     monkeypatch.setattr(tensor_parallel, "exchange_partials", tensor_parallel.exchange_partials)
@@ -144,6 +162,8 @@ def test_a_rank_killed_mid_step_fails_the_call_within_seconds(checkpoint):
     with TensorParallelRanks(checkpoint, 2, dtype="fp32", device="cpu", on_failure=failures.append) as ranks:
         with pytest.raises(TensorParallelError, match="runs only through Engine"):
             ranks.model(input_ids=torch.tensor([[1, 2, 3]]))  # rank 0 alone would wait forever
+        with pytest.raises(TensorParallelError, match="runs only through Engine"):
+            ranks.model.lm_head(torch.zeros(1, TP_SHAPE["hidden_size"]))
         engine = Engine(ranks.model)
         worker = ranks.workers[0].pid
         threading.Timer(1.0, os.kill, (worker, signal.SIGKILL)).start()
@@ -166,7 +186,7 @@ def test_a_rank_killed_while_idle_is_reported_within_seconds(checkpoint):
 
 def test_a_rank_that_cannot_start_fails_the_start(checkpoint):
     start = time.monotonic()
-    with pytest.raises(TensorParallelError, match="rank 1 .* failed in starting: RuntimeError: this rank cannot start"):
+    with pytest.raises(TensorParallelError, match="rank 1 .* failed during starting: RuntimeError: this rank cannot start"):
         TensorParallelRanks(checkpoint, 2, dtype="fp32", device="cpu", rank_init=tp_controls.fail_on_other_ranks)
     assert time.monotonic() - start < 60
 

@@ -108,6 +108,9 @@ class AsyncEngine:
         the prefix cache, also if ``update`` raises (its copy may have stopped halfway). With
         requests in flight, raises ``EngineBusyError`` and runs nothing. Blocks up to one step:
         call it off the event loop."""
+        if self.engine.tensor_parallel_size > 1:
+            raise NotImplementedError("weight updates are not supported under tensor parallelism (the other ranks "
+                                      "hold their own shards)")
         with self._lock:
             self._apply_aborts()
             if self.engine.has_unfinished():

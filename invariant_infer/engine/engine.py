@@ -212,7 +212,9 @@ class Engine:
 
     def _forward(self, chunks: list[ScheduledChunk]):
         """(chunks, hidden, error) triples: the whole step at once, or, if that raises, each request
-        alone, so that an exception fails only the request that raises it (hidden None, error set)."""
+        alone, so that an exception fails only the request that raises it (hidden None, error set).
+        A generator: the step processes each group before the next forward runs (under tensor
+        parallelism the other ranks keep one forward's hidden states, for its logits)."""
         timer = self.timer
         try:
             inputs = self.runner.prepare(chunks)
@@ -221,19 +223,22 @@ class Engine:
             hidden = self.runner.forward(inputs)
             if timer:
                 timer.mark("forward")
-            return [(chunks, hidden, None)]
+            whole = (chunks, hidden, None)
         except TensorParallelError:  # the ranks are out of step: no request can run alone either
             raise
         except Exception as exc:  # noqa: BLE001
-            if len(chunks) == 1:
-                return [(chunks, None, f"{type(exc).__name__}: {exc}")]
-        results = []
+            whole = None if len(chunks) > 1 else (chunks, None, f"{type(exc).__name__}: {exc}")
+        if whole is not None:
+            yield whole
+            return
         for chunk in chunks:
             try:
-                results.append(([chunk], self.runner.hidden_states([chunk]), None))
+                alone = ([chunk], self.runner.hidden_states([chunk]), None)
+            except TensorParallelError:
+                raise
             except Exception as exc:  # noqa: BLE001
-                results.append(([chunk], None, f"{type(exc).__name__}: {exc}"))
-        return results
+                alone = ([chunk], None, f"{type(exc).__name__}: {exc}")
+            yield alone
 
     def _process(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[Sequence]:
         """Prompt logprobs, sampling and stop checks for the chunks of one forward."""

@@ -22,6 +22,8 @@ attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kern
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +37,7 @@ from ..tensor_parallel import rank_mirror, tp_layout
 from .scheduler import ScheduledChunk
 
 STOCK_ATTN_IMPLEMENTATION = "invariant_infer_paged_stock"
+_RUNNER_IDS = itertools.count()  # names a runner to the other ranks (one engine's KV pages there)
 
 
 def _head_dim(config) -> int:
@@ -155,9 +158,11 @@ class ModelRunner:
             model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
         self.mirror = rank_mirror(model)
         if self.mirror is not None:  # every other rank builds the same runner over its shard
+            self.runner_id = next(_RUNNER_IDS)
             options = dict(num_pages=num_pages, page_size=page_size, invariant=invariant, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, decode_buckets=tuple(decode_buckets))
-            self.mirror.call("runner", options, lambda: None)
+            self.mirror.call("runner", (self.runner_id, options), lambda: None)
+            weakref.finalize(self, self.mirror.release, self.runner_id)
 
     @staticmethod
     def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:
@@ -227,7 +232,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states [T, H] of the step's real packed tokens (on every rank, in step)."""
         if self.mirror is not None:
-            return self.mirror.call("forward", inputs.metadata, lambda: self._forward(inputs))
+            return self.mirror.call("forward", (self.runner_id, inputs.metadata), lambda: self._forward(inputs))
         return self._forward(inputs)
 
     @torch.inference_mode()
@@ -247,7 +252,7 @@ class ModelRunner:
         def local():
             return self.logits(hidden[torch.tensor(rows, device=hidden.device)])
         if self.mirror is not None:
-            return self.mirror.call("logits", rows, local)
+            return self.mirror.call("logits", (self.runner_id, rows), local)
         return local()
 
     @torch.inference_mode()

@@ -47,9 +47,7 @@ class RankFailure:
         self.message = message
         print(f"invariant-infer serve: {message}; shutting down", file=sys.stderr, flush=True)
         if self.server is not None:
-            self.server.should_exit = True
-            for listening in getattr(self.server, "servers", []):
-                listening.close()
+            self.server.should_exit = True  # uvicorn's main loop polls it, closes the listener and drains
         timer = threading.Timer(FORCED_EXIT_AFTER_S, os._exit, (EXIT_RANK_FAILED,))
         timer.daemon = True
         timer.start()
