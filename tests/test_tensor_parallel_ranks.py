@@ -98,7 +98,7 @@ def no_orphan_ranks():
 
 # ---- the engine and scoring through the Python API ---------------------------------------------
 
-PROMPTS = [list(range(5, 12)), [3, 4], list(range(20, 45)), list(range(5, 12)) + [60, 61, 62]]  # 4th: a prefix hit
+PROMPTS = [list(range(5, 12)), [3, 4], list(range(20, 45)), list(range(5, 12)) + [60, 61, 62]]  # 4th: 1st + 3
 PARAMS = [SamplingParams(max_tokens=6, temperature=0.8, seed=1, prompt_logprobs=0),
           SamplingParams(max_tokens=4),
           SamplingParams(max_tokens=5, temperature=1.0, seed=7, logprobs=2, prompt_logprobs=1),
