@@ -119,6 +119,10 @@ def run(ctx: Run, family: str = "qwen2", preset: str = "qwen2.5-1.5b", rank_init
         for size in sizes:
             if ctx.out_of_time(f"tensor_parallel TP {size}"):
                 continue
+            if size > 1 and baseline is None:  # nothing to compare with
+                ctx.skipped.append({"section": ctx.section, "item": f"tensor_parallel TP {size}",
+                                    "reason": "TP 1 did not run"})
+                continue
             try:
                 if size == 1:
                     model = load_model(path, dtype=dtype, device=device.type)

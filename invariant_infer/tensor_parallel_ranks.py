@@ -216,7 +216,7 @@ class TensorParallelRanks:
     run it through ``Engine``, ``score_sequences`` and the other scoring functions, which run each
     step on every rank; a direct call of the model, its lm_head or its embedding on rank 0 alone
     is refused. One per process. On CPU every rank, this one included, gets an equal share of the
-    cores (``torch.set_num_threads``).
+    cores (``torch.set_num_threads``, given back by ``close``).
 
     ``rank_init``: a picklable function every rank calls first (before loading), e.g. to register
     custom code; ``on_failure(message)``: called once when the ranks fail after the start, from the
@@ -232,6 +232,7 @@ class TensorParallelRanks:
         self.size, self.on_failure = tensor_parallel_size, on_failure
         self.failure: str | None = None
         self._pid = os.getpid()  # a forked child inherits the atexit hook: close() is rank 0's only
+        self._threads = torch.get_num_threads()  # given back by close()
         self._started = False
         self._lock = threading.Lock()  # one step at a time
         self._failure_lock = threading.Lock()
@@ -492,6 +493,7 @@ class TensorParallelRanks:
                 except Exception:  # noqa: BLE001  (a group whose peers died may not shut down cleanly)
                     pass
             self._tmp.cleanup()
+            torch.set_num_threads(self._threads)
         finally:
             if idle:
                 self._lock.release()
