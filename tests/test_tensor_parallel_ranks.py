@@ -7,6 +7,7 @@ test. Negative control: ranks whose row-parallel exchange all-reduces each rank'
 order stock tensor parallelism adds in, which depends on the TP size) give other bits."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -228,6 +229,27 @@ def write_rows(path: Path, count: int) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def score_job_with_a_row(checkpoint: str, inputs: Path, output: Path, stderr=subprocess.DEVNULL):
+    """A TP 2 score job, yielded (process, its one rank's pid) once it has written a row; the
+    job's session is killed on the way out if it still runs."""
+    proc = subprocess.Popen(score_command(checkpoint, inputs, output, "--tensor-parallel-size", "2",
+                                          "--max-batch-tokens", "24"),
+                            stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while not (output.exists() and output.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job ended before writing a row"
+            time.sleep(0.05)
+        rank = ranks_of(proc.pid)
+        assert len(rank) == 1
+        yield proc, rank[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_dies(checkpoint, tmp_path):
     inputs = write_rows(tmp_path / "in.jsonl", 40)
     single = run_command(score_command(checkpoint, inputs, tmp_path / "tp1.jsonl"))
@@ -240,26 +262,13 @@ def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_d
 
     # A rank killed once rows are written: the command fails within seconds, naming it.
     output = tmp_path / "faulted.jsonl"
-    proc = subprocess.Popen(score_command(checkpoint, inputs, output, "--tensor-parallel-size", "2",
-                                          "--max-batch-tokens", "24"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + COMMAND_TIMEOUT
-        while not (output.exists() and output.read_text().count("\n") >= 1):
-            assert proc.poll() is None and time.monotonic() < deadline, "the job ended before writing a row"
-            time.sleep(0.05)
-        rank = ranks_of(proc.pid)
-        assert len(rank) == 1
-        os.kill(rank[0], signal.SIGKILL)
+    with score_job_with_a_row(checkpoint, inputs, output, stderr=subprocess.PIPE) as (proc, rank):
+        os.kill(rank, signal.SIGKILL)
         killed = time.monotonic()
         _, err = proc.communicate(timeout=COMMAND_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert time.monotonic() - killed < FAILS_WITHIN_S
     assert proc.returncode == 2
-    assert f"tensor-parallel rank 1 (pid {rank[0]}) was killed by SIGKILL" in err and "re-run to resume" in err
+    assert f"tensor-parallel rank 1 (pid {rank}) was killed by SIGKILL" in err and "re-run to resume" in err
     written = output.read_text().count("\n")
     assert 1 <= written < 40
     resumed = run_command(score_command(checkpoint, inputs, output, "--tensor-parallel-size", "2"))
@@ -270,24 +279,10 @@ def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_d
 
 def test_sigterm_to_the_score_command_stops_every_rank(checkpoint, tmp_path):
     inputs = write_rows(tmp_path / "in.jsonl", 40)
-    output = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(score_command(checkpoint, inputs, output, "--tensor-parallel-size", "2",
-                                          "--max-batch-tokens", "24"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + COMMAND_TIMEOUT
-        while not (output.exists() and output.read_text().count("\n") >= 1):
-            assert proc.poll() is None and time.monotonic() < deadline, "the job ended before writing a row"
-            time.sleep(0.05)
-        rank = ranks_of(proc.pid)
-        assert len(rank) == 1
+    with score_job_with_a_row(checkpoint, inputs, tmp_path / "out.jsonl") as (proc, rank):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(FAILS_WITHIN_S) == -signal.SIGTERM
-        assert not wait_gone(rank)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        assert not wait_gone([rank])
 
 
 def test_commands_refuse_a_size_before_starting_ranks(checkpoint, tmp_path):
