@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from invariant_infer.families import FAMILIES
+from invariant_infer.model.families import FAMILIES
 
 from . import SECTIONS
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
@@ -29,7 +29,7 @@ def _presets() -> str:
 
 def model_preset(value: str) -> tuple[str, str]:
     """argparse type for --model-preset: "FAMILY:PRESET" -> (family, preset), checked against
-    invariant_infer.families.FAMILIES and each adapter's presets."""
+    invariant_infer.model.families.FAMILIES and each adapter's presets."""
     family, sep, preset = value.partition(":")
     if not sep or not family or not preset:
         raise argparse.ArgumentTypeError(f"expected FAMILY:PRESET (e.g. llama:llama-3.1-8b), got {value!r}")

@@ -2,7 +2,7 @@
 
 For each case a batch of rows (left or right padded to one length) is scored once; then each
 checked row is scored alone, unpadded, batch size 1: the project's one batch-vs-alone measurement,
-``invariant_infer.drift.batch_drift``. Compared on the row's real tokens: max |delta logit| and the
+``invariant_infer.testing.drift.batch_drift``. Compared on the row's real tokens: max |delta logit| and the
 number of rows whose logits are not bitwise equal (torch.equal). The batch gets position_ids =
 cumsum(mask) - 1 (as generate() does), so padding never shifts positions and any difference comes
 from reduction order alone. Model: the preset (default Qwen2.5-1.5B); quick: its real widths with
@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from invariant_infer import make_invariant, restore
-from invariant_infer.drift import batch_drift
+from invariant_infer.testing.drift import batch_drift
 
 from .e2e import build_model, preset_config
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET

@@ -7,7 +7,7 @@ import torch
 from tqdm import tqdm
 
 from invariant_infer import make_invariant, restore
-from invariant_infer.random_checkpoints import random_config, random_model
+from invariant_infer.testing.random_checkpoints import random_config, random_model
 
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
 from .timing import Run, free_memory, peak_gb, reset_peak, time_ms

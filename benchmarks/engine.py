@@ -32,7 +32,7 @@ from transformers.generation.streamers import BaseStreamer
 from invariant_infer import restore
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.engine.model_runner import ModelRunner
-from invariant_infer.padding import left_pad
+from invariant_infer.model.padding import left_pad
 
 from .e2e import build_model, preset_config
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET

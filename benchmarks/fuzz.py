@@ -4,7 +4,7 @@ Each batching draws a family and a dtype, a batch of 1..8 members from that mode
 (drawn with replacement, so a sample may sit in a batch twice), their order, the padding side,
 0..8 extra padding columns, ``input_ids`` or ``inputs_embeds``, and explicit or derived
 ``position_ids``. The batch runs once through the patched model and every row is compared with
-the sample alone (``invariant_infer.drift.batch_drift``, ``torch.equal`` on the real tokens).
+the sample alone (``invariant_infer.testing.drift.batch_drift``, ``torch.equal`` on the real tokens).
 
 Models: each family's ``tiny`` preset (hidden 64) with 1 layer, 2 query heads on 1 KV head and
 a 128-token vocabulary (FUZZ_OVERRIDES), written with ``save_pretrained`` and loaded with
@@ -47,9 +47,9 @@ import transformers
 import triton
 from tqdm import tqdm
 
-from invariant_infer.drift import batch_drift
-from invariant_infer.families import FAMILIES
-from invariant_infer.loading import DTYPES
+from invariant_infer.testing.drift import batch_drift
+from invariant_infer.model.families import FAMILIES
+from invariant_infer.checkpoints.loading import DTYPES
 
 from .fuzz_draws import (LONG_LEN, MAX_BATCH, MAX_EXTRA_PAD, MAX_LEN, SAMPLES_PER_POOL, Batching, Pools,
                          batch_variant_linear, draw, fuzz_overrides, m_dependent_grouped_linear, m_dependent_linear,

@@ -12,13 +12,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-import invariant_infer.patch as patch
-from invariant_infer import hf_experts, make_invariant
-from invariant_infer.drift import logits_alone
+import invariant_infer.model.patch as patch
+from invariant_infer import make_invariant
+from invariant_infer.model import experts as hf_experts
+from invariant_infer.testing.drift import logits_alone
 from invariant_infer.kernels import grouped_linear, linear
 from invariant_infer.kernels.configs import linear_config
-from invariant_infer.loading import DTYPES
-from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
+from invariant_infer.checkpoints.loading import DTYPES
+from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
 # Speed: the interpreter pays per kernel launch and per program (attention runs B x heads programs),
 # so the fuzz models are each family's "tiny" preset with 1 layer (every kernel still runs and any
@@ -102,7 +103,7 @@ def _generator(seed: int, family: str) -> torch.Generator:
 
 def m_dependent_linear(x, weight, bias=None, config=None):
     """Negative control: BLOCK_K 16 for at most SMALL_M rows, the shape's own config above, as
-    batch-size-keyed heuristics and autotuners do (tests/test_linear.py has the same idea)."""
+    batch-size-keyed heuristics and autotuners do (tests/kernels/test_linear.py has the same idea)."""
     m = x.reshape(-1, x.shape[-1]).shape[0]
     config = config or linear_config(x.device.type, x.dtype, *weight.shape)
     if m <= SMALL_M:

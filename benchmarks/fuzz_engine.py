@@ -36,9 +36,9 @@ from tqdm import tqdm
 
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.engine.model_runner import ModelRunner
-from invariant_infer.families import FAMILIES
-from invariant_infer.loading import DTYPES
-from invariant_infer.random_checkpoints import random_config
+from invariant_infer.model.families import FAMILIES
+from invariant_infer.checkpoints.loading import DTYPES
+from invariant_infer.testing.random_checkpoints import random_config
 
 from .fuzz import csv_choices, device_name, quiet_libraries, versions, write_json
 from .fuzz_draws import Models, batch_variant_linear, fuzz_overrides

@@ -32,11 +32,11 @@ import transformers
 import triton
 from transformers import AutoModelForCausalLM
 
-from invariant_infer.drift import logits_alone, logits_in_batch
+from invariant_infer.testing.drift import logits_alone, logits_in_batch
 from invariant_infer.engine import Engine, SamplingParams
-from invariant_infer.families import FAMILIES
-from invariant_infer.loading import DTYPES as LOADING_DTYPES
-from invariant_infer.patch import make_invariant
+from invariant_infer.model.families import FAMILIES
+from invariant_infer.checkpoints.loading import DTYPES as LOADING_DTYPES
+from invariant_infer.model.patch import make_invariant
 
 GOLDEN_PATH = Path(__file__).resolve().parent.parent / "tests" / "golden" / "digests.json"
 REGENERATE = "python -m benchmarks.golden_digests --write"

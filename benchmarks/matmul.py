@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from invariant_infer.families import FAMILIES
+from invariant_infer.model.families import FAMILIES
 from invariant_infer.kernels import linear
 from invariant_infer.kernels.configs import row_parallel_config
-from invariant_infer.random_checkpoints import random_config
+from invariant_infer.testing.random_checkpoints import random_config
 
 from .timing import Run, time_ms
 

@@ -10,7 +10,7 @@ at Qwen3-30B-A3B widths (``LAYER``: hidden 2048, 128 experts, top-8, expert inte
     ``torch.topk``); an implementation that fails on the device is recorded with the reason, and
     ``batched_mm`` (it gathers both expert weights per (token, slot) pair: 100+ GB at 2048 tokens) is
     not run where that would take over 60% of the free GPU memory.
-  * ``invariant``: the same block as ``make_invariant`` patches it (``invariant_infer.hf_experts``):
+  * ``invariant``: the same block as ``make_invariant`` patches it (``invariant_infer.model.experts``):
     the router on the invariant linear and ``moe_routing``, the experts through the ``invariant``
     ExpertsInterface entry (``grouped_linear`` / ``grouped_silu_mul_linear``, one launch each for all
     experts), the top-k outputs summed in rank order in fp32.
@@ -26,8 +26,8 @@ from tqdm import tqdm
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from invariant_infer import hf_experts
-from invariant_infer.families import FAMILIES
+from invariant_infer.model import experts as hf_experts
+from invariant_infer.model.families import FAMILIES
 
 from .timing import Run, free_memory, time_ms
 

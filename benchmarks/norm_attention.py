@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from invariant_infer.families import FAMILIES
+from invariant_infer.model.families import FAMILIES
 from invariant_infer.kernels import attention, rms_norm
-from invariant_infer.random_checkpoints import random_config
+from invariant_infer.testing.random_checkpoints import random_config
 
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET, max_abs_diff
 from .timing import Run, time_ms

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from invariant_infer.families import FAMILIES
-from invariant_infer.random_checkpoints import random_config
+from invariant_infer.model.families import FAMILIES
+from invariant_infer.testing.random_checkpoints import random_config
 
 REQUIRED = {
     "top": ("device", "commit", "torch", "triton", "transformers", "matmul", "e2e", "divergence"),

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from invariant_infer import make_invariant, restore
-from invariant_infer.padding import pad_sequences
-from invariant_infer.scoring import (LOGITS_CHUNK_ELEMENTS, naive_token_logprobs, plan_batches, score_sequences,
+from invariant_infer.model.padding import pad_sequences
+from invariant_infer.scoring.core import (LOGITS_CHUNK_ELEMENTS, naive_token_logprobs, plan_batches, score_sequences,
                                      token_logprobs_from_hidden)
 
 from .e2e import build_model, preset_config

@@ -26,10 +26,10 @@ import torch
 
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.kernels.configs import tree_leaves
-from invariant_infer.loading import load_model
-from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
-from invariant_infer.tensor_parallel import supported_tp_sizes
-from invariant_infer.tensor_parallel_ranks import TensorParallelRanks
+from invariant_infer.checkpoints.loading import load_model
+from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
+from invariant_infer.model.tensor_parallel import supported_tp_sizes
+from invariant_infer.parallel.ranks import TensorParallelRanks
 
 from .timing import Run, free_memory
 

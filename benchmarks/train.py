@@ -7,7 +7,7 @@ logprobs of every scored token, loss = their negative mean, backward; no optimiz
 modes and every repetition see the same weights.
   * stock: no patch, ``attn_implementation="sdpa"``, torch/cuBLAS linear; logprobs as trainers take
     them (TRL's ``selective_log_softmax``): fp32 ``log_softmax`` of the full logits, gather.
-  * invariant: ``make_invariant(model)``; ``invariant_infer.training.token_logprobs``.
+  * invariant: ``make_invariant(model)``; ``invariant_infer.training.logprobs.token_logprobs``.
 Batches (``LAYOUTS``): ``padded`` = right-padded rows, ``position_ids = cumsum(mask) - 1`` as
 ``generate`` builds them, so any mismatch comes from reduction order alone; ``packed`` = the same
 samples in one row, no attention mask, ``position_ids`` restarting at 0 at each sample (the layout of
@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from invariant_infer import make_invariant, pad_sequences, restore
-from invariant_infer.padding import positions_from_mask
-from invariant_infer.training import scored_positions, token_logprobs
+from invariant_infer.model.padding import positions_from_mask
+from invariant_infer.training.logprobs import scored_positions, token_logprobs
 
 from .e2e import build_model, preset_config
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET

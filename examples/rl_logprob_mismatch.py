@@ -8,7 +8,7 @@ then recomputes those logprobs in its own micro-batches to form the importance r
 exp(trainer - sampler). Any difference biases the ratio. Here, on one random checkpoint:
 
   invariant  rollouts: ``invariant_infer.engine.Engine`` (continuous batching, paged KV cache), seeded
-             sampling; trainer: ``invariant_infer.training.token_logprobs`` on the same model in train
+             sampling; trainer: ``invariant_infer.training.logprobs.token_logprobs`` on the same model in train
              mode with grad enabled, at two micro-batch sizes, each left-padded, right-padded and packed
              (padding-free: one row, position_ids restarting at each sequence).
   stock      rollouts: transformers ``generate`` (left-padded batch, KV cache, sampling), each sampled
@@ -30,9 +30,9 @@ from transformers import AutoModelForCausalLM
 
 from invariant_infer import pad_sequences
 from invariant_infer.engine import Engine, SamplingParams
-from invariant_infer.padding import positions_from_mask
-from invariant_infer.random_checkpoints import random_config, save_random_checkpoint
-from invariant_infer.training import token_logprobs
+from invariant_infer.model.padding import positions_from_mask
+from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
+from invariant_infer.training.logprobs import token_logprobs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -1,13 +1,15 @@
-"""Bitwise batch-invariant inference for Hugging Face causal LMs: Qwen2/Qwen2.5, Qwen3, Llama 3.x, Mistral.
+"""Bitwise batch-invariant inference for Hugging Face causal LMs: Qwen2/Qwen2.5, Qwen3, Llama 3.x,
+Mistral, Mixtral, Qwen2-MoE and Qwen3-MoE.
 
     from invariant_infer import make_invariant, restore
     model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
 """
+from . import _legacy_names
 from .errors import InvariantInferError, NonInvariantInputError, UnsupportedModelError
-from .generation import generate_invariant, seeded_sampling
-from .padding import left_pad, pad_sequences, positions_from_mask
-from .patch import invariant, is_invariant, make_invariant, restore
-from .scoring import ScoreResult, score_sequences
+from .generation.generate import generate_invariant, seeded_sampling
+from .model.padding import left_pad, pad_sequences, positions_from_mask
+from .model.patch import invariant, is_invariant, make_invariant, restore
+from .scoring.core import ScoreResult, score_sequences
 
 __all__ = [
     "make_invariant", "restore", "invariant", "is_invariant", "positions_from_mask", "left_pad", "pad_sequences",
@@ -15,3 +17,5 @@ __all__ = [
     "seeded_sampling", "generate_invariant", "score_sequences", "ScoreResult",
 ]
 __version__ = "0.1.0"
+
+_legacy_names.install()

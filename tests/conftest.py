@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import FAMILY_NAMES
-from invariant_infer.random_checkpoints import qwen2_config, random_config, save_random_checkpoint
+from invariant_infer.testing.random_checkpoints import qwen2_config, random_config, save_random_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):

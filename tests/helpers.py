@@ -1,5 +1,5 @@
 """Helpers shared by the test files: dtypes, devices and families to parametrize over, model
-loading, the model-level batchings and bitwise comparison (through ``invariant_infer.drift``), the
+loading, the model-level batchings and bitwise comparison (through ``invariant_infer.testing.drift``), the
 M-dependent negative-control linear, a locally trained tokenizer, scoring request files, local
 lm-eval tasks and the real server in a subprocess."""
 from __future__ import annotations
@@ -27,15 +27,15 @@ from transformers import AutoModelForCausalLM
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from invariant_infer.drift import batch_drift, logits_alone, logits_in_batch
-from invariant_infer.families import FAMILIES
+from invariant_infer.testing.drift import batch_drift, logits_alone, logits_in_batch
+from invariant_infer.model.families import FAMILIES
 from invariant_infer.kernels import LinearConfig, grouped_linear, linear, linear_config
 from invariant_infer.kernels import launch as launch_mod
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 # Dense families: the FAMILY-driven tests run over these. The MoE families have their own short
-# tests (tests/test_moe.py), so CI time does not multiply.
+# tests (tests/model/test_moe.py), so CI time does not multiply.
 FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.moe is None)
 MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.moe is not None)
 

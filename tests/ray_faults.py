@@ -1,6 +1,6 @@
 """Faults for the Ray tests, put into every Ray worker by Ray's ``worker_process_setup_hook``
 (``install``) when ``FAULTS_DIR_ENV`` names a folder. Once a worker imports
-``invariant_infer.scoring`` (the scoring actors do; the fault ledger does not), its ``score_batch``
+``invariant_infer.scoring.core`` (the scoring actors do; the fault ledger does not), its ``score_batch``
 is wrapped:
 
 - a batch holding a sequence that starts with ``RAISE_PREFIX`` raises, and one with ``KILL_PREFIX``
@@ -20,7 +20,7 @@ from pathlib import Path
 FAULTS_DIR_ENV = "TEST_RAY_FAULTS_DIR"
 RAISE_PREFIX = [497, 498, 499]
 KILL_PREFIX = [507, 508, 509]
-MODULE = "invariant_infer.scoring"
+MODULE = "invariant_infer.scoring.core"
 
 
 def wrap(scoring, folder: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from invariant_infer import tensor_parallel
+from invariant_infer.model import tensor_parallel
 from invariant_infer.kernels.linear import combine_partials
 
 
@@ -23,6 +23,7 @@ def use_allreduce_exchange() -> None:
 
 def fail_on_other_ranks() -> None:
     """A ``rank_init`` that raises on every rank but rank 0 (a rank that cannot start)."""
+    import os
     import sys
-    if sys.argv[0].endswith("tensor_parallel_ranks.py"):
+    if sys.argv[0].endswith(os.path.join("parallel", "ranks.py")):
         raise RuntimeError("this rank cannot start")

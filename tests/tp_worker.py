@@ -19,8 +19,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from invariant_infer import tensor_parallel
-from invariant_infer.patch import make_invariant, restore
+from invariant_infer.model import tensor_parallel
+from invariant_infer.model.patch import make_invariant, restore
 from tp_controls import allreduce_exchange
 
 # A layout the trees do not serve: embeddings sharded on the hidden dimension.

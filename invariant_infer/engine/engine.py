@@ -7,7 +7,7 @@
 ``add_request`` / ``step`` / ``abort`` drive it one step at a time (a server does);
 ``generate`` and ``score`` run until their requests finish.
 
-On the model of ``TensorParallelRanks`` (``invariant_infer.tensor_parallel_ranks``) the engine runs
+On the model of ``TensorParallelRanks`` (``invariant_infer.parallel.ranks``) the engine runs
 in rank 0's process: it schedules, samples and keeps the requests; every step's forward and logits
 run on all ranks in step, and each result is bitwise that of one process.
 """
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TensorParallelError
-from ..patch import is_invariant, make_invariant
-from ..sampling import sample_next_token
-from ..scoring import ScoreResult
+from ..model.patch import is_invariant, make_invariant
+from ..generation.sampling import sample_next_token
+from ..scoring.core import ScoreResult
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampling_params import RequestError, SamplingParams

@@ -4,7 +4,7 @@ over them with attention on the paged KV cache, and turns the rows that need the
 The Hugging Face modules run unchanged (one engine for every family): projections, norms and
 MLP see ``T`` packed rows, which is all they need since each row is computed alone; RoPE looks up
 each token's absolute position; attention receives a ``paged_batch`` keyword that the model's
-forward passes through to its attention function (``invariant_infer.hf_attention``), which
+forward passes through to its attention function (``invariant_infer.model.attention``), which
 writes the step's K/V into the pages and attends over each sequence's own pages.
 
 Under tensor parallelism (a model that ``TensorParallelRanks`` drives), each rank holds its shard of
@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from ..hf_attention import PAGED_BATCH_KWARG
+from ..model.attention import PAGED_BATCH_KWARG
 from ..kernels import attention_config, linear, paged_attention, token_logprobs, write_kv
-from ..padding import sequence_bounds
-from ..tensor_parallel import rank_mirror, tp_layout
+from ..model.padding import sequence_bounds
+from ..model.tensor_parallel import rank_mirror, tp_layout
 from .scheduler import ScheduledChunk
 
 STOCK_ATTN_IMPLEMENTATION = "invariant_infer_paged_stock"

@@ -23,8 +23,8 @@ import threading
 import uvicorn
 
 from ..engine import AsyncEngine, Engine
-from ..loading import load_model, load_tokenizer
-from ..tensor_parallel_ranks import TensorParallelRanks
+from ..checkpoints.loading import load_model, load_tokenizer
+from ..parallel.ranks import TensorParallelRanks
 from .app import create_app
 from .state import ServerOptions
 

@@ -14,7 +14,7 @@ import asyncio
 from starlette.concurrency import run_in_threadpool
 
 from ..engine import AsyncEngine, EngineBusyError
-from ..weight_update import CheckpointError, plan_weight_update
+from ..training.weight_update import CheckpointError, plan_weight_update
 from .choices import ChoiceRunner
 from .errors import APIError
 from .metrics import Metrics

@@ -1,0 +1,81 @@
+"""Loading checkpoints as every CLI and job does: the dtype and device choice, the model and its
+tokenizer. One place, so the CLIs, the server, the tensor-parallel ranks and the Ray workers load
+a checkpoint alike."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from ..model.patch import make_invariant
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEVICES = ("cpu", "cuda")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    """``device`` as given, else CUDA when present, else CPU."""
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, not {device!r}")
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """``dtype`` by name ("bf16", "fp16", "fp32"); default bf16 on CUDA and fp32 on CPU (CPU bf16
+    matmuls are slow and the interpreter gains nothing from them)."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(path: str, *, dtype: str | None = None, device: str | None = None, invariant: bool = True):
+    """``AutoModelForCausalLM.from_pretrained(path)`` in ``dtype`` on ``device``, in eval mode, and
+    wrapped by ``make_invariant`` unless ``invariant`` is False (the stock baselines)."""
+    where = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, where)).to(where).eval()
+    return make_invariant(model) if invariant else model
+
+
+def load_tokenizer(path: str):
+    """The tokenizer saved at ``path`` (a directory or a hub id).
+
+    Refuses a directory without tokenizer files (transformers 5 would build an empty tokenizer
+    from ``config.json`` alone). A ``PreTrainedTokenizerFast`` config is loaded as that class:
+    ``AutoTokenizer`` would build the model type's own tokenizer class around its files."""
+    folder = Path(path)
+    if folder.is_dir():
+        if not any((folder / name).exists() for name in TOKENIZER_FILES):
+            raise OSError(f"no tokenizer in {path}: none of {', '.join(TOKENIZER_FILES)} found")
+        config = folder / "tokenizer_config.json"
+        if config.exists():
+            try:
+                tokenizer_class = json.loads(config.read_text()).get("tokenizer_class")
+            except ValueError:
+                tokenizer_class = None
+            if tokenizer_class == "PreTrainedTokenizerFast":
+                return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LazyTokenizer:
+    """Loads the tokenizer on first use, so jobs given only token ids need none. A load failure is
+    kept and raised again (as ``OSError``) on every use, so each text row reports it."""
+
+    def __init__(self, path: str):
+        self.path, self._tokenizer, self._error = path, None, None
+
+    def get(self):
+        if self._tokenizer is None and self._error is None:
+            try:
+                self._tokenizer = load_tokenizer(self.path)
+            except Exception as exc:
+                self._error = f"no tokenizer loaded from {self.path} ({exc})"
+        if self._error:
+            raise OSError(self._error)
+        return self._tokenizer
+

@@ -1,0 +1,106 @@
+"""``invariant-infer score``: a resumable, reproducible scoring job over a JSONL file.
+
+Rows are keyed by ``id``. The output holds at most one row per id: on a re-run, a torn last
+line is cut off, error rows are dropped (their lines are tried again) and ids that already
+have a result are skipped. Rows are written whole, one write and a flush each; the file is
+fsync'ed after every batch, and rewritten atomically at the end in the canonical order: error
+rows by line, then result rows longest first (ties by line), the order of an uninterrupted run.
+
+With ``--ray`` the same job runs as a Ray Data pipeline (one actor per worker, each holding the
+wrapped model): lines are read, validated and resumed on the driver exactly as above, and result
+rows are written as workers finish their tasks. A worker that dies is restarted (at most
+``--max-restarts`` times) and its task retried; a row that kills its worker even alone, or whose
+scoring raises, becomes an error row.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..scoring.job.ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS
+from ..checkpoints.loading import DEVICES, DTYPES
+from ..scoring.core import DEFAULT_MAX_BATCH_TOKENS
+from ..scoring.job.backends import LocalBackend, RayBackend
+from ..scoring.job.run import JobError, JobOptions, run_job
+
+EXIT_LINE_ERRORS, EXIT_FATAL, EXIT_VERIFY_MISMATCH = 1, 2, 3
+
+
+def run(args) -> int:
+    options = JobOptions(args.input, args.output, args.tokenizer or args.model, args.max_batch_tokens, args.verify)
+    try:
+        options.check()  # fatal problems first, before minutes of model loading
+        tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
+        if tensor_parallel_size < 1:
+            raise JobError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+        if getattr(args, "ray", False) and tensor_parallel_size > 1:
+            raise JobError("--tensor-parallel-size and --ray do not combine: each Ray worker holds the whole model")
+        if getattr(args, "ray", False):
+            backend = RayBackend(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                                 address=args.ray_address, num_workers=args.num_workers,
+                                 gpus_per_worker=args.gpus_per_worker, rows_per_task=args.rows_per_task,
+                                 max_restarts=args.max_restarts)
+        else:
+            backend = LocalBackend.load(args.model, dtype=args.dtype, device=args.device,
+                                        tensor_parallel_size=tensor_parallel_size)
+    except JobError as exc:
+        print(f"score: {exc}", file=sys.stderr)
+        return EXIT_FATAL
+    try:
+        summary = run_job(options, backend)
+    except JobError as exc:
+        print(f"score: {exc}", file=sys.stderr)
+        return EXIT_FATAL
+    finally:
+        backend.close()
+    if not summary.verified:
+        return EXIT_VERIFY_MISMATCH
+    return EXIT_LINE_ERRORS if summary.errors else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="checkpoint directory of a supported family (qwen2, qwen3, llama, mistral)")
+    parser.add_argument("--input", required=True, help="JSONL requests, one per line, each with an id")
+    parser.add_argument("--output", required=True, help="JSONL results; an existing file is resumed")
+    parser.add_argument("--tokenizer", help="tokenizer directory for text lines (default: --model)")
+    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+                        help="padded tokens per batch (rows x longest); results do not depend on it")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--device", choices=DEVICES, help="default: cuda if available")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="ranks (processes, one GPU each on cuda) the model is sharded over, started and "
+                             "stopped by this command; results are bitwise those of 1 (default: 1)")
+    parser.add_argument("--verify", type=int, default=0, metavar="K",
+                        help="re-score K random rows alone and check their digests bitwise")
+    ray = parser.add_argument_group("scale out on Ray Data (pip install \"invariant-infer[ray]\")")
+    ray.add_argument("--ray", action="store_true",
+                     help="run the job as a Ray Data pipeline: one actor per worker, each holding the model")
+    ray.add_argument("--ray-address", metavar="ADDR",
+                     help="the Ray cluster to run on (default: RAY_ADDRESS, else a local Ray for this job)")
+    ray.add_argument("--num-workers", type=int, default=1, metavar="N", help="actors, each loading the model once")
+    ray.add_argument("--gpus-per-worker", type=float, metavar="G",
+                     help="GPUs per actor (default: 1 where the cluster has GPUs, else 0)")
+    ray.add_argument("--rows-per-task", type=int, default=DEFAULT_BATCH_ROWS, metavar="R",
+                     help="rows per Ray task (each task is packed by --max-batch-tokens); results do not depend on it")
+    ray.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="N",
+                     help="restarts of each actor before the job fails (-1: without limit; default %(default)s)")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("score", help="reproducible per-token logprobs for a JSONL file",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m invariant_infer.cli.score ...``: the score command on its own."""
+    parser = argparse.ArgumentParser(prog="invariant-infer score", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

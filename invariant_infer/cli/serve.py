@@ -1,0 +1,68 @@
+"""``invariant-infer serve``: an OpenAI-compatible server (completions, chat completions, models,
+health, metrics, tokenize) over the continuous-batching engine; each response is bitwise a
+function of its own request, whatever else is in flight. Needs ``pip install invariant-infer[serve]``."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from ..checkpoints.loading import DEVICES, DTYPES
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a checkpoint directory (or hub id) of a supported family")
+    p.add_argument("--tokenizer", help="default: the --model directory")
+    p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (localhost only)")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed on stdout)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--device", choices=DEVICES, help="default: cuda if available")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="ranks (processes, one GPU each on cuda) the model is sharded over; results are bitwise "
+                        "those of 1 (default: 1)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step at most")
+    p.add_argument("--kv-cache-memory", type=int, help="bytes of KV cache (default: 256 MiB on cpu, half "
+                   "the free memory on cuda)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API endpoints")
+    p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="sequences queued beyond --max-num-seqs; more get 429 with Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body limit (413 past it)")
+    p.add_argument("--stream-write-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
+                   help="a streaming client that reads nothing for this long is dropped and its requests "
+                        "aborted, freeing their KV pages (default: 30)")
+    p.add_argument("--disable-prefix-caching", action="store_true")
+    p.add_argument("--kernels", choices=["invariant", "stock"], default="invariant",
+                   help=argparse.SUPPRESS)  # stock: the negative control and benchmark baseline
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args) -> int:
+    try:  # here, not at the top: --help and the other commands run without the serve extra
+        from ..server.main import serve
+    except ImportError as exc:
+        print(f"invariant-infer serve needs the serve extra (pip install 'invariant-infer[serve]'): {exc}",
+              file=sys.stderr)
+        return 2
+    return serve(args)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine", description=__doc__)
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="invariant-infer serve", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return int(run(args) or 0)

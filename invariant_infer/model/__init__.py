@@ -1,0 +1,6 @@
+"""The model layer: ``make_invariant`` patches a Hugging Face causal LM onto the kernels.
+
+Files: ``patch`` (``make_invariant``, ``restore``), ``attention`` and ``experts`` (the entries
+registered in transformers' ``AttentionInterface`` and ``ExpertsInterface``), ``padding`` and
+``packing`` (positions and sequence bounds from masks and packed batches), ``tensor_parallel``
+(the TP-size-independent arithmetic), ``families/`` (one adapter per model family)."""

@@ -1,0 +1,86 @@
+"""The attention and mask functions registered with transformers under the name ``invariant``.
+
+The mask function does not build a [B, 1, Lq, Lk] mask: it reduces the 2-D padding mask to
+per-row bounds (first real key, end of real keys, position of the first query), which is
+all the kernel needs to align its KV blocks to each row's first real token.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+
+from ..errors import NonInvariantInputError
+from ..kernels import attention, attention_autograd
+from .packing import PACKED_KWARG
+from .padding import is_sequence_bounds, sequence_bounds
+
+ATTN_IMPLEMENTATION = "invariant"
+# The keyword a serving engine passes through the model's forward to its attention calls: an object
+# with ``attend(layer_idx, query, key, value, scale) -> [1, T, Hq, D]`` over its paged KV cache.
+PAGED_BATCH_KWARG = "paged_batch"
+
+
+def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
+                   mask_function=causal_mask_function, attention_mask=None, device=None, **kwargs):
+    """Mask builder for transformers' ``create_causal_mask``; returns ``sequence_bounds``."""
+    if kwargs.get("local_size") is not None:
+        # A sliding-window mask, which Qwen2-MoE builds even when no layer uses it. Sliding layers
+        # are refused by make_invariant, and a layer handed this None fails in invariant_attention.
+        return None
+    if mask_function is not causal_mask_function:
+        raise NonInvariantInputError(
+            "invariant attention supports plain causal masks with 2-D padding and packed rows (position_ids "
+            "restarting at 0, no attention_mask) checked before the forward; custom mask functions, and packed "
+            "rows under torch.compile, are not supported.")
+    if isinstance(kv_offset, int) and kv_offset != 0:
+        raise NonInvariantInputError("invariant attention does not support sliding-window KV offsets")
+    if device is None:
+        device = attention_mask.device if attention_mask is not None else torch.device("cpu")
+    return sequence_bounds(attention_mask, batch_size, kv_length, q_offset, device)
+
+
+def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                        sliding_window=None, **kwargs):
+    """transformers attention function: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> ([B, Lq, Hq, D], None).
+
+    With a ``paged_batch`` keyword (a serving engine's packed step, B = 1), K/V are written to
+    the engine's paged cache and attention runs over each sequence's pages instead. With a
+    ``packed_sequences`` keyword (packed rows, set by the model's pre-hook), q/k/v are regrouped
+    one sequence per row and ``attention_mask`` holds that regrouped batch's bounds."""
+    paged_batch = kwargs.get(PAGED_BATCH_KWARG)
+    if paged_batch is not None:
+        if dropout:
+            raise NonInvariantInputError("attention dropout is not batch-invariant; call model.eval()")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return paged_batch.attend(module.layer_idx, query, key, value, scale), None
+    if not is_sequence_bounds(attention_mask):
+        raise NonInvariantInputError(
+            "invariant attention needs the 2-D padding mask (or none); a prepared 4-D mask or a paged cache "
+            f"was passed (got {None if attention_mask is None else tuple(attention_mask.shape)}).")
+    if dropout:
+        raise NonInvariantInputError("attention dropout is not batch-invariant; call model.eval()")
+    if sliding_window is not None:
+        raise NonInvariantInputError("sliding-window attention is not supported by invariant attention")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    kv_start, kv_end, q_start = attention_mask[:, :, 0, 0].unbind(0)
+    packed = kwargs.get(PACKED_KWARG)
+    if packed is None:
+        return attend(query, key, value, kv_start, kv_end, q_start, scale), None
+    # Packed rows: the bounds are those of the regrouped batch, one sequence per row.
+    out = attend(packed.regroup(query), packed.regroup(key), packed.regroup(value), kv_start, kv_end, q_start, scale)
+    return packed.ungroup(out), None
+
+
+def attend(query, key, value, kv_start, kv_end, q_start, scale):
+    """The one kernel call of both layouts: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> [B, Lq, Hq, D].
+    With autograd recording, the autograd Function: the same forward bits, plus its backward."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return attention_autograd(query, key, value, kv_start, kv_end, q_start, scale)
+    return attention(query, key, value, kv_start, kv_end, q_start, scale)
+
+
+def register() -> None:
+    """Register both functions; global registration selects nothing until a model asks for it."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, invariant_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, invariant_mask)

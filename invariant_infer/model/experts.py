@@ -1,0 +1,147 @@
+"""Mixture-of-experts layers on the invariant kernels: the router's forward, and the experts
+function registered with transformers' ``ExpertsInterface`` under the name ``invariant``.
+
+Three places where stock MoE depends on the batch, and what runs here instead:
+  * routing: the router linear on the invariant kernel, then ``route`` (the ``moe_routing``
+    kernel): per token, softmax in fp32, the top-k (exact ties go to the lowest expert index),
+    renormalised in rank order;
+  * experts: the (token, slot) pairs sorted by expert (stable), then ``expert_forward`` (the
+    grouped kernels, one launch for all experts), whose every row is bitwise what that row
+    alone gives through the linear kernel, however many rows its expert got;
+  * combine: each token's k expert outputs weighted and summed in top-k rank order in fp32,
+    then cast once (``combine``); no index_add_ / scatter-add, whose order depends on the batch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface
+
+from ..errors import UnsupportedModelError
+from .families import FamilyAdapter, MoeLayout
+from ..kernels import grouped_linear, grouped_silu_mul_linear, linear, moe_routing
+
+EXPERTS_IMPLEMENTATION = "invariant"
+# The expert layout the experts function computes: concatenated [gate; up], [out, in] weights,
+# no bias, a silu gate, no norm after the experts.
+_EXPERT_LAYOUT = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True,
+                      has_post_expert_norm=False)
+
+
+def _refuse_grad(*tensors) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise UnsupportedModelError(
+            "MoE training is not supported: the invariant router and experts have no backward (and the router "
+            "aux loss is not covered). Run MoE models under torch.no_grad() / torch.inference_mode(), or freeze "
+            "every parameter (model.requires_grad_(False)).")
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights fp32 [T, k], experts int64 [T, k]), descending, each row on its own."""
+    return moe_routing(router_logits, top_k, normalize)
+
+
+def expert_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` [S, H] sorted by expert (rows offsets[e]:offsets[e+1] are expert e's) -> [S, H]:
+    down_proj[e] @ (silu(gate) * up), with [gate; up] = gate_up_proj[e] @ row. One grouped launch
+    per projection; no host sync."""
+    intermediate = down_proj.shape[2]
+    gate_up = grouped_linear(x, gate_up_proj, offsets)
+    return grouped_silu_mul_linear(gate_up[:, :intermediate], gate_up[:, intermediate:], down_proj, offsets)
+
+
+def combine(pair_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] expert outputs and [T, k] weights -> fp32 [T, H]: sum over ranks 0, 1, ..., k-1, in fp32."""
+    weights = weights.float()
+    total = pair_outputs[:, 0].float() * weights[:, 0, None]
+    for rank in range(1, pair_outputs.shape[1]):
+        total = total + pair_outputs[:, rank].float() * weights[:, rank, None]
+    return total
+
+
+def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``invariant`` experts implementation: [T, H], [T, k] experts, [T, k] weights -> [T, H]."""
+    _refuse_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj)
+    tokens, top_k = top_k_index.shape
+    by_expert, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    # offsets[e] = pairs routed to experts below e; searchsorted needs no host sync (bincount does)
+    offsets = torch.searchsorted(by_expert, torch.arange(self.num_experts + 1, device=by_expert.device))
+    sorted_out = expert_forward(hidden_states[order // top_k], self.gate_up_proj, self.down_proj, offsets)
+    pair_outputs = torch.empty_like(sorted_out)
+    pair_outputs[order] = sorted_out  # a permutation: every row written once
+    return combine(pair_outputs.view(tokens, top_k, -1), top_k_weights).to(hidden_states.dtype)
+
+
+def router_forward(layout: MoeLayout):
+    """The router forward of one family: (router logits, routing weights, expert indices), as stock."""
+    def forward(self, hidden_states: torch.Tensor):
+        _refuse_grad(hidden_states, self.weight)
+        logits = linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        weights, experts = route(logits, self.top_k, layout.normalize(self))
+        return logits, weights.to(logits.dtype) if layout.weights_in_logits_dtype else weights, experts
+    return forward
+
+
+def shared_expert_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A sparse block with a shared expert (Qwen2-MoE): routed experts + sigmoid(shared_expert_gate(x)) *
+    shared_expert(x). The sigmoid is taken as softmax([g, 0])[0] in fp32, one reduction per row: on CPU
+    an elementwise fp32 sigmoid rounds differently in the vectorized body and in the scalar tail, and
+    where a token lands in the tensor depends on the batch (measured: 158 of 4000 values differed
+    between alone and in one tensor; softmax per row: none)."""
+    batch, length, hidden = hidden_states.shape
+    x = hidden_states.view(-1, hidden)
+    shared = self.shared_expert(x)
+    _, weights, experts = self.gate(x)
+    routed = self.experts(x, experts, weights)
+    gate = self.shared_expert_gate(x).float()
+    gate = torch.softmax(torch.cat([gate, torch.zeros_like(gate)], dim=-1), dim=-1)[:, :1]
+    return (routed + gate.to(shared.dtype) * shared).reshape(batch, length, hidden)
+
+
+def _check_shared_expert(adapter: FamilyAdapter, block: nn.Module, where: str) -> None:
+    shared, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
+    if type(shared) is not adapter.mlp:
+        raise UnsupportedModelError(f"{where}.shared_expert is {type(shared).__name__}, not {adapter.mlp.__name__}")
+    for name, proj in [(f"shared_expert.{n}", getattr(shared, n, None)) for n in adapter.mlp_projections] + \
+            [("shared_expert_gate", gate)]:
+        if type(proj) is not nn.Linear:
+            raise UnsupportedModelError(f"{where}.{name} is {type(proj).__name__}; only plain torch.nn.Linear "
+                                        "layers are supported")
+    if gate.out_features != 1:
+        raise UnsupportedModelError(f"{where}.shared_expert_gate has {gate.out_features} outputs; expected 1")
+
+
+def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str) -> None:
+    """Refuse a sparse MoE block the invariant forwards do not compute exactly."""
+    layout = adapter.moe
+    router, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    if type(router) is not layout.router:
+        raise UnsupportedModelError(f"{where}.gate is {type(router).__name__}, not the {layout.router.__name__} "
+                                    "router the invariant routing replaces")
+    if type(experts) is not layout.experts:
+        raise UnsupportedModelError(f"{where}.experts is {type(experts).__name__}, not {layout.experts.__name__} "
+                                    "(quantized or replaced experts are not supported)")
+    if getattr(experts, "_is_expert_parallel", False):
+        raise UnsupportedModelError(f"{where}.experts is expert-parallel: expert parallelism is not supported "
+                                    "(load the model on one device)")
+    for name, value in _EXPERT_LAYOUT.items():
+        if getattr(experts, name, value) != value:
+            raise UnsupportedModelError(f"{where}.experts has {name}={getattr(experts, name)}; the invariant experts "
+                                        f"compute the layout {_EXPERT_LAYOUT}")
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(experts, name, None)
+        if type(weight) is not nn.Parameter or weight.dim() != 3:
+            raise UnsupportedModelError(f"{where}.experts.{name} is not a 3-D parameter (quantized or packed experts "
+                                        "are not supported)")
+    if layout.shared_expert:
+        _check_shared_expert(adapter, block, where)
+    if router.weight.shape != (experts.num_experts, experts.gate_up_proj.shape[2]):
+        raise UnsupportedModelError(f"{where}.gate.weight has shape {tuple(router.weight.shape)}; expected "
+                                    f"({experts.num_experts}, {experts.gate_up_proj.shape[2]})")
+
+
+def register() -> None:
+    """Register the experts function; global registration selects nothing until a model asks for it."""
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, invariant_experts_forward)

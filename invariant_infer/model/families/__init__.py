@@ -1,0 +1,91 @@
+"""One adapter per model family: what ``make_invariant`` patches in it and what it refuses.
+
+Every supported family has the Llama layout: ``model.layers[i].self_attn`` with q/k/v/o
+projections, ``model.layers[i].mlp`` with gate/up/down projections and a silu activation,
+RMSNorms, and one rotary embedding on the base model. In a mixture-of-experts family
+(``FamilyAdapter.moe``) ``mlp`` is a sparse block instead (a router ``gate`` and fused 3-D
+``experts``) in every layer or in some (the others keep the dense MLP). An adapter names the
+family's classes and any family-specific refusal; adding a family is one file here plus its tests.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ...errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """The sparse MoE block of a family: ``block.gate`` (router) and ``block.experts``."""
+    block: type
+    router: type                          # .weight [E, hidden], .top_k
+    experts: type                         # @use_experts_implementation: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+    normalize: Callable[[nn.Module], bool]  # whether the router renormalises its top-k weights to sum 1
+    weights_in_logits_dtype: bool         # routing weights cast to the router logits' dtype (else kept in fp32)
+    # A dense shared expert (the family's ``mlp`` class) added to every token's output, scaled by
+    # sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
+    shared_expert: bool = False
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    model_type: str                       # config.model_type
+    config_class: type
+    rms_norm: type                        # every RMSNorm: layer norms, the final norm, per-head norms
+    mlp: type | None                      # gate/up/down MLP: silu(gate) * up is fused into down
+    attention_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    mlp_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    head_norms: tuple[str, ...] = ()      # RMSNorms inside attention, applied to each head before RoPE
+    # Projections whose K tensor parallelism splits: they reduce K as the row-parallel tree.
+    row_parallel: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
+    # Returns why a config cannot be made invariant, or None.
+    refuse_config: Callable[[object], str | None] = field(default=lambda config: None)
+    # Config fields of real models (their shapes) and of small test models, by name.
+    presets: dict[str, dict] = field(default_factory=dict)
+    refused: str = ""                     # what the family refuses, in words (README table)
+    moe: MoeLayout | None = None          # mixture-of-experts families only
+
+    def is_sparse(self, layer: nn.Module) -> bool:
+        return self.moe is not None and type(layer.mlp) is self.moe.block
+
+    def projections(self, layer: nn.Module) -> dict[str, nn.Module]:
+        """The layer's projections by name (``self_attn.q_proj``, ``mlp.down_proj`` ...)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        found = {f"self_attn.{name}": getattr(attn, name, None) for name in self.attention_projections}
+        if not self.is_sparse(layer):
+            found.update({f"mlp.{name}": getattr(mlp, name, None) for name in self.mlp_projections})
+        return found
+
+
+FAMILIES: dict[str, FamilyAdapter] = {}
+
+
+def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
+    FAMILIES[adapter.model_type] = adapter
+    return adapter
+
+
+def family_of(config) -> FamilyAdapter:
+    """The adapter for ``config.model_type``; ``UnsupportedModelError`` for any other family."""
+    model_type = getattr(config, "model_type", None)
+    adapter = FAMILIES.get(model_type)
+    if adapter is None:
+        raise UnsupportedModelError(
+            f"make_invariant supports the model types {sorted(FAMILIES)}; got model_type {model_type!r}")
+    return adapter
+
+
+def sliding_window_refusal(config) -> str | None:
+    """Layers with a sliding window: their KV bounds would not start at the sequence's first token."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+        return "sliding-window attention layers are not supported; set use_sliding_window=False"
+    return None
+
+
+from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: E402,F401  (each registers itself)
+
+__all__ = ["FAMILIES", "FamilyAdapter", "MoeLayout", "family_of", "register_family"]

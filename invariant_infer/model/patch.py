@@ -1,0 +1,352 @@
+"""``make_invariant(model)``: patch one loaded model in place, per instance.
+
+Which classes are patched comes from the model family's adapter (``invariant_infer.model.families``).
+What changes (and nothing process-wide):
+  * every ``nn.Linear`` (q/k/v/o, gate/up/down, with or without bias, lm_head) -> fixed-order Triton linear;
+    the row-parallel ones (o_proj, down_proj) reduce K as the tree tensor parallelism splits
+    (``kernels.configs.row_parallel_config``), so their bits do not depend on the TP size;
+  * a model that transformers sharded for tensor parallelism: each sharded module runs the
+    TP-size-invariant forward of ``invariant_infer.model.tensor_parallel`` instead of transformers' hooks;
+  * every RMSNorm of the family (layer norms, final norm, Qwen3's per-head q/k norms) -> one-row-per-program
+    Triton RMSNorm;
+  * every MLP of the family -> same projections, with silu(gate) * up fused into the down projection;
+  * the rotary embedding -> lookup in a cos/sin table computed once per model;
+  * attention -> the ``invariant`` attention and mask functions (see ``model.attention``);
+  * in mixture-of-experts families, every router -> the invariant linear and routing, and the
+    experts -> the ``invariant`` experts implementation (see ``model.experts``); MoE forwards that
+    would record autograd are refused (MoE training is not supported);
+  * a pre-forward hook on the base model derives ``position_ids`` from the mask
+    (cumsum - 1, pads at 0) and rejects masks that cannot be invariant; for packed rows
+    (no mask, position_ids restarting, ``cu_seq_lens_*``) it checks the layout and hands
+    attention the per-sequence regrouping (``invariant_infer.model.packing``);
+  * registered instance extensions run (``invariant_infer.generation.generate`` registers one that makes
+    ``model.generate`` on this instance reject options that are not batch-invariant).
+Every patched op is differentiable: with grad enabled it runs as an autograd Function over the same
+forward kernel (the same bits as inference) with a batch-invariant, deterministic backward, so the
+model trains on the kernels it samples with. Parameters stay the model's own ``nn.Parameter``s.
+``restore(model)`` undoes all of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import attention as attention_interface, experts as experts_interface
+from ..errors import NonInvariantInputError, UnsupportedModelError
+from .families import FamilyAdapter, family_of, sliding_window_refusal
+from ..kernels import linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul_linear_autograd
+from ..kernels.configs import row_parallel_config
+from ..kernels.fused_linear import silu_mul_linear
+from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
+from .padding import is_sequence_bounds, resolve_positions
+from .tensor_parallel import moe_refusal, tp_forwards, tp_layout
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_DEVICES = ("cpu", "cuda")
+# RoPE types whose frequencies do not depend on the sequence length (dynamic/longrope do).
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+_STATE_ATTR = "_invariant_infer_state"
+
+
+# ---- per-module forwards -------------------------------------------------------------------------
+# With autograd recording (grad enabled and an input or parameter that requires grad), each op runs
+# as its autograd Function: the same forward kernel, so the same bits as inference, plus a
+# batch-invariant, deterministic backward. Otherwise the plain kernel runs (no saved tensors).
+
+def _records_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _records_grad(x, self.weight, self.bias):
+        return linear_autograd(x, self.weight, self.bias)
+    return linear(x, self.weight, self.bias)
+
+
+def _row_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    config = row_parallel_config(x.device.type, x.dtype, *self.weight.shape)
+    if _records_grad(x, self.weight, self.bias):
+        return linear_autograd(x, self.weight, self.bias, config=config)
+    return linear(x, self.weight, self.bias, config=config)
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if _records_grad(hidden_states, self.weight):
+        return rms_norm_autograd(hidden_states, self.weight, self.variance_epsilon)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    # silu(gate) * up is computed inside the down projection's prologue: bitwise what
+    # down_proj(silu_mul(gate, up)) gives, without writing the [tokens x intermediate] product.
+    down = self.down_proj
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    config = row_parallel_config(gate.device.type, gate.dtype, *down.weight.shape)
+    if _records_grad(gate, up, down.weight, down.bias):
+        return silu_mul_linear_autograd(gate, up, down.weight, down.bias, config=config)
+    return silu_mul_linear(gate, up, down.weight, down.bias, config=config)
+
+
+def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+    cos_table, sin_table = self._invariant_tables
+    if cos_table.device != x.device:
+        cos_table, sin_table = cos_table.to(x.device), sin_table.to(x.device)
+        self._invariant_tables = (cos_table, sin_table)
+    idx = position_ids.clamp(0, cos_table.shape[0] - 1)  # range is checked eagerly in the pre-hook
+    return cos_table[idx].to(x.dtype), sin_table[idx].to(x.dtype)
+
+
+def _rope_tables(rotary: nn.Module, max_positions: int):
+    """cos/sin for every position, computed once with HF's own formula, so that a position's
+    values never depend on where it sits in a batch (elementwise kernels on CPU differ between
+    vectorized bodies and scalar tails)."""
+    inv_freq = rotary.inv_freq.float()
+    positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scaling = getattr(rotary, "attention_scaling", 1.0)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+# ---- input handling ------------------------------------------------------------------------------
+
+_FORWARD_NAMES: dict[type, list[str]] = {}
+
+
+def _base_forward_names(module: nn.Module) -> list[str]:
+    """Parameter names of the base model's forward, to bind positional arguments (once per class)."""
+    cls = type(module)
+    if cls not in _FORWARD_NAMES:
+        _FORWARD_NAMES[cls] = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
+    return _FORWARD_NAMES[cls]
+
+
+def _cache_length(kwargs) -> int:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+
+
+def _base_pre_hook(module, args, kwargs):
+    kwargs = {**dict(zip(_base_forward_names(module), args)), **kwargs}
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not is_sequence_bounds(mask):
+        raise NonInvariantInputError("4-D attention masks are not supported; pass the 2-D padding mask")
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None:
+        return (), kwargs
+    # Tracing (compiled decode) skips the checks, which sync with the host; generate() checked up front.
+    check = not torch.compiler.is_compiling()
+    if check and module.training:
+        _refuse_dropout(module)
+    max_positions = module.rotary_emb._invariant_tables[0].shape[0]
+    if check and mask is None:
+        # Packed rows (position_ids restarting, cu_seq_lens_*): attention regroups them per sequence.
+        flash = {name: kwargs.pop(name) for name in FLASH_KWARGS if name in kwargs}
+        positions, packed = resolve_packed(
+            kwargs.get("position_ids"), flash, batch=tokens.shape[0], length=tokens.shape[1],
+            cache_length=_cache_length(kwargs), max_positions=max_positions, device=tokens.device)
+        if packed is not None:
+            kwargs["attention_mask"] = packed.bounds()
+            kwargs[PACKED_KWARG] = packed
+    else:
+        if any(kwargs.get(name) is not None for name in FLASH_KWARGS):
+            raise NonInvariantInputError("cu_seq_lens_*/max_length_* describe packed rows, which take no "
+                                         "attention_mask and run eagerly (not under torch.compile)")
+        positions = resolve_positions(
+            mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
+            cache_length=_cache_length(kwargs) if check else 0, max_positions=max_positions, check=check)
+    if positions is not None:
+        kwargs["position_ids"] = positions
+    return (), kwargs
+
+
+def _refuse_dropout(base: nn.Module) -> None:
+    """Train mode applies attention dropout, whose random mask depends on where a sample sits in
+    the batch: refuse it rather than train on batch-dependent numbers."""
+    for index, layer in enumerate(base.layers):
+        rate = getattr(layer.self_attn, "attention_dropout", 0.0)
+        if rate:
+            raise NonInvariantInputError(
+                f"layers.{index}.self_attn has attention_dropout={rate} and the model is in train mode: dropout is "
+                "not batch-invariant. Load the model with attention_dropout=0.0 (these families ship with 0) or "
+                "call model.eval().")
+        jitter = getattr(layer.mlp, "jitter_noise", 0.0)  # Mixtral's router_jitter_noise
+        if jitter:
+            raise NonInvariantInputError(
+                f"layers.{index}.mlp has router_jitter_noise={jitter} and the model is in train mode: the noise is "
+                "random per token, not batch-invariant. Call model.eval() or load with router_jitter_noise=0.0.")
+
+
+# ---- checks ----------------------------------------------------------------------------------------
+
+def _base_model(model: nn.Module) -> nn.Module:
+    base = getattr(model, "model", model)
+    if not (hasattr(base, "layers") and hasattr(base, "rotary_emb") and hasattr(base, "norm")):
+        raise UnsupportedModelError(f"{type(model).__name__} does not have the decoder layout (model.layers, "
+                                    "model.norm, model.rotary_emb)")
+    return base
+
+
+def _not_plain_linear(name: str, module) -> UnsupportedModelError:
+    kind = "missing" if module is None else f"{type(module).__module__}.{type(module).__name__}"
+    return UnsupportedModelError(f"{name} is {kind}; only plain torch.nn.Linear layers are supported (no quantized "
+                                 "or adapter layers; merge LoRA first)")
+
+
+def _check_model(model: nn.Module, sharded: bool = False) -> tuple[FamilyAdapter, nn.Module]:
+    config = getattr(model, "config", None)
+    adapter = family_of(config)
+    base = _base_model(model)
+    problem = (sharded and moe_refusal(adapter)) or adapter.refuse_config(config) or sliding_window_refusal(config)
+    if problem:
+        raise UnsupportedModelError(f"{config.model_type}: {problem}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"only the silu MLP is supported, config.hidden_act={config.hidden_act!r}")
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} rescales with sequence length, which depends on "
+                                    f"the batch; supported: {STATIC_ROPE_TYPES}")
+    if getattr(config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
+        raise UnsupportedModelError("quantized models are not supported: projections must be plain nn.Linear "
+                                    f"in {SUPPORTED_DTYPES}")
+    for index, layer in enumerate(base.layers):
+        for name, proj in adapter.projections(layer).items():
+            if type(proj) is not nn.Linear:
+                raise _not_plain_linear(f"layers.{index}.{name}", proj)
+        if adapter.is_sparse(layer):
+            experts_interface.check_sparse_block(adapter, layer.mlp, f"layers.{index}.mlp")
+        elif adapter.mlp is None or type(layer.mlp) is not adapter.mlp:
+            expected = [cls.__name__ for cls in (adapter.mlp, adapter.moe and adapter.moe.block) if cls]
+            raise UnsupportedModelError(f"layers.{index}.mlp is {type(layer.mlp).__name__}, not the "
+                                        f"{' or '.join(expected)} the {adapter.model_type} adapter patches")
+        for name in adapter.head_norms:
+            if type(getattr(layer.self_attn, name, None)) is not adapter.rms_norm:
+                raise UnsupportedModelError(f"layers.{index}.self_attn.{name} is not a {adapter.rms_norm.__name__}")
+    for name, module in model.named_modules():  # lm_head, score heads, anything Linear-like
+        if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+            raise _not_plain_linear(name or "model", module)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and type(head) is not nn.Linear:
+        raise UnsupportedModelError(f"lm_head is {type(head).__name__}; only a plain torch.nn.Linear is supported")
+    for name, param in model.named_parameters():
+        if param.dtype not in SUPPORTED_DTYPES:
+            raise UnsupportedModelError(f"parameter {name} has dtype {param.dtype}; supported: {SUPPORTED_DTYPES}")
+        if param.device.type not in SUPPORTED_DEVICES:
+            raise UnsupportedModelError(f"parameter {name} is on {param.device}; supported devices: "
+                                        f"{SUPPORTED_DEVICES}")
+        if type(param.data) is not torch.Tensor and not (sharded and isinstance(param.data, DTensor)):
+            raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
+                                        "are supported")
+    return adapter, base
+
+
+# ---- public API -------------------------------------------------------------------------------------
+
+# (install, remove) pairs run on every model make_invariant patches, e.g. the generate checks,
+# which ``invariant_infer.generation.generate`` registers; the patcher itself knows nothing of them.
+_INSTANCE_EXTENSIONS: list[tuple] = []
+
+
+def register_instance_extension(install, remove) -> None:
+    """Run ``install(model)`` on each model ``make_invariant`` patches and ``remove(model)`` on restore."""
+    if (install, remove) not in _INSTANCE_EXTENSIONS:
+        _INSTANCE_EXTENSIONS.append((install, remove))
+
+
+def _set_forward(module: nn.Module, fn, patched: list) -> None:
+    # An instance-level forward already there (transformers' TP hooks) comes back on restore.
+    patched.append((module, module.__dict__.get("forward")))
+    module.forward = types.MethodType(fn, module)
+
+
+def make_invariant(model: nn.Module) -> nn.Module:
+    """Patch a loaded model of a supported family in place so its logits are bitwise batch-invariant.
+
+    Returns the same model. Idempotent. Undo with ``restore(model)``."""
+    if getattr(model, _STATE_ATTR, None) is not None:
+        return model
+    layout = tp_layout(model)
+    adapter, base = _check_model(model, sharded=layout is not None)
+    sharded = tp_forwards(model, adapter, base, layout) if layout is not None else {}
+    attention_interface.register()
+
+    row_parallel = {proj for layer in base.layers for name, proj in adapter.projections(layer).items()
+                    if name in adapter.row_parallel}
+    patched: list = []
+    router_forward = experts_interface.router_forward(adapter.moe) if adapter.moe else None
+    for module in model.modules():
+        if module in sharded:
+            _set_forward(module, sharded[module], patched)
+        elif type(module) is nn.Linear:
+            _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward, patched)
+        elif type(module) is adapter.rms_norm:
+            _set_forward(module, _rms_norm_forward, patched)
+        elif adapter.mlp is not None and type(module) is adapter.mlp:
+            _set_forward(module, _mlp_forward, patched)
+        elif adapter.moe is not None and type(module) is adapter.moe.router:
+            _set_forward(module, router_forward, patched)
+        elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
+            _set_forward(module, experts_interface.shared_expert_block_forward, patched)
+
+    rotary = base.rotary_emb
+    rotary._invariant_tables = _rope_tables(rotary, model.config.max_position_embeddings)
+    _set_forward(rotary, _rotary_forward, patched)
+
+    hook = base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
+    previous_attn = model.config._attn_implementation
+    model.set_attn_implementation(attention_interface.ATTN_IMPLEMENTATION)
+    previous_experts = None
+    if adapter.moe is not None:
+        experts_interface.register()
+        previous_experts = model.config._experts_implementation
+        model.set_experts_implementation(experts_interface.EXPERTS_IMPLEMENTATION)
+    extensions = list(_INSTANCE_EXTENSIONS)
+    for install, _ in extensions:
+        install(model)
+    setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "experts": previous_experts,
+                                 "rotary": rotary, "extensions": extensions, "family": adapter})
+    return model
+
+
+def is_invariant(model: nn.Module) -> bool:
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Return a model patched by ``make_invariant`` to stock transformers behaviour."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return model
+    for module, previous in state["patched"]:
+        del module.forward
+        module.__dict__.pop("_invariant_tp", None)
+        if previous is not None:
+            module.forward = previous
+    state["hook"].remove()
+    del state["rotary"]._invariant_tables
+    model.set_attn_implementation(state["attn"])
+    if state["experts"] is not None:
+        model.set_experts_implementation(state["experts"])
+    for _, remove in reversed(state["extensions"]):
+        remove(model)
+    delattr(model, _STATE_ATTR)
+    return model
+
+
+@contextlib.contextmanager
+def invariant(model: nn.Module):
+    """``with invariant(model): ...`` patches for the block and restores afterwards."""
+    was_invariant = is_invariant(model)
+    make_invariant(model)
+    try:
+        yield model
+    finally:
+        if not was_invariant:
+            restore(model)

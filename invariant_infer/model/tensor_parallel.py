@@ -1,0 +1,257 @@
+"""Tensor parallelism whose bits do not depend on the TP size: a model that transformers sharded
+(``from_pretrained(..., tp_plan="auto")`` under ``torchrun``) gives, on every rank, the logits of
+the single-process patched model, bitwise, at TP 1, 2, 4 and 8 where the sizes divide.
+
+transformers' plan for the supported families, and what each sharded module runs here instead of
+transformers' hooks (``make_invariant`` replaces the module's forward, hooks included):
+  * ``colwise`` (q/k/v, gate/up): the local weight shard, with the tile config of the FULL weight
+    shape (configs are keyed by shape): each output column is reduced whole, in the order a single
+    process uses. The output stays this rank's shard of heads or of the intermediate width.
+  * ``rowwise`` (o_proj, down_proj with the fused silu * up prologue): K is split across ranks. The
+    layer's K tree (``kernels.configs.row_parallel_config``: ``tree_leaves(K)`` leaves of K / leaves
+    inputs) puts a leaf boundary on every shard boundary, so a rank computes its own leaves in fp32
+    from its K shard, the ranks all-gather those fp32 leaf sums (in rank order, which is leaf
+    order), and every rank adds all of them in leaf order, then the bias: one process runs the
+    same tree. transformers' all-reduce for these layers does not run.
+  * ``colwise_gather_output`` (lm_head): the local vocabulary slice with the full shape's config,
+    then an all-gather of the slices (copies only).
+  * ``embedding_rowwise`` (embed_tokens): the rows this rank holds are looked up, every other
+    position is exact zeros, and the ranks' results are summed as bytes (uint8): one rank holds
+    each token, so the sum copies its bits (a float sum would turn -0.0 into +0.0).
+  * ``replicated_with_grad_allreduce`` (Qwen3's q/k norms): replicated weights, nothing to do.
+Inference only: the tree exchanges values, not gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
+
+from ..errors import NonInvariantInputError, UnsupportedModelError
+from ..kernels.configs import TREE_LEAVES, linear_config, row_parallel_config, tree_leaves
+from ..kernels.fused_linear import silu_mul_linear_partials
+from ..kernels.linear import combine_partials, linear, linear_partials
+
+# The styles a module may carry, by role (the families' ``tp_plan="auto"``); any other is refused.
+COLWISE, ROWWISE, GATHER, VOCAB_EMBEDDING, REPLICATED_NORM = (
+    "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicated_with_grad_allreduce")
+_ROLE_STYLES = {"colwise": {COLWISE}, "rowwise": {ROWWISE}, "lm_head": {GATHER, "colwise_rep"},
+                "embedding": {VOCAB_EMBEDDING}, "head_norm": {REPLICATED_NORM}}
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    size: int
+    rank: int
+    mesh: object        # the 1-D "tp" DeviceMesh
+    group: object       # its process group
+
+
+# Where a driver of several ranks (``TensorParallelRanks``) sets itself on rank 0's model: the engine
+# and scoring then run each step through ``mirror.call(command, payload, local)``, which has every
+# other rank run the same step while this one runs ``local()``.
+RANK_MIRROR_ATTR = "_invariant_rank_mirror"
+
+
+def rank_mirror(model: nn.Module):
+    """The driver that runs ``model``'s steps on the other ranks too (None: this process alone)."""
+    return getattr(model, RANK_MIRROR_ATTR, None)
+
+
+def tp_layout(model: nn.Module) -> TPLayout | None:
+    """The TP layout transformers set on ``model`` (None for a single-process model)."""
+    size = getattr(model, "_tp_size", None) or 1
+    mesh = getattr(model, "_device_mesh", None)
+    if size <= 1 or mesh is None:
+        return None
+    if mesh.size() != size:
+        raise UnsupportedModelError(f"the model's device mesh {mesh} combines tensor parallelism with other "
+                                    "parallel dimensions; make_invariant supports tensor parallelism alone")
+    names = getattr(mesh, "mesh_dim_names", None)  # transformers 5.17 builds a 1-D mesh without names
+    tp_mesh = mesh["tp"] if names and "tp" in names else mesh
+    return TPLayout(size=size, rank=tp_mesh.get_local_rank(), mesh=tp_mesh, group=tp_mesh.get_group())
+
+
+def moe_refusal(adapter) -> str | None:
+    if adapter.moe is None:
+        return None
+    return ("tensor parallelism is supported for the dense families only (the experts' "
+            "K trees are not split across ranks); load the model without tp_plan")
+
+
+def supported_tp_sizes(config) -> list[int]:
+    """The TP sizes whose shards the K trees and the heads allow for ``config``."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    leaves = (tree_leaves(heads * head_dim), tree_leaves(config.intermediate_size))
+    return [t for t in range(1, TREE_LEAVES + 1)
+            if heads % t == 0 and kv_heads % t == 0 and all(n % t == 0 for n in leaves)]
+
+
+def tp_size_refusal(config, size: int) -> str | None:
+    """Why TP ``size`` cannot be invariant for ``config`` (None when it can)."""
+    if size in supported_tp_sizes(config):
+        return None
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    why = []
+    if heads % size or kv_heads % size:
+        why.append(f"{heads} attention heads / {kv_heads} KV heads do not split into {size} equal shards")
+    for name, k in (("o_proj", heads * head_dim), ("down_proj (intermediate_size)", config.intermediate_size)):
+        if tree_leaves(k) % size:
+            why.append(f"{name}'s K = {k} reduces as a tree of {tree_leaves(k)} leaves (the most, up to "
+                       f"{TREE_LEAVES}, whose width K / leaves is a multiple of 16), which {size} ranks cannot share")
+    return (f"tensor-parallel size {size}: {'; '.join(why)}. Sizes that work for this model: "
+            f"{supported_tp_sizes(config)}")
+
+
+def _style_of(plan: dict, name: str) -> str | None:
+    return plan.get(replace_layer_number_by_wildcard(name))
+
+
+def _check_param(name: str, param, placement) -> None:
+    if not isinstance(param, DTensor) or tuple(param.placements) != (placement,):
+        got = tuple(param.placements) if isinstance(param, DTensor) else type(param).__name__
+        raise UnsupportedModelError(f"{name} is laid out as {got}, not ({placement},) as the tree expects")
+
+
+def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout) -> dict[nn.Module, object]:
+    """The forward each sharded module runs instead of transformers' TP hooks, after checking that
+    the plan and the shards are ones the invariant trees serve (else ``UnsupportedModelError``)."""
+    problem = tp_size_refusal(model.config, layout.size)
+    if problem:
+        raise UnsupportedModelError(problem)
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    names = {module: name for name, module in model.named_modules()}
+    roles: dict[nn.Module, str] = {}
+    for layer in base.layers:
+        for proj_name, proj in adapter.projections(layer).items():
+            roles[proj] = "rowwise" if proj_name in adapter.row_parallel else "colwise"
+        for norm in adapter.head_norms:
+            roles[getattr(layer.self_attn, norm)] = "head_norm"
+    head = model.get_output_embeddings()
+    if head is not None:
+        roles[head] = "lm_head"
+    roles[model.get_input_embeddings()] = "embedding"
+    for name, module in model.named_modules():
+        style = _style_of(plan, name)
+        role = roles.get(module)
+        if style is not None and (role is None or style not in _ROLE_STYLES[role]):
+            allowed = sorted(_ROLE_STYLES[role]) if role else "none (the module is not sharded)"
+            raise UnsupportedModelError(f"tp_plan shards {name} as {style!r}; make_invariant serves {allowed} "
+                                        "there (the families' tp_plan='auto')")
+        if role in ("colwise", "rowwise") and style is None:
+            raise UnsupportedModelError(f"tp_plan leaves {name} unsharded; make_invariant serves the families' "
+                                        "tp_plan='auto', where it is " + role)
+    forwards: dict[nn.Module, object] = {}
+    for module, role in roles.items():
+        name = names[module]
+        style = _style_of(plan, name)
+        if role == "colwise":
+            _check_param(f"{name}.weight", module.weight, Shard(0))
+            forwards[module] = _colwise_forward
+        elif role == "rowwise":
+            _check_param(f"{name}.weight", module.weight, Shard(1))
+            if module.bias is not None:
+                _check_param(f"{name}.bias", module.bias, Replicate())
+            forwards[module] = _rowwise_forward
+        elif role == "lm_head" and style is not None:
+            _check_param(f"{name}.weight", module.weight, Shard(0))
+            forwards[module] = _gathered_colwise_forward
+        elif role == "embedding" and style is not None:
+            _check_param(f"{name}.weight", module.weight, Shard(0))
+            forwards[module] = _vocab_parallel_embedding_forward
+    for layer in base.layers:
+        forwards[layer.mlp] = _rowwise_mlp_forward
+    for module in forwards:
+        module._invariant_tp = layout
+    return forwards
+
+
+# ---- forwards ------------------------------------------------------------------------------------
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _refuse_grad(module: nn.Module, x: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters())):
+        raise NonInvariantInputError("a tensor-parallel invariant model runs inference only: call it under "
+                                     "torch.no_grad() or torch.inference_mode() (or requires_grad_(False))")
+
+
+def _colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    _refuse_grad(self, x)
+    config = linear_config(x.device.type, x.dtype, *self.weight.shape)  # the full shape's tiles
+    return linear(x, _local(self.weight), _local(self.bias), config=config)
+
+
+def _gathered_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary slice, then every rank's slice gathered (copies). The slices are
+    torch.chunk's (DTensor's Shard(0)): ceil(V / t) columns each, the last ones fewer or none."""
+    layout = self._invariant_tp
+    y = _colwise_forward(self, x)
+    vocab, width = self.out_features, -(-self.out_features // layout.size)
+    rows = y.reshape(-1, y.shape[-1])
+    if rows.shape[-1] < width:
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[-1]))
+    gathered = rows.new_empty((layout.size * rows.shape[0], width))
+    _all_gather(gathered, rows.contiguous(), group=layout.group)
+    full = gathered.view(layout.size, rows.shape[0], width).transpose(0, 1).reshape(rows.shape[0], -1)[:, :vocab]
+    return full.reshape(*y.shape[:-1], vocab)
+
+
+# torch 2.13 renames all_gather_into_tensor (and deprecates the old name); earlier releases have the old only.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def exchange_partials(parts: torch.Tensor, bias, dtype: torch.dtype, layout: TPLayout) -> torch.Tensor:
+    """All-gather the ranks' fp32 leaf sums [leaves / t, M, N] into [leaves, M, N] (rank order is
+    leaf order) and add them in leaf order, then the bias: the single-process tree's bits."""
+    gathered = parts.new_empty((parts.shape[0] * layout.size, *parts.shape[1:]))
+    _all_gather(gathered, parts.contiguous(), group=layout.group)
+    return combine_partials(gathered, bias, dtype)
+
+
+def _rank_config(self: nn.Linear, x: torch.Tensor, layout: TPLayout):
+    """The layer's full K tree, restricted to this rank's leaves (same BLOCK_K, same leaf width)."""
+    full = row_parallel_config(x.device.type, x.dtype, *self.weight.shape)
+    return replace(full, k_chunks=full.k_chunks // layout.size)
+
+
+def _rowwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    _refuse_grad(self, x)
+    layout = self._invariant_tp
+    weight = _local(self.weight)
+    parts = linear_partials(x, weight, _rank_config(self, x, layout))
+    y = exchange_partials(parts, _local(self.bias), x.dtype, layout)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _rowwise_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    down = self.down_proj
+    gate, up = self.gate_proj(x), self.up_proj(x)  # this rank's shards of the intermediate width
+    _refuse_grad(down, gate)
+    layout = self._invariant_tp
+    weight = _local(down.weight)
+    parts = silu_mul_linear_partials(gate, up, weight, _rank_config(down, gate, layout))
+    y = exchange_partials(parts, _local(down.bias), gate.dtype, layout)
+    return y.reshape(*gate.shape[:-1], weight.shape[0])
+
+
+def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    layout = self._invariant_tp
+    local = _local(self.weight)
+    vocab = self.weight.shape[0]
+    start = layout.rank * -(-vocab // layout.size)  # torch.chunk's shards, as DTensor's Shard(0)
+    if not torch.compiler.is_compiling() and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise NonInvariantInputError(f"token ids must lie in [0, {vocab}), got {int(ids.min())}..{int(ids.max())}")
+    mine = (ids >= start) & (ids < start + local.shape[0])
+    rows = torch.nn.functional.embedding((ids - start).clamp(0, max(local.shape[0] - 1, 0)), local)
+    out = torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).contiguous()
+    dist.all_reduce(out.view(torch.uint8), group=layout.group)  # one nonzero term per byte: a copy
+    return out

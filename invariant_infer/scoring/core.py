@@ -1,0 +1,231 @@
+"""Score sequences with a batch-invariant model: per-token logprobs that do not depend on batching.
+
+Because every kernel is batch-invariant, sequences may be sorted and packed into batches any
+way that is fast, and each sequence's logprobs keep the same bits. Logits are never held as
+one [tokens x vocab] fp32 tensor: the lm_head runs on row chunks with the M-invariant linear
+kernel, and each chunk is reduced to logprobs at once by the ``token_logprobs`` kernel.
+
+    model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
+    results = score_sequences(model, [[1, 2, 3], [4, 5, 6, 7]], prompt_lengths=[1, 2])
+    results[1].token_logprobs  # logprobs of tokens 6 and 7
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import TensorParallelError
+from ..kernels import linear, token_logprobs
+from ..model.patch import is_invariant
+from ..model.tensor_parallel import rank_mirror, tp_layout
+
+# Elements of one logits chunk: 32 Mi (64 MiB in bf16); a Qwen2.5 vocab gives 220 rows a chunk.
+LOGITS_CHUNK_ELEMENTS = 1 << 25
+DEFAULT_MAX_BATCH_TOKENS = 8192
+
+
+def logprob_digest(token_logprobs: torch.Tensor | Sequence[float]) -> str:
+    """sha256 hex of the float32 little-endian bytes of the logprobs."""
+    values = token_logprobs.numpy() if isinstance(token_logprobs, torch.Tensor) else token_logprobs
+    return hashlib.sha256(np.asarray(values, dtype="<f4").tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """Logprobs of the scored tokens of one sequence (fp32, on CPU)."""
+    token_logprobs: torch.Tensor
+    greedy: bool  # every scored token is the argmax of its distribution (ties: the first index)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_logprobs.numel()
+
+    @property
+    def logprob(self) -> float:
+        return math.fsum(self.token_logprobs.tolist())  # exactly rounded: no order to depend on
+
+    @property
+    def digest(self) -> str:
+        return logprob_digest(self.token_logprobs)
+
+
+def check_sequence(ids: Sequence[int], prompt_length: int, vocab_size: int, max_positions: int) -> None:
+    """Raise ValueError unless ``ids`` can be scored from position ``prompt_length`` on."""
+    if not ids:
+        raise ValueError("empty sequence")
+    if prompt_length < 1:
+        raise ValueError("empty prompt: the first token has no context, so it has no logprob")
+    if prompt_length >= len(ids):
+        raise ValueError("nothing to score: need at least one token after the prompt (or after the first token)")
+    if len(ids) > max_positions:
+        raise ValueError(f"sequence of {len(ids)} tokens is longer than the model's {max_positions} positions")
+    bad = [t for t in ids if type(t) is not int or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def plan_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches, longest sequences first, each holding at most
+    ``max_batch_tokens`` padded tokens (rows x longest). A sequence over the budget runs alone."""
+    if max_batch_tokens < 1:
+        raise ValueError("max_batch_tokens must be at least 1")
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        # Sorted by decreasing length, so a batch's first row is its longest.
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, *,
+                               lm_head_bias: torch.Tensor | None = None, chunk_rows: int | None = None,
+                               head=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states [T, H] and the tokens they predict [T] -> (fp32 [T] logprobs, bool [T] is-argmax).
+
+    Only [chunk_rows x V] logits, in the model dtype, exist at a time. The chunk size does not
+    change any bit: the linear kernel is M-invariant and the logprob kernel reduces rows alone.
+    ``head``: a module that turns rows into logits in place of ``linear(rows, weight, bias)``
+    (a tensor-parallel lm_head's own forward: its vocabulary slice, then an all-gather)."""
+    vocab = lm_head_weight.shape[0]
+    if chunk_rows is None:
+        chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+    total = hidden.shape[0]
+    logprobs = torch.empty(total, device=hidden.device, dtype=torch.float32)
+    is_argmax = torch.empty(total, device=hidden.device, dtype=torch.bool)
+    for start in range(0, total, chunk_rows):
+        end = min(start + chunk_rows, total)
+        rows = hidden[start:end]
+        logits = head(rows) if head is not None else linear(rows, lm_head_weight, lm_head_bias)
+        logprobs[start:end], is_argmax[start:end] = token_logprobs(logits, targets[start:end])
+        del logits
+    return logprobs, is_argmax
+
+
+def naive_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
+                         lm_head_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The usual way, for benchmarks: full fp32 [T x V] logits, then torch.log_softmax and a gather."""
+    logits = torch.nn.functional.linear(hidden, lm_head_weight, lm_head_bias).float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(1, targets[:, None])[:, 0], logits.argmax(-1) == targets
+
+
+def score_batch(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
+                chunk_rows: int | None = None) -> list[ScoreResult]:
+    """Score one batch (right-padded) in one forward of the base model (on every rank, in step,
+    for the model of ``TensorParallelRanks``)."""
+    mirror = rank_mirror(model)
+    if mirror is not None:
+        return mirror.call("score_batch", (list(sequences), list(prompt_lengths), chunk_rows),
+                           lambda: score_batch_here(model, sequences, prompt_lengths, chunk_rows=chunk_rows))
+    return score_batch_here(model, sequences, prompt_lengths, chunk_rows=chunk_rows)
+
+
+@torch.inference_mode()
+def score_batch_here(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
+                     chunk_rows: int | None = None) -> list[ScoreResult]:
+    """``score_batch`` in this process alone (a rank of a tensor-parallel model runs its share)."""
+    lm_head = model.get_output_embeddings()
+    device = lm_head.weight.device
+    longest = max(len(s) for s in sequences)
+    ids = torch.zeros((len(sequences), longest), dtype=torch.long)  # pad id 0: masked out, any id would do
+    mask = torch.zeros_like(ids)
+    rows, positions = [], []
+    for r, (seq, start) in enumerate(zip(sequences, prompt_lengths)):
+        ids[r, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[r, :len(seq)] = 1
+        rows += [r] * (len(seq) - start)
+        positions += range(start - 1, len(seq) - 1)  # hidden state at p predicts token p + 1
+    ids, mask = ids.to(device), mask.to(device)
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+    # The base model only: the CausalLM forward would build the full logits.
+    hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    logprobs, is_argmax = token_logprobs_from_hidden(
+        hidden[rows_t, positions_t], lm_head.weight, ids[rows_t, positions_t + 1], lm_head_bias=lm_head.bias,
+        chunk_rows=chunk_rows, head=lm_head if tp_layout(model) is not None else None)
+    logprobs, is_argmax = logprobs.cpu(), is_argmax.cpu()
+    results, offset = [], 0
+    for seq, start in zip(sequences, prompt_lengths):
+        n = len(seq) - start
+        results.append(ScoreResult(logprobs[offset:offset + n].clone(), bool(is_argmax[offset:offset + n].all())))
+        offset += n
+    return results
+
+
+def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths: Sequence[int] | None = None,
+                    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, chunk_rows: int | None = None,
+                    progress: bool | Callable[[int], None] = False) -> list[ScoreResult]:
+    """Per-token logprobs of each sequence, in input order, bitwise the same for any batching.
+
+    ``prompt_lengths[i]`` tokens of sequence i are context only; the rest are scored. The
+    default, 1, scores every token after the first. ``model`` must be patched by
+    ``make_invariant``. ``progress``: True for a tqdm bar on stderr, or a callable given the
+    number of tokens each batch processed."""
+    if not is_invariant(model):
+        raise ValueError("score_sequences needs a batch-invariant model: call make_invariant(model) first")
+    if prompt_lengths is None:
+        prompt_lengths = [1] * len(sequences)
+    if len(prompt_lengths) != len(sequences):
+        raise ValueError(f"{len(prompt_lengths)} prompt_lengths for {len(sequences)} sequences")
+    config = model.config
+    sequences = [seq.tolist() if hasattr(seq, "tolist") else list(seq) for seq in sequences]  # tensors, arrays
+    for i, (seq, start) in enumerate(zip(sequences, prompt_lengths)):
+        try:
+            check_sequence(seq, start, config.vocab_size, config.max_position_embeddings)
+        except ValueError as exc:
+            raise ValueError(f"sequence {i}: {exc}") from None
+    bar = None
+    if progress is True:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(len(s) for s in sequences), unit="tok", unit_scale=True, file=sys.stderr)
+        progress = bar.update
+    results: list[ScoreResult | None] = [None] * len(sequences)
+    for batch in plan_batches([len(s) for s in sequences], max_batch_tokens):
+        scored = score_batch(model, [sequences[i] for i in batch], [prompt_lengths[i] for i in batch],
+                             chunk_rows=chunk_rows)
+        for i, result in zip(batch, scored):
+            results[i] = result
+        if progress:
+            progress(sum(len(sequences[i]) for i in batch))
+    if bar is not None:
+        bar.close()
+    return results
+
+
+
+def _score_or_error(model, sequences, prompt_lengths) -> list[ScoreResult] | str:
+    try:
+        return score_batch(model, sequences, prompt_lengths)
+    except TensorParallelError:  # not a row's fault: the ranks stopped
+        raise
+    except Exception as exc:  # reported per row by score_group
+        return f"scoring failed: {type(exc).__name__}: {exc}"
+
+
+def score_group(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[ScoreResult | str]:
+    """``score_batch``, except that a batch whose scoring raises is scored again row by row (which
+    changes no bit of a row): one bad row never fails the others. A row that raises alone gets the
+    message of its exception, a str, in place of its ``ScoreResult``."""
+    scored = _score_or_error(model, sequences, prompt_lengths)
+    if not isinstance(scored, str):
+        return scored
+    if len(sequences) == 1:
+        return [scored]
+    alone = [_score_or_error(model, [seq], [start]) for seq, start in zip(sequences, prompt_lengths)]
+    return [r if isinstance(r, str) else r[0] for r in alone]
+
+
+def score_planned(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                  max_batch_tokens: int) -> Iterator[list[tuple[int, ScoreResult | str]]]:
+    """The batches of ``plan_batches`` scored by ``score_group``, one after another: per batch,
+    (index, result or error message) pairs."""
+    for batch in plan_batches([len(s) for s in sequences], max_batch_tokens):
+        yield list(zip(batch, score_group(model, [sequences[i] for i in batch], [prompt_lengths[i] for i in batch])))

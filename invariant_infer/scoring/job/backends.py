@@ -1,0 +1,120 @@
+"""The two backends of the scoring job: one process holding the model (or rank 0 of
+``TensorParallelRanks``, the model sharded over several), or a Ray Data pipeline of actors each
+holding it. All score every row with the same bits; the job does not know which runs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Iterator
+
+from transformers import AutoConfig
+
+from .ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS, require_ray, score_requests
+from ...errors import TensorParallelError, UnsupportedModelError
+from ...checkpoints.loading import load_model
+from ..core import ScoreResult, score_planned
+from .run import JobError, Request
+from ...parallel.ranks import TensorParallelRanks
+
+Scored = Iterator[list[tuple[Request, ScoreResult | str]]]
+EXIT_RANK_FAILED = 2          # the score command's fatal exit status
+FORCED_EXIT_AFTER_S = 15.0    # after a rank's failure, a job still waiting on a collective (NCCL) ends here
+
+
+def _exit_if_stuck(message: str) -> None:
+    """A rank failed: the job normally raises at once (gloo returns when a peer dies); if a
+    collective still holds it (NCCL waits for its timeout), the process ends after FORCED_EXIT_AFTER_S."""
+    def end() -> None:
+        print(f"score: {message}; the rows written so far are kept: re-run to resume", file=sys.stderr, flush=True)
+        os._exit(EXIT_RANK_FAILED)
+    timer = threading.Timer(FORCED_EXIT_AFTER_S, end)
+    timer.daemon = True
+    timer.start()
+
+
+class LocalBackend:
+    """The model in this process, batches packed by ``plan_batches``; with ``ranks``, the model
+    is rank 0's of those tensor-parallel ranks, and ``close`` stops them."""
+
+    def __init__(self, model, ranks: TensorParallelRanks | None = None):
+        self.model, self.config, self.ranks = model, model.config, ranks
+
+    @classmethod
+    def load(cls, path: str, *, dtype: str | None = None, device: str | None = None,
+             tensor_parallel_size: int = 1) -> LocalBackend:
+        try:
+            if tensor_parallel_size == 1:
+                return cls(load_model(path, dtype=dtype, device=device))
+            ranks = TensorParallelRanks(path, tensor_parallel_size, dtype=dtype, device=device,
+                                        on_failure=_exit_if_stuck)
+            return cls(ranks.model, ranks)
+        except UnsupportedModelError as exc:
+            where = f"--tensor-parallel-size {tensor_parallel_size}" if tensor_parallel_size > 1 else f"cannot load {path}"
+            raise JobError(f"{where}: {exc}") from None
+        except Exception as exc:
+            raise JobError(f"cannot load {path}: {exc}") from None
+
+    def score(self, requests: list[Request], max_batch_tokens: int) -> Scored:
+        try:
+            for batch in score_planned(self.model, [r.ids for r in requests], [r.prompt_length for r in requests],
+                                       max_batch_tokens):
+                yield [(requests[i], result) for i, result in batch]
+        except TensorParallelError as exc:
+            raise JobError(f"{exc}; the rows written so far are kept: re-run to resume") from None
+
+    def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
+
+
+class RayBackend:
+    """Actors on a Ray cluster (``address``; None: RAY_ADDRESS, else a local Ray started here and
+    shut down by ``close``). The driver loads only the model's config, to validate lines."""
+
+    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str | None = None,
+                 device: str | None = None, address: str | None = None, num_workers: int = 1,
+                 gpus_per_worker: float | None = None, rows_per_task: int = DEFAULT_BATCH_ROWS,
+                 max_restarts: int = DEFAULT_MAX_RESTARTS):
+        try:
+            self.ray = require_ray()
+        except ImportError as exc:
+            raise JobError(f"--ray: {exc}") from None
+        if num_workers < 1 or rows_per_task < 1:
+            raise JobError("--num-workers and --rows-per-task must be at least 1")
+        if max_restarts < -1:
+            raise JobError("--max-restarts must be -1 (without limit) or at least 0")
+        try:
+            self.config = AutoConfig.from_pretrained(model)
+        except Exception as exc:
+            raise JobError(f"cannot load {model}: {exc}") from None
+        self.started_ray = not self.ray.is_initialized()
+        if self.started_ray:
+            try:
+                self.ray.init(address=address)
+            except Exception as exc:
+                raise JobError(f"cannot start or reach Ray ({address or 'local'}): {exc}") from None
+        if gpus_per_worker is None:  # one GPU per worker where the cluster has GPUs
+            gpus_per_worker = 1 if self.ray.cluster_resources().get("GPU", 0) > 0 and device != "cpu" else 0
+        self.max_restarts = max_restarts
+        self.options = dict(tokenizer=tokenizer, dtype=dtype, device=device, num_workers=num_workers,
+                            gpus_per_worker=gpus_per_worker or None, batch_size=rows_per_task,
+                            max_restarts=max_restarts)
+        self.model = model
+
+    def score(self, requests: list[Request], max_batch_tokens: int) -> Scored:
+        from ray.exceptions import ActorDiedError
+        try:
+            yield from score_requests(requests, self.model, max_batch_tokens=max_batch_tokens, **self.options)
+        except ActorDiedError as exc:
+            reason = str(exc).splitlines()[0]
+            restarts = "its restarts" if self.max_restarts == -1 else f"{self.max_restarts} restarts"
+            raise JobError(f"a Ray worker died after {restarts} (--max-restarts): {reason}; "
+                           "the rows written so far are kept: re-run to resume") from None
+        except Exception as exc:
+            raise JobError(f"the Ray job failed: {type(exc).__name__}: {exc}") from None
+
+    def close(self) -> None:
+        if self.started_ray:
+            self.ray.shutdown()

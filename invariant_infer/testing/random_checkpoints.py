@@ -1,0 +1,51 @@
+"""Random-init checkpoints of every supported family, for tests, the demo and benchmarks.
+
+Real models' shapes (``"qwen2.5-1.5b"``, ``"llama-3.1-8b"`` ...) and small ones that run on CPU
+(``"tiny"``) come from each family's presets (``invariant_infer.model.families``). Weights are random,
+and so are the biases and RMSNorm weights that transformers initialises to constants, so that
+every patched path carries signal. The MoE families' 3-D expert weights and routers are drawn by
+transformers' own init (normal, std ``initializer_range``), a different draw per expert.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from ..model.families import FAMILIES
+
+
+def random_config(family: str = "qwen2", preset: str = "tiny", **overrides) -> PretrainedConfig:
+    """A config of ``family`` (a model_type) from a preset name, with any field overridden."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
+    adapter = FAMILIES[family]
+    if preset not in adapter.presets:
+        raise ValueError(f"unknown {family} preset {preset!r}; choose from {sorted(adapter.presets)}")
+    return adapter.config_class(**{**adapter.presets[preset], **overrides})
+
+
+def qwen2_config(preset: str = "tiny", **overrides) -> PretrainedConfig:
+    return random_config("qwen2", preset, **overrides)
+
+
+def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A randomly initialised causal LM for ``config``, in eval mode."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.02)
+            elif "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm weights start at ones
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def save_random_checkpoint(path: str | Path, config: PretrainedConfig, seed: int = 0,
+                           dtype: torch.dtype = torch.float32) -> Path:
+    """Write a random checkpoint with ``save_pretrained`` so tests load it as users load real ones."""
+    path = Path(path)
+    random_model(config, seed, dtype).save_pretrained(path)
+    return path

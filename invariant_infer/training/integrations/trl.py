@@ -1,0 +1,227 @@
+"""TRL's GRPO with the sampler and the trainer agreeing to the bit.
+
+    from invariant_infer.training.integrations.trl import InvariantGRPOTrainer
+    trainer = InvariantGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(..., bf16=False),
+                                   train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()   # logs sampling/sampling_logp_difference/max == 0.0 at every step
+
+``InvariantGRPOTrainer`` takes ``GRPOTrainer``'s arguments. It patches the model with ``make_invariant``,
+samples the rollouts with the continuous-batching ``Engine`` running on that very model (no copy: the
+optimizer's in-place updates are what it samples from; its prefix cache is reset before each
+generation), hands the engine's logprobs of the sampled tokens (``logprobs_mode="processed_logprobs"``
+at ``args.temperature``) to TRL as the rollout logprobs, and computes every training logprob with
+``invariant_infer.training.logprobs.token_logprobs``. TRL compares rollout and training logprobs only on its
+vLLM path, so the trainer takes that path with the engine in vLLM's place (anything that would reach
+vLLM raises instead): the comparison, the importance-sampling ratio (exactly 1) and the logged
+``sampling/*`` metrics are TRL's own code, unmodified.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import trl
+from trl import GRPOConfig, GRPOTrainer
+
+from ...engine import Engine, SamplingParams
+from ...errors import InvariantInferError
+from ...model.patch import make_invariant
+from ..logprobs import scored_positions, token_logprobs
+
+# TRL versions whose GRPOTrainer internals this subclass was tested against (it overrides
+# ``_generate_single_turn`` and ``_get_per_token_logps_and_entropies`` and relies on the vLLM branch
+# of ``_generate_and_score_completions``).
+TESTED_TRL_VERSIONS = ("1.16.0",)
+ALLOW_UNTESTED_TRL_ENV = "INVARIANT_INFER_ALLOW_UNTESTED_TRL"
+
+
+class UnsupportedTRLError(InvariantInferError, ValueError):
+    """A TRL version or a GRPOConfig option the integration does not support."""
+
+
+def check_trl_version(version: str | None = None) -> None:
+    """Raise ``UnsupportedTRLError`` unless ``version`` (default: the installed TRL) is one of
+    ``TESTED_TRL_VERSIONS`` or ``INVARIANT_INFER_ALLOW_UNTESTED_TRL=1`` is set."""
+    version = trl.__version__ if version is None else version
+    if version in TESTED_TRL_VERSIONS or os.environ.get(ALLOW_UNTESTED_TRL_ENV) == "1":
+        return
+    raise UnsupportedTRLError(
+        f"InvariantGRPOTrainer is tested with trl {', '.join(TESTED_TRL_VERSIONS)}; trl {version} is installed. "
+        f"Install a tested version (pip install 'trl=={TESTED_TRL_VERSIONS[-1]}'), or set "
+        f"{ALLOW_UNTESTED_TRL_ENV}=1 to run on an untested one and check that "
+        "sampling/sampling_logp_difference/max stays 0.0.")
+
+
+def unsupported_options(args: GRPOConfig, *, peft_config=None, tools=None, rollout_func=None,
+                        environment_factory=None, **_) -> list[str]:
+    """Why the integration cannot run with these ``GRPOTrainer`` arguments (empty: it can)."""
+    problems = []
+
+    def refuse(condition: bool, message: str) -> None:
+        if condition:
+            problems.append(message)
+
+    rollout_only = "the engine's processed logprobs are those of softmax(logits / temperature), with no other filter"
+    refuse(args.use_vllm, "use_vllm=True: the invariant engine generates the rollouts in vLLM's place; "
+           "set use_vllm=False")
+    refuse(args.use_transformers_continuous_batching,
+           "use_transformers_continuous_batching=True: the invariant engine generates the rollouts")
+    refuse(args.top_p != 1.0, f"top_p={args.top_p}: {rollout_only} (use top_p=1.0)")
+    refuse(bool(args.top_k), f"top_k={args.top_k}: {rollout_only} (use top_k=0)")
+    refuse(bool(args.min_p), f"min_p={args.min_p}: {rollout_only} (use min_p=None)")
+    refuse(args.repetition_penalty != 1.0, f"repetition_penalty={args.repetition_penalty}: {rollout_only}")
+    refuse(not args.temperature > 0, f"temperature={args.temperature}: GRPO samples, the temperature must be > 0")
+    refuse(args.generation_kwargs is not None, "generation_kwargs: they configure transformers/vLLM generation, "
+           "which the engine replaces")
+    refuse(args.use_liger_kernel, "use_liger_kernel=True: Liger's kernels replace the invariant ones")
+    refuse(args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True: the lm_head runs on the invariant kernel in the "
+           "model's dtype, as the engine runs it")
+    refuse(not args.vllm_importance_sampling_correction, "vllm_importance_sampling_correction=False: it is TRL's "
+           "comparison of rollout and training logprobs (with them equal the ratio is exactly 1)")
+    refuse(args.loss_type == "vespo" and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"),
+           "loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask'")
+    refuse(args.entropy_coef != 0.0 or args.use_adaptive_entropy, "an entropy bonus (entropy_coef, "
+           "use_adaptive_entropy): entropies are reported as a metric, without gradient")
+    refuse(args.top_entropy_quantile < 1.0, "top_entropy_quantile < 1: entropies are a metric here, not a mask")
+    refuse(bool(args.deepspeed) or bool(args.fsdp), "DeepSpeed / FSDP: the engine samples from the unsharded model")
+    refuse(args.world_size > 1, f"{args.world_size} processes: the integration is tested in one process")
+    refuse(peft_config is not None, "peft_config: adapters are not plain nn.Linear layers, "
+           "which make_invariant needs")
+    for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
+        refuse(bool(value), f"{name}: rollouts come from the engine alone")
+    return problems
+
+
+class _NoVLLM:
+    """Stands where TRL keeps its vLLM client: the trainer takes TRL's vLLM branch for the comparison of
+    logprobs, and anything that would then call vLLM fails loudly instead."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # copy / pickle probes: plainly absent
+            raise AttributeError(name)
+        raise RuntimeError(f"InvariantGRPOTrainer samples with the invariant engine; TRL tried to use vLLM "
+                           f"(vllm_generation.{name}), which this TRL version must not do (see TESTED_TRL_VERSIONS)")
+
+
+class _EntropyProbe:
+    """Entropies of softmax(logits / T) of the logits the lm_head produces inside one ``token_logprobs``
+    call (a metric: no gradient), in the order the head sees its rows."""
+
+    def __init__(self, head: torch.nn.Module, temperature: float):
+        self.temperature, self.pieces = temperature, []
+        self.handle = head.register_forward_hook(self._record)
+
+    def _record(self, module, inputs, logits):
+        with torch.no_grad():
+            logp = torch.log_softmax(logits.detach().float() / self.temperature, dim=-1)
+            self.pieces.append(-(logp.exp() * logp).sum(-1))
+
+    def scatter(self, valid: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        values = torch.cat(self.pieces).to(valid.device) if self.pieces else out.new_zeros(0)
+        if values.numel() != int(valid.sum()):
+            raise RuntimeError(f"the lm_head scored {values.numel()} rows, token_logprobs {int(valid.sum())}")
+        return out.masked_scatter(valid, values)
+
+
+@contextmanager
+def _entropy_probe(head, temperature, enabled: bool):
+    probe = _EntropyProbe(head, temperature) if enabled else None
+    try:
+        yield probe
+    finally:
+        if probe is not None:
+            probe.handle.remove()  # before the backward recomputes the head under checkpointing
+
+
+class InvariantGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` (same arguments) whose rollout logprobs and training logprobs are bitwise
+    equal. ``engine_kwargs`` go to ``Engine``: ``max_num_seqs`` defaults to the generation batch and,
+    on CUDA, ``kv_cache_memory`` to ``args.vllm_gpu_memory_utilization`` of the free memory when the
+    engine starts (at the first generation). The model runs in its own dtype: mixed-precision autocast
+    (``bf16=True`` on an fp32 model) does not apply to it, as it does not in the engine; load the model
+    in the dtype to train in."""
+
+    def __init__(self, *args, engine_kwargs: dict | None = None, **kwargs):
+        check_trl_version()
+        arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        if arguments.get("args") is None:
+            raise UnsupportedTRLError("pass args=GRPOConfig(...): the integration checks its options")
+        problems = unsupported_options(**{k: v for k, v in arguments.items() if k != "self"})
+        if problems:
+            raise UnsupportedTRLError("InvariantGRPOTrainer does not support: " + "; ".join(problems))
+        super().__init__(*args, **kwargs)
+        make_invariant(self.model)
+        if self.ref_model is not None:
+            make_invariant(self.accelerator.unwrap_model(self.ref_model))
+        # TRL compares rollout and training logprobs on its vLLM branch only: take it, with the engine
+        # (``_generate_single_turn`` below) doing vLLM's part.
+        self.use_vllm, self.vllm_mode = True, "invariant-engine"
+        self.vllm_generation = _NoVLLM()
+        self._engine_kwargs = dict(engine_kwargs or {})
+        self._engine: Engine | None = None
+        self._rollout_calls = 0
+
+    # ---- rollouts ---------------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The rollout engine, on ``self.model`` itself (built on first use)."""
+        if self._engine is None:
+            training = self.model.training
+            kwargs = {"max_num_seqs": self.args.generation_batch_size, **self._engine_kwargs}
+            if self.model.device.type == "cuda" and "kv_cache_memory" not in kwargs:
+                # The share TRL gives a colocated vLLM, of the memory free before the optimizer allocates.
+                free = torch.cuda.mem_get_info(self.model.device)[0]
+                kwargs["kv_cache_memory"] = int(free * self.args.vllm_gpu_memory_utilization)
+            self._engine = Engine(self.model, self._tokenizer, **kwargs)
+            self.model.train(training)  # the engine puts the model in eval mode
+        return self._engine
+
+    def _rollout_seeds(self, count: int) -> list[int]:
+        """One sampling seed per rollout, a function of (args.seed, process, step, call): a run replays."""
+        entropy = [self.args.seed, self.accelerator.process_index, self.state.global_step, self._rollout_calls]
+        self._rollout_calls += 1
+        state = np.random.SeedSequence(entropy).generate_state(count, np.uint64)
+        return [int(s) >> 1 for s in state]
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None or multimodal_fields:
+            raise UnsupportedTRLError("InvariantGRPOTrainer runs text-only causal LMs (no images)")
+        engine = self.engine
+        engine.reset_prefix_cache()  # KV cached under the weights before the last optimizer step is stale
+        params = [SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, seed=seed,
+                                 stop_token_ids=list(self.eos_token_ids), logprobs_mode="processed_logprobs")
+                  for seed in self._rollout_seeds(len(prompt_ids))]
+        with torch.no_grad():
+            outputs = engine.generate([list(ids) for ids in prompt_ids], params)
+        failed = [out for out in outputs if out.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} rollouts failed, the first: {failed[0].error}")
+        return [out.token_ids for out in outputs], [out.logprobs for out in outputs]
+
+    # ---- training logprobs ------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's method on ``token_logprobs``: [B, logits_to_keep] logprobs of the completion tokens at
+        ``args.temperature`` (0 at padding), chunked by ``batch_size`` as TRL chunks (the values do
+        not depend on it), in the model's dtype with autocast off (the engine does not autocast)."""
+        if compute_aux_loss:
+            raise UnsupportedTRLError("the MoE load-balancing loss: the supported families are dense")
+        if any(value is not None for value in multimodal.values()):
+            raise UnsupportedTRLError("InvariantGRPOTrainer runs text-only causal LMs (no images)")
+        model = self.accelerator.unwrap_model(model)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            with torch.autocast(ids.device.type, enabled=False), \
+                    _entropy_probe(model.get_output_embeddings(), self.temperature, compute_entropy) as probe:
+                logps.append(token_logprobs(model, ids, mask, temperature=self.temperature)[:, -logits_to_keep:])
+            if probe is not None:
+                entropies.append(probe.scatter(scored_positions(ids, mask, None))[:, -logits_to_keep:])
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
