@@ -12,12 +12,28 @@ from invariant_infer.testing.random_checkpoints import qwen2_config, random_conf
 
 
 def pytest_collection_modifyitems(config, items):
+    run_longest_files_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device; run benchmarks/gpu_check.sh on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def file_minutes(item) -> float:
+    marker = item.module.pytestmark if hasattr(item.module, "pytestmark") else []
+    for mark in marker if isinstance(marker, list) else [marker]:
+        if mark.name == "file_minutes":
+            return float(mark.args[0])
+    return 0.0
+
+
+def run_longest_files_first(items) -> None:
+    """Files marked ``file_minutes(N)`` go first, longest first; the rest keep their order. With
+    ``--dist loadfile --no-loadscope-reorder`` each worker then starts on one of the longest files
+    and the short ones fill in around them (longest-processing-time-first scheduling)."""
+    items.sort(key=lambda item: -file_minutes(item))  # a stable sort: same-length files keep their order
 
 
 @pytest.fixture(autouse=True)
