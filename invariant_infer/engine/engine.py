@@ -173,7 +173,8 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of every request that advanced (finished ones last time)."""
+        """Run one step; returns the outputs of every request that advanced (finished ones last time).
+        Out of memory or a device error raises ``DeviceError`` (no request's fault: none is retried)."""
         timer = self.timer
         timer.start()
         chunks = self.scheduler.schedule()
