@@ -16,40 +16,24 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
-from ..errors import TensorParallelError
+from ..errors import DeviceError, TensorParallelError, raise_if_device_failure
 from ..model.patch import is_invariant, make_invariant
 from ..generation.sampling import sample_next_token
 from ..scoring.core import ScoreResult
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
+from .output import Detokenizer, RequestOutput, finish_reason, request_output
 from .sampling_params import RequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, Status
-from .step_timer import StepTimer
+from .step_timer import NULL_TIMER, StepTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5   # of the free memory at start
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]                      # of each generated token, of logprobs_mode's distribution
-    top_logprobs: list[dict[int, float]] | None
-    prompt_logprobs: list[float] | None        # of prompt tokens 1 .. len - 1
-    prompt_top_logprobs: list[dict[int, float]] | None
-    prompt_greedy: list[bool] | None           # whether each of those prompt tokens was the argmax
-    text: str | None
-    seed: int                                  # replays the sample: pass it back as SamplingParams.seed
-    finished: bool
-    finish_reason: str | None                  # "stop", "length", "abort" or "error"
-    error: str | None = None
 
 
 class EngineBusyError(RuntimeError):
@@ -105,7 +89,15 @@ class Engine:
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
-        self.timer: StepTimer | None = None  # set one to time each step's phases (benchmarks)
+        self.timer = None  # off (the null timer); set a StepTimer to time each step's phases (benchmarks)
+
+    @property
+    def timer(self) -> StepTimer:
+        return self._timer
+
+    @timer.setter
+    def timer(self, timer: StepTimer | None) -> None:
+        self._timer = NULL_TIMER if timer is None else timer
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -149,6 +141,8 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(request_id, prompt_ids, params, seed, arrival)
+        if self.tokenizer is not None:
+            seq.detokenizer = Detokenizer(self.tokenizer, params.stop)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -179,13 +173,12 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of every request that advanced (finished ones last time)."""
+        """Run one step; returns the outputs of every request that advanced (finished ones last time).
+        Out of memory or a device error raises ``DeviceError`` (no request's fault: none is retried)."""
         timer = self.timer
-        if timer:
-            timer.start()
+        timer.start()
         chunks = self.scheduler.schedule()
-        if timer:
-            timer.mark("schedule")
+        timer.mark("schedule")
         if not chunks:
             return []
         advanced: list[Sequence] = []
@@ -196,9 +189,10 @@ class Engine:
                 continue
             try:
                 advanced += self._process(group, hidden)
-            except TensorParallelError:
+            except (TensorParallelError, DeviceError):
                 raise
             except Exception as exc:  # noqa: BLE001  (logits of the group failed: fail its requests, go on)
+                raise_if_device_failure(exc, "the engine's logits and sampling")
                 for chunk in group:
                     self._finish(chunk.seq, "error", error=f"{type(exc).__name__}: {exc}")
                     advanced.append(chunk.seq)
@@ -206,27 +200,26 @@ class Engine:
         for seq in advanced:
             if seq.finished:
                 self.sequences.pop(seq.request_id, None)
-        if timer:
-            timer.end_step("output")
+        timer.end_step("output")
         return outputs
 
     def _forward(self, chunks: list[ScheduledChunk]):
         """(chunks, hidden, error) triples: the whole step at once, or, if that raises, each request
         alone, so that an exception fails only the request that raises it (hidden None, error set).
         A generator: the step processes each group before the next forward runs (under tensor
-        parallelism the other ranks keep one forward's hidden states, for its logits)."""
+        parallelism the other ranks keep one forward's hidden states, for its logits). Out of memory
+        and device errors raise ``DeviceError``: no request is at fault, none is retried alone."""
         timer = self.timer
         try:
             inputs = self.runner.prepare(chunks)
-            if timer:
-                timer.mark("metadata")
+            timer.mark("metadata")
             hidden = self.runner.forward(inputs)
-            if timer:
-                timer.mark("forward")
+            timer.mark("forward")
             whole = (chunks, hidden, None)
         except TensorParallelError:  # the ranks are out of step: no request can run alone either
             raise
         except Exception as exc:  # noqa: BLE001
+            raise_if_device_failure(exc, "the engine's forward")
             whole = None if len(chunks) > 1 else (chunks, None, f"{type(exc).__name__}: {exc}")
         if whole is not None:
             yield whole
@@ -237,6 +230,7 @@ class Engine:
             except TensorParallelError:
                 raise
             except Exception as exc:  # noqa: BLE001
+                raise_if_device_failure(exc, "the engine's forward of one request")
                 alone = ([chunk], None, f"{type(exc).__name__}: {exc}")
             yield alone
 
@@ -259,29 +253,24 @@ class Engine:
                 rows.append(offset + chunk.num_tokens - 1)
             offset += chunk.num_tokens
         timer = self.timer
-        if timer:
-            timer.mark("output")
+        timer.mark("output")
         if not rows:
             return []
         logits = self.runner.logits_of(hidden, rows)
-        if timer:
-            timer.mark("forward")
+        timer.mark("forward")
         if prompt_targets:
             sampled = {r for r, _ in sample_rows}
             prompt_rows = [i for i in range(len(rows)) if i not in sampled]
             self._record_prompt_logprobs(logits[prompt_rows], prompt_targets, prompt_owners)
-            if timer:
-                timer.mark("logprobs")
+            timer.mark("logprobs")
         advanced, picked = [], []
         greedy = [row for row, seq in sample_rows if self._plain_greedy(seq)]
         # One argmax over every plain greedy row: per row the same first maximum as sample_next_token's,
         # in one call (and one device sync) instead of one per sequence.
         if greedy:
-            if timer:
-                timer.mark("sampling")
+            timer.mark("sampling")
             argmax = dict(zip(greedy, logits[greedy].float().argmax(-1).tolist()))
-            if timer:
-                timer.mark("forward")  # device work, charged with the model's
+            timer.mark("forward")  # device work, charged with the model's
         else:
             argmax = {}
         for row, seq in sample_rows:
@@ -289,17 +278,16 @@ class Engine:
             try:
                 token = self._pick(seq, logits[row], argmax.get(row))
             except Exception as exc:  # noqa: BLE001  (one request's failure stays its own)
+                raise_if_device_failure(exc, "the engine's sampling")
                 self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
                 continue
             if token is not None:
                 picked.append((row, seq, token))
-        if timer:
-            timer.mark("sampling")
+        timer.mark("sampling")
         if picked:  # the sampled tokens' logprobs, one launch per temperature they are taken at
             values = self._logprobs(logits[[row for row, _, _ in picked]], [token for _, _, token in picked],
                                     [seq.params.logprob_temperature for _, seq, _ in picked])[0]
-            if timer:
-                timer.mark("logprobs")
+            timer.mark("logprobs")
             for (row, seq, token), value in zip(picked, values):
                 self._append(seq, token, value, logits[row])
         return advanced
@@ -358,31 +346,16 @@ class Engine:
         seq.logprobs.append(logprob)
         if params.logprobs:
             seq.top_logprobs.append(self._top(logits_row, params.logprobs, params.logprob_temperature))
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            self._finish(seq, "stop")
-        elif params.stop and any(stop in seq.text for stop in params.stop):
-            cut = min(seq.text.index(stop) for stop in params.stop if stop in seq.text)
-            seq.text = seq.text[:cut]
-            self._finish(seq, "stop")
-        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_positions:
-            self._finish(seq, "length")
+        reason = finish_reason(seq, token, self.eos_token_ids, self.max_positions)
+        if reason is not None:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
         self.scheduler.remove(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        params = seq.params
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=list(seq.prompt_ids), token_ids=list(seq.output_ids),
-            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs) if params.logprobs else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.wants_prompt_logprobs else None,
-            prompt_top_logprobs=list(seq.prompt_top_logprobs) if params.prompt_logprobs else None,
-            prompt_greedy=list(seq.prompt_greedy) if seq.wants_prompt_logprobs else None,
-            text=seq.text if self.tokenizer is not None else None, seed=seq.seed, finished=seq.finished,
-            finish_reason=seq.finish_reason, error=seq.error)
+        return request_output(seq, with_text=self.tokenizer is not None)
 
     # ---- offline jobs --------------------------------------------------------------------------------
 
@@ -400,19 +373,13 @@ class Engine:
                 raise RequestError(f"request {i}: {exc}", param=exc.param) from None
         ids = [self.add_request(prompt, p) for prompt, p in zip(encoded, params_list)]
         finished: dict[str, RequestOutput] = {}
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(ids), unit="req")
         wanted = set(ids)
-        while wanted - finished.keys():
-            for output in self.step():
-                if output.finished and output.request_id in wanted:
-                    finished[output.request_id] = output
-                    if bar is not None:
+        with tqdm(total=len(ids), unit="req", disable=not progress) as bar:  # disabled: every call does nothing
+            while wanted - finished.keys():
+                for output in self.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
                         bar.update(1)
-        if bar is not None:
-            bar.close()
         return [finished[i] for i in ids]
 
     def score(self, sequences, prompt_lengths: list[int] | None = None) -> list[ScoreResult]:

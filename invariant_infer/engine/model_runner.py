@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from ..model.attention import PAGED_BATCH_KWARG
-from ..kernels import attention_config, linear, paged_attention, token_logprobs, write_kv
+from ..model.logits import head_logits
+from ..kernels import attention_config, paged_attention, token_logprobs, write_kv
 from ..model.padding import sequence_bounds
 from ..model.tensor_parallel import rank_mirror, tp_layout
 from .scheduler import ScheduledChunk
@@ -257,12 +258,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [R, V] (model dtype) of hidden rows [R, H]."""
-        if self.tp_size > 1:  # the sharded head's own forward: its slice, then an all-gather (copies)
-            return self.lm_head(hidden)
-        if self.invariant:
-            return linear(hidden, self.lm_head.weight, self.lm_head.bias)
-        return F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        """Logits [R, V] (model dtype) of hidden rows [R, H]. Under tensor parallelism, the sharded
+        head's own forward: its slice, then an all-gather (copies)."""
+        return head_logits(hidden, self.lm_head.weight, self.lm_head.bias,
+                           head=self.lm_head if self.tp_size > 1 else None, invariant=self.invariant)
 
     @torch.inference_mode()
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor,

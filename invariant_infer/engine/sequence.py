@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .output import Detokenizer
 from .sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class Sequence:
     prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_greedy: list[bool] = field(default_factory=list)
     text: str = ""
+    detokenizer: Detokenizer | None = field(default=None, repr=False)  # set when the engine has a tokenizer
     finish_reason: str | None = None   # "stop", "length", "abort" or "error"
     error: str | None = None
 

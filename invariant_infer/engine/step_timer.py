@@ -1,9 +1,9 @@
 """Wall time per phase of engine steps, for the host-overhead benchmark.
 
-Off by default (``Engine.timer`` is None): the step then only tests that attribute at each phase
-boundary. On, each boundary reads ``time.perf_counter`` and, on CUDA, first waits for the device,
-so that queued kernels are charged to the phase that launched them (this serializes the step;
-timed steps run slower than untimed ones). Host phases: schedule, metadata, sampling, output;
+Off by default (``Engine.timer`` is ``NULL_TIMER``, whose marks do nothing). On, each phase
+boundary reads ``time.perf_counter`` and, on CUDA, first waits for the device, so that queued
+kernels are charged to the phase that launched them (this serializes the step; timed steps run
+slower than untimed ones). Host phases: schedule, metadata, sampling, output;
 device phases: forward (the model, lm_head and the greedy rows' argmax) and logprobs (the
 token-logprob kernel)."""
 from __future__ import annotations
@@ -53,3 +53,19 @@ class StepTimer:
         """Median microseconds per step, per phase (a median: one garbage-collector pause or
         preemption by the OS does not move it)."""
         return {phase: 1e6 * statistics.median(values) if values else 0.0 for phase, values in self.samples.items()}
+
+
+class NullTimer:
+    """A timer that is off: every mark does nothing, so the step marks its phases unconditionally."""
+
+    def start(self) -> None:
+        pass
+
+    def mark(self, phase: str) -> None:
+        pass
+
+    def end_step(self, phase: str) -> None:
+        pass
+
+
+NULL_TIMER = NullTimer()

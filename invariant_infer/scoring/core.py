@@ -3,7 +3,8 @@
 Because every kernel is batch-invariant, sequences may be sorted and packed into batches any
 way that is fast, and each sequence's logprobs keep the same bits. Logits are never held as
 one [tokens x vocab] fp32 tensor: the lm_head runs on row chunks with the M-invariant linear
-kernel, and each chunk is reduced to logprobs at once by the ``token_logprobs`` kernel.
+kernel, and each chunk is reduced to logprobs at once by the ``token_logprobs`` kernel
+(``invariant_infer.model.logits``, which the engine and training share).
 
     model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
     results = score_sequences(model, [[1, 2, 3], [4, 5, 6, 7]], prompt_lengths=[1, 2])
@@ -20,13 +21,11 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..errors import TensorParallelError
-from ..kernels import linear, token_logprobs
+from ..errors import TensorParallelError, raise_if_device_failure
+from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
 from ..model.patch import is_invariant
 from ..model.tensor_parallel import rank_mirror, tp_layout
 
-# Elements of one logits chunk: 32 Mi (64 MiB in bf16); a Qwen2.5 vocab gives 220 rows a chunk.
-LOGITS_CHUNK_ELEMENTS = 1 << 25
 DEFAULT_MAX_BATCH_TOKENS = 8192
 
 
@@ -83,30 +82,6 @@ def plan_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int
         else:
             batches.append([i])
     return batches
-
-
-def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, *,
-                               lm_head_bias: torch.Tensor | None = None, chunk_rows: int | None = None,
-                               head=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final hidden states [T, H] and the tokens they predict [T] -> (fp32 [T] logprobs, bool [T] is-argmax).
-
-    Only [chunk_rows x V] logits, in the model dtype, exist at a time. The chunk size does not
-    change any bit: the linear kernel is M-invariant and the logprob kernel reduces rows alone.
-    ``head``: a module that turns rows into logits in place of ``linear(rows, weight, bias)``
-    (a tensor-parallel lm_head's own forward: its vocabulary slice, then an all-gather)."""
-    vocab = lm_head_weight.shape[0]
-    if chunk_rows is None:
-        chunk_rows = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
-    total = hidden.shape[0]
-    logprobs = torch.empty(total, device=hidden.device, dtype=torch.float32)
-    is_argmax = torch.empty(total, device=hidden.device, dtype=torch.bool)
-    for start in range(0, total, chunk_rows):
-        end = min(start + chunk_rows, total)
-        rows = hidden[start:end]
-        logits = head(rows) if head is not None else linear(rows, lm_head_weight, lm_head_bias)
-        logprobs[start:end], is_argmax[start:end] = token_logprobs(logits, targets[start:end])
-        del logits
-    return logprobs, is_argmax
 
 
 def naive_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
@@ -206,14 +181,16 @@ def _score_or_error(model, sequences, prompt_lengths) -> list[ScoreResult] | str
         return score_batch(model, sequences, prompt_lengths)
     except TensorParallelError:  # not a row's fault: the ranks stopped
         raise
-    except Exception as exc:  # reported per row by score_group
+    except Exception as exc:  # reported per row by score_group; a device failure is no row's
+        raise_if_device_failure(exc, "scoring a batch")
         return f"scoring failed: {type(exc).__name__}: {exc}"
 
 
 def score_group(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[ScoreResult | str]:
     """``score_batch``, except that a batch whose scoring raises is scored again row by row (which
     changes no bit of a row): one bad row never fails the others. A row that raises alone gets the
-    message of its exception, a str, in place of its ``ScoreResult``."""
+    message of its exception, a str, in place of its ``ScoreResult``. Out of memory and device
+    errors are no row's fault: they raise ``DeviceError`` at once, and no row is retried."""
     scored = _score_or_error(model, sequences, prompt_lengths)
     if not isinstance(scored, str):
         return scored

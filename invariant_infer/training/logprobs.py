@@ -14,16 +14,11 @@ kernels' batch-invariant, deterministic backward passes.
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..errors import NonInvariantInputError
-from ..kernels import token_logprobs_autograd
+from ..model.logits import token_logprobs_from_hidden_autograd
 from ..model.padding import positions_from_mask
 from ..model.patch import is_invariant
-
-# Rows of logits materialised at a time ([rows x V] in the model dtype): the head is recomputed
-# chunk by chunk in the backward, so a long batch never holds [tokens x V] logits for autograd.
-LOGITS_CHUNK_ELEMENTS = 1 << 25
 
 
 def scored_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -43,10 +38,6 @@ def scored_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     return valid
 
 
-def _head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float):
-    return token_logprobs_autograd(head(hidden), targets, temperature)
-
-
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    position_ids: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
     """fp32 [B, L-1] logprobs of each next token at ``temperature``; 0 where nothing is scored
@@ -64,16 +55,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     valid = scored_positions(input_ids, attention_mask, position_ids)
     rows = hidden[:, :-1][valid]
     targets = input_ids[:, 1:][valid]
-    head = model.get_output_embeddings()
-    chunk = max(1, LOGITS_CHUNK_ELEMENTS // head.weight.shape[0])
-    pieces = []
-    for start in range(0, rows.shape[0], chunk):
-        part, part_targets = rows[start:start + chunk], targets[start:start + chunk]
-        if torch.is_grad_enabled() and rows.requires_grad:
-            # Recomputed in the backward (same kernels, same bits): only one chunk's logits live at a time.
-            pieces.append(checkpoint(_head_logprobs, part, part_targets, head, temperature, use_reentrant=False))
-        else:
-            pieces.append(_head_logprobs(part, part_targets, head, temperature))
-    values = torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
+    # A chunk of rows at a time, each recomputed in the backward: never [tokens x V] logits for autograd.
+    values = token_logprobs_from_hidden_autograd(rows, targets, model.get_output_embeddings(), temperature=temperature)
     out = torch.zeros(valid.shape, dtype=torch.float32, device=values.device)
     return out.masked_scatter(valid, values)

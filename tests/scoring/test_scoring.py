@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import invariant_infer.model.logits
 import invariant_infer.model.patch
-import invariant_infer.scoring.core
 from helpers import load_model, m_dependent_linear
 from invariant_infer import make_invariant
 from invariant_infer.scoring.core import (ScoreResult, logprob_digest, naive_token_logprobs, plan_batches,
@@ -71,7 +71,7 @@ def test_negative_control_m_dependent_linear_is_caught(tiny_checkpoint, monkeypa
     near -log(512), where one fp32 step is 5e-7: a reordering shows in some sequences, not all.)"""
     model = make_invariant(load_model(tiny_checkpoint, torch.float32))
     monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
-    monkeypatch.setattr(invariant_infer.scoring.core, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.logits, "linear", m_dependent_linear)  # the lm_head
     sequences = [seq[:3] for seq in random_sequences(9)]
     alone = score_sequences(model, sequences, max_batch_tokens=1)
     packed = score_sequences(model, sequences, max_batch_tokens=10_000)

@@ -160,6 +160,22 @@ def test_row_whose_scoring_raises_is_an_error_row(model_dir, main_job, tmp_path,
     assert ":13: scoring failed: RuntimeError: poison row" in capsys.readouterr().err
 
 
+def test_out_of_memory_ends_the_job_without_retrying_rows(model_dir, main_job, tmp_path, monkeypatch, capsys):
+    """No row's fault: exit 2 naming it, and the batch is not scored again row by row."""
+    _, inp, _ = main_job
+    calls = []
+
+    def score_batch(model, sequences, prompt_lengths, **kwargs):
+        calls.append(len(sequences))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(scoring, "score_batch", score_batch)
+    assert score(model_dir, inp, tmp_path / "out.jsonl", "--dtype", "fp32", "--max-batch-tokens", "100000") == 2
+    assert len(calls) == 1 and calls[0] > 1
+    err = capsys.readouterr().err
+    assert "out of memory" in err and "OutOfMemoryError" in err and "re-run to resume" in err
+
+
 def test_invalid_utf8_fails_its_line_only(model_dir, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(b'{"id": 1, "input_ids": [1, 2, 3]}\n{"id": 2, "text": "caf\xe9"}\n{"id": 3, "input_ids": [4, 5]}\n')

@@ -12,7 +12,7 @@ from typing import Iterator
 from transformers import AutoConfig
 
 from .ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS, require_ray, score_requests
-from ...errors import TensorParallelError, UnsupportedModelError
+from ...errors import DeviceError, TensorParallelError, UnsupportedModelError
 from ...checkpoints.loading import load_model
 from ..core import ScoreResult, score_planned
 from .run import JobError, Request
@@ -61,7 +61,7 @@ class LocalBackend:
             for batch in score_planned(self.model, [r.ids for r in requests], [r.prompt_length for r in requests],
                                        max_batch_tokens):
                 yield [(requests[i], result) for i, result in batch]
-        except TensorParallelError as exc:
+        except (TensorParallelError, DeviceError) as exc:  # no row's fault: the job ends, its rows kept
             raise JobError(f"{exc}; the rows written so far are kept: re-run to resume") from None
 
     def close(self) -> None:
