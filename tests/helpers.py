@@ -1,7 +1,7 @@
 """Helpers shared by the test files: dtypes, devices and families to parametrize over, model
 loading, the model-level batchings and bitwise comparison (through ``invariant_infer.testing.drift``), the
 M-dependent negative-control linear, a locally trained tokenizer, scoring request files, local
-lm-eval tasks and the real server in a subprocess."""
+lm-eval tasks and the real server in a subprocess (started, and posted to)."""
 from __future__ import annotations
 
 import inspect
@@ -308,6 +308,43 @@ class ServerProcess:
             self.proc.wait(30)
         self.proc.stdout.close()
         self.log.close()
+
+
+def start_server(checkpoint, log: Path) -> ServerProcess:
+    """The server tests' server: an API key, 4 running + 4 waiting sequences, a 64 KiB body limit
+    and a 2 s stream write timeout."""
+    return ServerProcess(["--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "fp32", "--api-key",
+                          KEY, "--max-num-seqs", "4", "--max-waiting", "4", "--max-body-bytes", "65536",
+                          "--stream-write-timeout", "2"], log)
+
+
+def post(server, path: str, body=None, *, content=None, key: str | None = KEY, timeout=300, headers=None):
+    """A POST with the API key; ``content`` (raw text) instead of ``body`` for bodies JSON cannot dump."""
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    return requests.post(server.url + path, data=json.dumps(body) if content is None else content, headers=headers,
+                         timeout=timeout)
+
+
+def completion(server, **body) -> dict:
+    r = post(server, "/v1/completions", {"model": MODEL, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def choices_of(response: dict) -> list[dict]:
+    return sorted(response["choices"], key=lambda c: c["index"])
+
+
+def assert_error(response, status: int, param: str | None = None) -> dict:
+    """OpenAI's error body with ``status`` (and ``param``); returns the error."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
 
 
 # Offline compiles for CUDA targets (no GPU needed)

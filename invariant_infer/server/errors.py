@@ -43,10 +43,14 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 
 class JSON(JSONResponse):
     """Logprobs are float32 values written as Python floats: repr round-trips them exactly.
-    A -inf logprob is written as -Infinity (Python's json reads it)."""
+    A -inf logprob is written as -Infinity (Python's json reads it). Text that is not valid Unicode
+    (a lone surrogate a refusal quotes) is written with ASCII escapes, which JSON allows."""
 
     def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+        try:
+            return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+        except UnicodeEncodeError:
+            return json.dumps(content, separators=(",", ":")).encode()
 
 
 def error_response(exc: APIError) -> JSON:
@@ -69,6 +73,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"malformed JSON body: {error.get('ctx', {}).get('error', error['msg'])}",
                         code="invalid_json")
     if len(loc) <= 1:
+        if kind == "string_unicode":  # a field name with a lone surrogate
+            return APIError(400, "a field name in the body is not valid Unicode text", code="invalid_value")
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
     param = param_of(loc)
     if kind == "extra_forbidden":

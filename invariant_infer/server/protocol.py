@@ -1,7 +1,9 @@
 """The request bodies as pydantic models, parsed by FastAPI. Types are strict (``"3"`` is not an
 integer, ``1`` is not a boolean), unknown fields are refused, and so are OpenAI options this server
 does not implement; ``errors.validation_error`` turns each refusal into OpenAI's 400 naming its
-``param``. A JSON ``null`` means the field's default."""
+``param``. A JSON ``null`` means the field's default. Text the server reads (prompts, messages, stop
+strings, names) must be valid Unicode: JSON's ``\\udcff`` escape can spell a lone surrogate, which
+no tokenizer encodes."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -18,6 +20,17 @@ SEED_LIMIT = 2 ** 63
 
 def refuse(message: str, code: str = "invalid_value") -> PydanticCustomError:
     return PydanticCustomError(code, message)
+
+
+def _unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise refuse(f"must be valid Unicode text (a lone surrogate at index {exc.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 def unsupported(accept):
@@ -42,14 +55,14 @@ class OpenAIRequest(BaseModel):
 class Sampling(OpenAIRequest):
     """The fields completions and chat completions share (each endpoint has its own
     ``max_tokens`` and its default)."""
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = 0
-    stop: list[str] = []
+    stop: list[Text] = []
     stream: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
@@ -137,10 +150,10 @@ class CompletionRequest(Sampling):
         """A string, a list of strings, a list of token ids or a list of token-id lists -> a list of
         prompts, each a string or a list of ints."""
         if isinstance(value, str):
-            return [value]
+            return [_unicode(value)]
         if isinstance(value, list) and value:
             if all(isinstance(p, str) for p in value):
-                return value
+                return [_unicode(p) for p in value]
             if all(type(t) is int for t in value):
                 return [value]
             if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in value):
@@ -158,8 +171,8 @@ class CompletionRequest(Sampling):
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: str
-    content: str
+    role: Text
+    content: Text
 
     @field_validator("content", mode="before")
     @classmethod
@@ -191,7 +204,7 @@ class ChatCompletionRequest(Sampling):
 class TokenizeRequest(BaseModel):
     """lm-eval's remote tokenizer: a prompt, or chat messages through the chat template."""
     model_config = ConfigDict(strict=True, extra="ignore")
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[Message] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -208,5 +221,5 @@ DEFAULT_DRAIN_TIMEOUT_S = 120.0
 class UpdateWeightsFromDiskRequest(OpenAIRequest):
     """SGLang's body: a checkpoint directory on the server's disk, and (an extension) how many
     seconds to wait for the requests in flight to finish."""
-    model_path: str = Field(min_length=1)
+    model_path: Text = Field(min_length=1)
     timeout: float = Field(DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=3600)

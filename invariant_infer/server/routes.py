@@ -67,7 +67,7 @@ async def completions(body: CompletionRequest, request: Request, server: ServerS
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            server: ServerState = Depends(server_state)):
     server.check_model(body.model)
-    ids = server.tokenizer.encode(server.chat_prompt(body.messages), add_special_tokens=False)
+    ids = server.encode(server.chat_prompt(body.messages), param="messages")
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, server.engine.max_positions - len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{secrets.token_hex(12)}"
@@ -103,7 +103,7 @@ async def tokenize(body: TokenizeRequest, server: ServerState = Depends(server_s
         text = server.chat_prompt(body.messages, body.add_generation_prompt)
     else:
         raise bad("'prompt' (a string) or 'messages' is required", "prompt", "missing_required_parameter")
-    tokens = server.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    tokens = server.encode(text, body.add_special_tokens, "prompt" if body.prompt is not None else "messages")
     return JSON({"tokens": tokens, "count": len(tokens), "max_model_len": server.engine.max_positions})
 
 

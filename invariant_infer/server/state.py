@@ -41,8 +41,14 @@ class ServerState:
             raise APIError(404, f"the model '{model}' does not exist (this server serves "
                            f"'{self.options.model_name}')", param="model", code="model_not_found")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = False, param: str = "prompt") -> list[int]:
+        """Token ids as given, or the text's; text the tokenizer refuses gets a 400 naming ``param``."""
+        if not isinstance(prompt, str):
+            return prompt
+        try:
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as exc:  # tokenizers raises TypeError on text it cannot encode
+            raise bad(f"the tokenizer cannot encode this text: {type(exc).__name__}: {exc}", param) from None
 
     def chat_prompt(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         if not getattr(self.tokenizer, "chat_template", None):

@@ -1,0 +1,30 @@
+"""The server tests' checkpoint and server, shared by the files that only send requests to it:
+session-scoped, so each pytest-xdist worker starts it at most once. A file whose tests stop or
+wear out the server (the faults file) starts its own."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from helpers import KEY, save_tokenizer, start_server
+from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    config = random_config("qwen2", "tiny", num_hidden_layers=1)
+    path = save_random_checkpoint(tmp_path_factory.mktemp("serve-qwen2"), config, seed=5)
+    save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(checkpoint, tmp_path_factory):
+    s = start_server(checkpoint, tmp_path_factory.mktemp("serve-log") / "server.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
