@@ -29,7 +29,7 @@ from invariant_infer.kernels.configs import tree_leaves
 from invariant_infer.checkpoints.loading import load_model
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 from invariant_infer.model.tensor_parallel import supported_tp_sizes
-from invariant_infer.parallel.ranks import TensorParallelRanks
+from invariant_infer.parallel import TensorParallelRanks
 
 from .timing import Run, free_memory
 
@@ -132,7 +132,7 @@ def run(ctx: Run, family: str = "qwen2", preset: str = "qwen2.5-1.5b", rank_init
                 else:
                     with TensorParallelRanks(path, size, dtype=dtype, device=device.type,
                                              rank_init=rank_init) as ranks:
-                        row = _measure(Engine(ranks.model), prompts, decode, device, size, baseline)
+                        row = _measure(Engine(ranks.model, executor=ranks), prompts, decode, device, size, baseline)
             except Exception as exc:  # keep the other sizes' numbers
                 ctx.failed(f"tensor_parallel TP {size}", exc)
                 continue

@@ -15,7 +15,7 @@ MOVED = {
     "padding": "model.padding", "packing": "model.packing", "tensor_parallel": "model.tensor_parallel",
     "families": "model.families", "random_checkpoints": "testing.random_checkpoints", "drift": "testing.drift",
     "loading": "checkpoints.loading", "sampling": "generation.sampling", "weight_update": "training.weight_update",
-    "integrations": "training.integrations", "tensor_parallel_ranks": "parallel.ranks",
+    "integrations": "training.integrations", "tensor_parallel_ranks": "parallel",
     "scoring_job": "scoring.job.run", "scoring_backends": "scoring.job.backends", "distributed": "scoring.job.ray",
     "scoring_cli": "cli.score", "serve_cli": "cli.serve", "demo": "cli.demo",
 }

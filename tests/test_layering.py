@@ -165,3 +165,79 @@ def test_every_subpackage_ships():
     present = {name for name, path in MODULES.items()
                if path.name == "__init__.py" and name.startswith("invariant_infer")}
     assert present == listed, f"missing from pyproject.toml: {sorted(present - listed)}"
+
+
+# ---- one reader of transformers' private TP size; no executor found through the model ----------
+
+TP_SIZE_READER = ("invariant_infer.model.tensor_parallel", "tp_size_of")
+
+
+def private_tp_size_reads(tree: ast.AST, module: str) -> list[tuple[str, str]]:
+    """(module, enclosing function) of each ``_tp_size`` attribute or string in ``tree``."""
+    found = []
+
+    def visit(node, function):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if (isinstance(node, ast.Attribute) and node.attr == "_tp_size") or \
+                (isinstance(node, ast.Constant) and isinstance(node.value, str) and "_tp_size" in node.value):
+            found.append((module, function))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+    visit(tree, "<module>")
+    return found
+
+
+def executor_lookups(tree: ast.AST) -> list[str]:
+    """Where an object attaches itself to another (``x.attr = self``, ``setattr(x, name, self)``, as a
+    driver setting itself on a model would), and where code looks something up on a model by a
+    name that names an executor (``getattr(model, MIRROR_ATTR)``, ``model._executor``)."""
+    def model_like(node) -> bool:
+        text = ast.unparse(node)
+        return "model" in text.split(".")[-1] or text.endswith("model")
+
+    def names_an_executor(text: str) -> bool:
+        return any(word in text.lower() for word in ("executor", "mirror", "ranks"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            found += [ast.unparse(t) for t in node.targets
+                      if isinstance(t, ast.Attribute) and ast.unparse(t.value) != "self"]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2:
+            target, name = node.args[0], node.args[1]
+            if node.func.id == "setattr" and len(node.args) == 3 and ast.unparse(node.args[2]) == "self":
+                found.append(ast.unparse(node))
+            elif node.func.id in ("getattr", "hasattr", "setattr") and model_like(target) and \
+                    names_an_executor(str(name.value) if isinstance(name, ast.Constant) else ast.unparse(name)):
+                found.append(ast.unparse(node))
+        elif isinstance(node, ast.Attribute) and model_like(node.value) and names_an_executor(node.attr):
+            found.append(ast.unparse(node))
+    return sorted(set(found))
+
+
+def library_trees():
+    for module, path in MODULES.items():
+        if module.startswith("invariant_infer"):
+            yield module, ast.parse(path.read_text())
+
+
+def test_only_one_helper_reads_the_private_tp_size():
+    reads = {read for module, tree in library_trees() for read in private_tp_size_reads(tree, module)}
+    assert reads == {TP_SIZE_READER}
+
+
+def test_nothing_looks_an_executor_up_on_the_model():
+    found = {module: lookups for module, tree in library_trees() if (lookups := executor_lookups(tree))}
+    assert not found, f"executors are passed in (executor=), never found through the model: {found}"
+
+
+def test_negative_control_the_checks_see_a_rank_mirror_on_the_model():
+    """The way rank 0's driver was once found: set on the model, looked up by attribute."""
+    old = ast.parse("def rank_mirror(model):\n    return getattr(model, RANK_MIRROR_ATTR, None)\n"
+                    "class Ranks:\n    def start(self):\n        setattr(self.model, RANK_MIRROR_ATTR, self)\n"
+                    "        self.model._executor = self\n"
+                    "def size(model):\n    return model.executor.tensor_parallel_size\n")
+    assert executor_lookups(old) == ["getattr(model, RANK_MIRROR_ATTR, None)", "model.executor",
+                                             "self.model._executor", "setattr(self.model, RANK_MIRROR_ATTR, self)"]
+    second = ast.parse("def engine(model):\n    return getattr(model, '_tp_size', None) or 1\n")
+    assert private_tp_size_reads(second, "engine") == [("engine", "engine")]

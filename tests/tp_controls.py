@@ -25,5 +25,5 @@ def fail_on_other_ranks() -> None:
     """A ``rank_init`` that raises on every rank but rank 0 (a rank that cannot start)."""
     import os
     import sys
-    if sys.argv[0].endswith(os.path.join("parallel", "ranks.py")):
+    if sys.argv[0].endswith(os.path.join("parallel", "worker.py")):
         raise RuntimeError("this rank cannot start")

@@ -48,11 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     try:  # here, not at the top: --help and the other commands run without the serve extra
         from ..server.main import serve
+        from ..server.state import ServerOptions
     except ImportError as exc:
         print(f"invariant-infer serve needs the serve extra (pip install 'invariant-infer[serve]'): {exc}",
               file=sys.stderr)
         return 2
-    return serve(args)
+    return serve(ServerOptions(
+        model_name=args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes, stream_write_timeout=args.stream_write_timeout, model=args.model,
+        tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.disable_prefix_caching,
+        kernels=args.kernels, host=args.host, port=args.port, log_level=args.log_level))
 
 
 def add_parser(sub) -> None:

@@ -7,9 +7,9 @@
 ``add_request`` / ``step`` / ``abort`` drive it one step at a time (a server does);
 ``generate`` and ``score`` run until their requests finish.
 
-On the model of ``TensorParallelRanks`` (``invariant_infer.parallel.ranks``) the engine runs
-in rank 0's process: it schedules, samples and keeps the requests; every step's forward and logits
-run on all ranks in step, and each result is bitwise that of one process.
+On ``TensorParallelRanks`` (``invariant_infer.parallel``), ``Engine(ranks.model, tokenizer,
+executor=ranks)`` runs in rank 0's process: it schedules, samples and keeps the requests; every
+step's forward and logits run on all ranks in step, and each result is bitwise that of one process.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import DeviceError, TensorParallelError, raise_if_device_failure
+from ..model.executor import Executor, executor_for
 from ..model.patch import is_invariant, make_invariant
 from ..generation.sampling import sample_next_token
 from ..scoring.core import ScoreResult
@@ -52,7 +53,8 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
-                 decode_buckets: tuple[int, ...] = ()):
+                 decode_buckets: tuple[int, ...] = (), executor: Executor | None = None):
+        executor = executor_for(model, executor)  # where each step runs (default: this process)
         if kernels not in ("invariant", "stock"):
             raise ValueError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -68,7 +70,7 @@ class Engine:
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
         dtype, device = model.get_output_embeddings().weight.dtype, model.get_output_embeddings().weight.device
         page_size = ModelRunner.page_size_for(config, device, dtype)
-        self.tensor_parallel_size = getattr(model, "_tp_size", None) or 1
+        self.tensor_parallel_size = executor.tensor_parallel_size
         # kv_cache_memory is per rank; a rank holds 1 / tensor_parallel_size of the KV heads.
         self.page_bytes = page_bytes = ModelRunner.page_bytes(config, dtype, page_size, self.tensor_parallel_size)
         if kv_cache_memory is None:
@@ -80,14 +82,13 @@ class Engine:
             raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each)")
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  decode_buckets=decode_buckets)
+                                  decode_buckets=decode_buckets, executor=executor)
         self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
-        if eos is None and tokenizer is not None:
-            eos = tokenizer.eos_token_id
+        eos = tokenizer.eos_token_id if eos is None and tokenizer is not None else eos
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
         self.timer = None  # off (the null timer); set a StepTimer to time each step's phases (benchmarks)
 
@@ -106,8 +107,7 @@ class Engine:
             if self.tokenizer is None:
                 raise RequestError("a text prompt needs a tokenizer: Engine(model, tokenizer)")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
+        prompt = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt
         if not isinstance(prompt, SequenceABC) or not all(type(t) is int for t in prompt):
             raise RequestError("a prompt is a string or a list of token ids")
         return list(prompt)

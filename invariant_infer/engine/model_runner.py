@@ -9,8 +9,8 @@ writes the step's K/V into the pages and attends over each sequence's own pages.
 
 Under tensor parallelism (a model that ``TensorParallelRanks`` drives), each rank holds its shard of
 the KV heads in its own pages; rank 0 schedules, and each step's metadata (plain lists: token ids,
-positions, slots, block tables) goes to every rank through the model's rank mirror, so all ranks
-run the same forward and the same logits rows.
+positions, slots, block tables) goes to every rank through the executor's ``collective_rpc``
+(``invariant_infer.model.executor``), so all ranks run the same forward and the same logits rows.
 
 The step's metadata is copied into buffers allocated once, and ``decode_buckets`` pads a
 decode-only step to a fixed number of rows, as CUDA-graph capture needs (benchmarks/README.md lists
@@ -34,7 +34,8 @@ from ..model.attention import PAGED_BATCH_KWARG
 from ..model.logits import head_logits
 from ..kernels import attention_config, paged_attention, token_logprobs, write_kv
 from ..model.padding import sequence_bounds
-from ..model.tensor_parallel import rank_mirror, tp_layout
+from ..model.executor import Executor, RankState, executor_for, worker_command
+from ..model.tensor_parallel import tp_layout
 from .scheduler import ScheduledChunk
 
 STOCK_ATTN_IMPLEMENTATION = "invariant_infer_paged_stock"
@@ -117,8 +118,9 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, invariant: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, decode_buckets: tuple[int, ...] = ()):
+                 max_num_batched_tokens: int, decode_buckets: tuple[int, ...] = (), executor: Executor | None = None):
         self.model, self.invariant = model, invariant
+        self.executor = executor_for(model, executor)
         config = model.config
         self.base = model.model
         self.lm_head = model.get_output_embeddings()
@@ -157,13 +159,12 @@ class ModelRunner:
         if not invariant:
             AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, _paged_stock_attention)
             model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
-        self.mirror = rank_mirror(model)
-        if self.mirror is not None:  # every other rank builds the same runner over its shard
-            self.runner_id = next(_RUNNER_IDS)
-            options = dict(num_pages=num_pages, page_size=page_size, invariant=invariant, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, decode_buckets=tuple(decode_buckets))
-            self.mirror.call("runner", (self.runner_id, options), lambda: None)
-            weakref.finalize(self, self.mirror.release, self.runner_id)
+        # Every other rank builds the same runner over its shard, held there under runner_id.
+        self.runner_id = next(_RUNNER_IDS)
+        options = dict(num_pages=num_pages, page_size=page_size, invariant=invariant, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, decode_buckets=tuple(decode_buckets))
+        self.executor.collective_rpc(_start_runner, (self.runner_id, options), lambda: None)
+        weakref.finalize(self, self.executor.release, self.runner_id)
 
     @staticmethod
     def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:
@@ -232,9 +233,8 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states [T, H] of the step's real packed tokens (on every rank, in step)."""
-        if self.mirror is not None:
-            return self.mirror.call("forward", (self.runner_id, inputs.metadata), lambda: self._forward(inputs))
-        return self._forward(inputs)
+        return self.executor.collective_rpc(_forward_on_rank, (self.runner_id, inputs.metadata),
+                                            lambda: self._forward(inputs))
 
     @torch.inference_mode()
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -252,9 +252,7 @@ class ModelRunner:
         under tensor parallelism each rank computes its vocabulary slice)."""
         def local():
             return self.logits(hidden[torch.tensor(rows, device=hidden.device)])
-        if self.mirror is not None:
-            return self.mirror.call("logits", (self.runner_id, rows), local)
-        return local()
+        return self.executor.collective_rpc(_logits_on_rank, (self.runner_id, rows), local)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -274,3 +272,25 @@ class ModelRunner:
         scaled = logits.float() / temperature
         logprobs = torch.log_softmax(scaled, dim=-1).gather(1, targets[:, None])[:, 0]
         return logprobs, scaled.argmax(-1) == targets
+
+
+# ---- the other ranks' part of each step (under tensor parallelism) ---------------------------------
+
+@worker_command
+def _start_runner(rank: RankState, payload) -> None:
+    runner_id, options = payload
+    rank.held[runner_id] = [ModelRunner(rank.model, **options), None]  # [runner, its last hidden states]
+
+
+@worker_command
+def _forward_on_rank(rank: RankState, payload) -> None:
+    runner_id, metadata = payload
+    entry = rank.held[runner_id]
+    entry[1] = entry[0].forward(entry[0].load(metadata))  # its own LocalExecutor: this rank's part
+
+
+@worker_command
+def _logits_on_rank(rank: RankState, payload) -> None:
+    runner_id, rows = payload
+    runner, hidden = rank.held[runner_id]
+    runner.logits_of(hidden, rows)

@@ -51,20 +51,15 @@ class TPLayout:
     group: object       # its process group
 
 
-# Where a driver of several ranks (``TensorParallelRanks``) sets itself on rank 0's model: the engine
-# and scoring then run each step through ``mirror.call(command, payload, local)``, which has every
-# other rank run the same step while this one runs ``local()``.
-RANK_MIRROR_ATTR = "_invariant_rank_mirror"
-
-
-def rank_mirror(model: nn.Module):
-    """The driver that runs ``model``'s steps on the other ranks too (None: this process alone)."""
-    return getattr(model, RANK_MIRROR_ATTR, None)
+def tp_size_of(model: nn.Module) -> int:
+    """The tensor-parallel size transformers loaded ``model`` at (1: one process). The one reader
+    of transformers' private ``_tp_size``."""
+    return getattr(model, "_tp_size", None) or 1
 
 
 def tp_layout(model: nn.Module) -> TPLayout | None:
     """The TP layout transformers set on ``model`` (None for a single-process model)."""
-    size = getattr(model, "_tp_size", None) or 1
+    size = tp_size_of(model)
     mesh = getattr(model, "_device_mesh", None)
     if size <= 1 or mesh is None:
         return None

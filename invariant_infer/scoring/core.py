@@ -24,7 +24,8 @@ import torch
 from ..errors import TensorParallelError, raise_if_device_failure
 from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
 from ..model.patch import is_invariant
-from ..model.tensor_parallel import rank_mirror, tp_layout
+from ..model.executor import Executor, RankState, executor_for, worker_command
+from ..model.tensor_parallel import tp_layout
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
 
@@ -93,14 +94,18 @@ def naive_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, tar
 
 
 def score_batch(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
-                chunk_rows: int | None = None) -> list[ScoreResult]:
-    """Score one batch (right-padded) in one forward of the base model (on every rank, in step,
-    for the model of ``TensorParallelRanks``)."""
-    mirror = rank_mirror(model)
-    if mirror is not None:
-        return mirror.call("score_batch", (list(sequences), list(prompt_lengths), chunk_rows),
-                           lambda: score_batch_here(model, sequences, prompt_lengths, chunk_rows=chunk_rows))
-    return score_batch_here(model, sequences, prompt_lengths, chunk_rows=chunk_rows)
+                chunk_rows: int | None = None, executor: Executor | None = None) -> list[ScoreResult]:
+    """Score one batch (right-padded) in one forward of the base model, through ``executor``
+    (default: this process alone; ``TensorParallelRanks``: on every rank, in step)."""
+    executor = executor_for(model, executor)
+    return executor.collective_rpc(_score_batch_on_rank, (list(sequences), list(prompt_lengths), chunk_rows),
+                                   lambda: score_batch_here(model, sequences, prompt_lengths, chunk_rows=chunk_rows))
+
+
+@worker_command
+def _score_batch_on_rank(rank: RankState, payload) -> None:
+    sequences, prompt_lengths, chunk_rows = payload
+    score_batch_here(rank.model, sequences, prompt_lengths, chunk_rows=chunk_rows)
 
 
 @torch.inference_mode()
@@ -137,13 +142,16 @@ def score_batch_here(model, sequences: Sequence[Sequence[int]], prompt_lengths: 
 
 def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths: Sequence[int] | None = None,
                     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, chunk_rows: int | None = None,
-                    progress: bool | Callable[[int], None] = False) -> list[ScoreResult]:
+                    progress: bool | Callable[[int], None] = False,
+                    executor: Executor | None = None) -> list[ScoreResult]:
     """Per-token logprobs of each sequence, in input order, bitwise the same for any batching.
 
     ``prompt_lengths[i]`` tokens of sequence i are context only; the rest are scored. The
     default, 1, scores every token after the first. ``model`` must be patched by
     ``make_invariant``. ``progress``: True for a tqdm bar on stderr, or a callable given the
-    number of tokens each batch processed."""
+    number of tokens each batch processed. ``executor``: where each batch runs (default: this
+    process; for the model of ``TensorParallelRanks``, pass the ranks: ``executor=ranks``)."""
+    executor = executor_for(model, executor)
     if not is_invariant(model):
         raise ValueError("score_sequences needs a batch-invariant model: call make_invariant(model) first")
     if prompt_lengths is None:
@@ -165,7 +173,7 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
     results: list[ScoreResult | None] = [None] * len(sequences)
     for batch in plan_batches([len(s) for s in sequences], max_batch_tokens):
         scored = score_batch(model, [sequences[i] for i in batch], [prompt_lengths[i] for i in batch],
-                             chunk_rows=chunk_rows)
+                             chunk_rows=chunk_rows, executor=executor)
         for i, result in zip(batch, scored):
             results[i] = result
         if progress:
@@ -176,9 +184,9 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
 
 
 
-def _score_or_error(model, sequences, prompt_lengths) -> list[ScoreResult] | str:
+def _score_or_error(model, sequences, prompt_lengths, executor) -> list[ScoreResult] | str:
     try:
-        return score_batch(model, sequences, prompt_lengths)
+        return score_batch(model, sequences, prompt_lengths, executor=executor)
     except TensorParallelError:  # not a row's fault: the ranks stopped
         raise
     except Exception as exc:  # reported per row by score_group; a device failure is no row's
@@ -186,23 +194,26 @@ def _score_or_error(model, sequences, prompt_lengths) -> list[ScoreResult] | str
         return f"scoring failed: {type(exc).__name__}: {exc}"
 
 
-def score_group(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[ScoreResult | str]:
+def score_group(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
+                executor: Executor | None = None) -> list[ScoreResult | str]:
     """``score_batch``, except that a batch whose scoring raises is scored again row by row (which
     changes no bit of a row): one bad row never fails the others. A row that raises alone gets the
     message of its exception, a str, in place of its ``ScoreResult``. Out of memory and device
     errors are no row's fault: they raise ``DeviceError`` at once, and no row is retried."""
-    scored = _score_or_error(model, sequences, prompt_lengths)
+    scored = _score_or_error(model, sequences, prompt_lengths, executor)
     if not isinstance(scored, str):
         return scored
     if len(sequences) == 1:
         return [scored]
-    alone = [_score_or_error(model, [seq], [start]) for seq, start in zip(sequences, prompt_lengths)]
+    alone = [_score_or_error(model, [seq], [start], executor) for seq, start in zip(sequences, prompt_lengths)]
     return [r if isinstance(r, str) else r[0] for r in alone]
 
 
 def score_planned(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                  max_batch_tokens: int) -> Iterator[list[tuple[int, ScoreResult | str]]]:
+                  max_batch_tokens: int, *,
+                  executor: Executor | None = None) -> Iterator[list[tuple[int, ScoreResult | str]]]:
     """The batches of ``plan_batches`` scored by ``score_group``, one after another: per batch,
     (index, result or error message) pairs."""
     for batch in plan_batches([len(s) for s in sequences], max_batch_tokens):
-        yield list(zip(batch, score_group(model, [sequences[i] for i in batch], [prompt_lengths[i] for i in batch])))
+        yield list(zip(batch, score_group(model, [sequences[i] for i in batch], [prompt_lengths[i] for i in batch],
+                                          executor=executor)))

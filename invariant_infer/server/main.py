@@ -14,17 +14,16 @@ other ranks, and stops them when it exits. A rank that dies stops the server wit
 the rank named on stderr and exit code 1; requests in flight get an error."""
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import sys
-import threading
 
 import uvicorn
 
 from ..engine import AsyncEngine, Engine
 from ..checkpoints.loading import load_model, load_tokenizer
-from ..parallel.ranks import TensorParallelRanks
+from ..parallel import TensorParallelRanks
+from ..parallel.forced_exit import FORCED_EXIT_AFTER_S, exit_later
 from .app import create_app
 from .state import ServerOptions
 
@@ -32,8 +31,7 @@ from .state import ServerOptions
 # stream (and --stream-write-timeout starts counting) after a few hundred KiB, not after the
 # megabytes Linux's autotuning would buffer; ample for event streams and ordinary responses.
 SEND_BUFFER_BYTES = 64 << 10
-EXIT_RANK_FAILED = 1
-FORCED_EXIT_AFTER_S = 15.0  # after a rank's failure: the drain gets this long, then the process exits
+EXIT_RANK_FAILED = 1  # after a rank's failure the drain gets FORCED_EXIT_AFTER_S, then the process exits
 
 
 class RankFailure:
@@ -48,25 +46,20 @@ class RankFailure:
         print(f"invariant-infer serve: {message}; shutting down", file=sys.stderr, flush=True)
         if self.server is not None:
             self.server.should_exit = True  # uvicorn's main loop polls it, closes the listener and drains
-        timer = threading.Timer(FORCED_EXIT_AFTER_S, os._exit, (EXIT_RANK_FAILED,))
-        timer.daemon = True
-        timer.start()
+        exit_later(EXIT_RANK_FAILED, after_s=FORCED_EXIT_AFTER_S)
 
 
-def build(args, ranks: TensorParallelRanks | None = None):
-    """The app for the checkpoint ``args.model`` (or for ``ranks.model``, the sharded one): the
-    engine wraps the model itself."""
+def build(options: ServerOptions, ranks: TensorParallelRanks | None = None):
+    """The app for the checkpoint ``options.model`` (or for ``ranks.model``, the sharded one, run
+    through the ranks): the engine wraps the model itself."""
     if ranks is not None:
         model = ranks.model
     else:
-        model = load_model(args.model, dtype=args.dtype, device=args.device, invariant=False)
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
-    engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                    enable_prefix_caching=not args.disable_prefix_caching, kernels=args.kernels)
-    options = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                            max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                            stream_write_timeout=args.stream_write_timeout)
+        model = load_model(options.model, dtype=options.dtype, device=options.device, invariant=False)
+    tokenizer = load_tokenizer(options.tokenizer or options.model)
+    engine = Engine(model, tokenizer, max_num_seqs=options.max_num_seqs,
+                    max_num_batched_tokens=options.max_num_batched_tokens, kv_cache_memory=options.kv_cache_memory,
+                    enable_prefix_caching=options.enable_prefix_caching, kernels=options.kernels, executor=ranks)
     return create_app(AsyncEngine(engine), tokenizer, options)
 
 
@@ -83,29 +76,33 @@ class DrainingServer(uvicorn.Server):
             captured[:] = [s for s in captured if s != signal.SIGTERM]
 
 
-def serve(args) -> int:
-    size = getattr(args, "tensor_parallel_size", 1)
+def serve(options: ServerOptions) -> int:
+    """Serve ``options.model`` until SIGTERM / SIGINT (or a rank's failure); returns the exit status."""
+    if options.model is None:
+        raise ValueError("ServerOptions.model: the checkpoint to serve")
+    size = options.tensor_parallel_size
     if size == 1:
-        return _serve(args, None, None)
-    if args.kernels != "invariant":
+        return _serve(options, None, None)
+    if options.kernels != "invariant":
         print("invariant-infer serve: --tensor-parallel-size runs the invariant kernels only", file=sys.stderr)
         return 2
     failure = RankFailure()
     try:
-        ranks = TensorParallelRanks(args.model, size, dtype=args.dtype, device=args.device, on_failure=failure)
+        ranks = TensorParallelRanks(options.model, size, dtype=options.dtype, device=options.device,
+                                    on_failure=failure)
     except Exception as exc:  # noqa: BLE001  (a refused size, a rank that failed loading)
         print(f"invariant-infer serve: {exc}", file=sys.stderr)
         return 2
     try:
-        code = _serve(args, ranks, failure)
+        code = _serve(options, ranks, failure)
     finally:
         ranks.close()
     return EXIT_RANK_FAILED if failure.message else code
 
 
-def _serve(args, ranks: TensorParallelRanks | None, failure: RankFailure | None) -> int:
-    app = build(args, ranks)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: RankFailure | None) -> int:
+    app = build(options, ranks)
+    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)  # inherited by each connection
@@ -113,11 +110,11 @@ def _serve(args, ranks: TensorParallelRanks | None, failure: RankFailure | None)
         # A connection whose client reads nothing for this long is reset by the kernel. The app's
         # write timeout ends a stalled stream, but closing its connection waits for the unread
         # bytes to drain, which would keep a graceful shutdown waiting forever.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(args.stream_write_timeout * 1000)))
-    sock.bind((args.host, args.port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(options.stream_write_timeout * 1000)))
+    sock.bind((options.host, options.port))
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None, access_log=False)
+    config = uvicorn.Config(app, log_level=options.log_level, timeout_graceful_shutdown=None, access_log=False)
     server = DrainingServer(config)
     if failure is not None:
         failure.server = server

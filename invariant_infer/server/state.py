@@ -18,11 +18,28 @@ DEFAULT_STREAM_WRITE_TIMEOUT_S = 30.0
 
 @dataclass
 class ServerOptions:
-    model_name: str = "model"
+    """The server's options: what the app serves (read by the routes), and, for ``server.main.serve``,
+    the checkpoint, the engine and the socket (``invariant-infer serve`` builds them from its flags)."""
+    model_name: str = "model"            # the name clients send
     api_key: str | None = None
     max_waiting: int = 256               # sequences queued beyond max_num_seqs before 429
     max_body_bytes: int = 16 << 20
     stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a stream stalled that long is dropped
+    # The checkpoint and the engine (read by ``serve``).
+    model: str | None = None             # a checkpoint directory or hub id
+    tokenizer: str | None = None         # default: ``model``
+    dtype: str | None = None
+    device: str | None = None
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    kernels: str = "invariant"
+    # The socket and uvicorn.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "warning"
 
 
 class ServerState:

@@ -25,12 +25,13 @@ from openai import OpenAI
 import tp_controls
 from helpers import ServerProcess, run_bounded, save_tokenizer
 from invariant_infer.model import tensor_parallel
+from invariant_infer.model.tensor_parallel import tp_size_of
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.errors import TensorParallelError, UnsupportedModelError
 from invariant_infer.checkpoints.loading import load_model
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 from invariant_infer.scoring.core import score_sequences
-from invariant_infer.parallel.ranks import TensorParallelRanks
+from invariant_infer.parallel import TensorParallelRanks
 
 # CPU ranks: refused where transformers would shard onto CUDA GPUs (the GPU check runs the
 # tensor_parallel benchmark section on machines with two or more).
@@ -51,7 +52,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def rank_processes() -> list[int]:
-    """Pids of every live rank process (``python -m invariant_infer.parallel.ranks``)."""
+    """Pids of every live rank process (``python -m invariant_infer.parallel.worker``)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -61,7 +62,7 @@ def rank_processes() -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"invariant_infer.parallel.ranks" in cmdline and state != "Z":
+        if b"invariant_infer.parallel.worker" in cmdline and state != "Z":
             found.append(int(entry.name))
     return found
 
@@ -108,9 +109,9 @@ PARAMS = [SamplingParams(max_tokens=6, temperature=0.8, seed=1, prompt_logprobs=
 ENGINE_OPTIONS = dict(max_num_seqs=3, max_num_batched_tokens=16)
 
 
-def engine_results(model) -> tuple[list, list]:
-    outputs = Engine(model, **ENGINE_OPTIONS).generate(PROMPTS, PARAMS)
-    scores = score_sequences(model, PROMPTS, prompt_lengths=[1, 1, 4, 2], max_batch_tokens=40)
+def engine_results(model, executor=None) -> tuple[list, list]:
+    outputs = Engine(model, **ENGINE_OPTIONS, executor=executor).generate(PROMPTS, PARAMS)
+    scores = score_sequences(model, PROMPTS, prompt_lengths=[1, 1, 4, 2], max_batch_tokens=40, executor=executor)
     return ([(o.token_ids, o.logprobs, o.top_logprobs, o.prompt_logprobs, o.prompt_top_logprobs) for o in outputs],
             [s.token_logprobs for s in scores])
 
@@ -125,8 +126,8 @@ def assert_same(expected, got) -> None:
 def test_engine_and_scores_at_tp2_and_tp4_are_those_of_one_process(checkpoint, size, dtype):
     single = engine_results(load_model(checkpoint, dtype=dtype, device="cpu"))
     with TensorParallelRanks(checkpoint, size, dtype=dtype, device="cpu") as ranks:
-        assert ranks.model._tp_size == size and len(ranks.workers) == size - 1
-        sharded = engine_results(ranks.model)
+        assert tp_size_of(ranks.model) == ranks.tensor_parallel_size == size and len(ranks.workers) == size - 1
+        sharded = engine_results(ranks.model, ranks)
     assert_same(single, sharded)
 
 
@@ -136,8 +137,8 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
     params = SamplingParams(max_tokens=4, logprobs=1)  # no prompt logprobs: a repeated prompt hits the cache
     prompts, other = [list(range(5, 85)), list(range(100, 180))], [list(range(200, 280))]  # pages of 64 on CPU
 
-    def run(model):
-        first, second = Engine(model), Engine(model)
+    def run(model, executor=None):
+        first, second = Engine(model, executor=executor), Engine(model, executor=executor)
         before = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]
         second.generate(other, params)
         after = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]  # prefix hits
@@ -145,7 +146,7 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
         return before, after
     single = run(load_model(checkpoint, dtype="fp32", device="cpu"))
     with TensorParallelRanks(checkpoint, 2, dtype="fp32", device="cpu") as ranks:
-        assert run(ranks.model) == single
+        assert run(ranks.model, ranks) == single
 
 
 def test_control_allreduce_exchange_at_tp2_differs(checkpoint, monkeypatch):
@@ -155,7 +156,7 @@ def test_control_allreduce_exchange_at_tp2_differs(checkpoint, monkeypatch):
     with TensorParallelRanks(checkpoint, 2, dtype="fp32", device="cpu",
                              rank_init=tp_controls.use_allreduce_exchange) as ranks:
         assert tensor_parallel.exchange_partials is tp_controls.allreduce_exchange
-        control = engine_results(ranks.model)
+        control = engine_results(ranks.model, ranks)
     assert control[0] != single[0]
     assert not all(torch.equal(a, b) for a, b in zip(single[1], control[1]))
 
@@ -165,11 +166,21 @@ def test_control_allreduce_exchange_at_tp2_differs(checkpoint, monkeypatch):
 def test_a_rank_killed_mid_step_fails_the_call_within_seconds(checkpoint):
     failures = []
     with TensorParallelRanks(checkpoint, 2, dtype="fp32", device="cpu", on_failure=failures.append) as ranks:
-        with pytest.raises(TensorParallelError, match="runs only through Engine"):
-            ranks.model(input_ids=torch.tensor([[1, 2, 3]]))  # rank 0 alone would wait forever
-        with pytest.raises(TensorParallelError, match="runs only through Engine"):
+        # Rank 0's model without its executor would wait forever for the other ranks: refused,
+        # saying how to pass the executor; the ranks go on.
+        alone = r"runs only through its executor.*pass executor=ranks.*Engine\(ranks.model, tokenizer, executor=ranks\)"
+        with pytest.raises(TensorParallelError, match=alone):
+            ranks.model(input_ids=torch.tensor([[1, 2, 3]]))
+        with pytest.raises(TensorParallelError, match=alone):
             ranks.model.lm_head(torch.zeros(1, TP_SHAPE["hidden_size"]))
-        engine = Engine(ranks.model)
+        with pytest.raises(TensorParallelError, match=alone):
+            Engine(ranks.model).generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+        with pytest.raises(TensorParallelError, match=alone):
+            score_sequences(ranks.model, [[1, 2, 3]])
+        with pytest.raises(ValueError, match="not a worker command"):  # only registered commands travel
+            ranks.collective_rpc(print, None, lambda: None)
+        assert ranks.failure is None and failures == []
+        engine = Engine(ranks.model, executor=ranks)
         worker = ranks.workers[0].pid
         threading.Timer(1.0, os.kill, (worker, signal.SIGKILL)).start()
         start = time.monotonic()
@@ -178,7 +189,7 @@ def test_a_rank_killed_mid_step_fails_the_call_within_seconds(checkpoint):
         assert time.monotonic() - start < 1.0 + FAILS_WITHIN_S
         assert len(failures) == 1 and f"pid {worker}" in failures[0]
         with pytest.raises(TensorParallelError, match="every rank is stopped"):  # and every later call
-            score_sequences(ranks.model, [[1, 2, 3]])
+            score_sequences(ranks.model, [[1, 2, 3]], executor=ranks)
 
 
 def test_a_rank_killed_while_idle_is_reported_within_seconds(checkpoint):

@@ -4,9 +4,6 @@ holding it. All score every row with the same bits; the job does not know which 
 """
 from __future__ import annotations
 
-import os
-import sys
-import threading
 from typing import Iterator
 
 from transformers import AutoConfig
@@ -16,30 +13,28 @@ from ...errors import DeviceError, TensorParallelError, UnsupportedModelError
 from ...checkpoints.loading import load_model
 from ..core import ScoreResult, score_planned
 from .run import JobError, Request
-from ...parallel.ranks import TensorParallelRanks
+from ...model.executor import Executor, executor_for
+from ...parallel import TensorParallelRanks
+from ...parallel.forced_exit import exit_later
 
 Scored = Iterator[list[tuple[Request, ScoreResult | str]]]
 EXIT_RANK_FAILED = 2          # the score command's fatal exit status
-FORCED_EXIT_AFTER_S = 15.0    # after a rank's failure, a job still waiting on a collective (NCCL) ends here
 
 
 def _exit_if_stuck(message: str) -> None:
-    """A rank failed: the job normally raises at once (gloo returns when a peer dies); if a
-    collective still holds it (NCCL waits for its timeout), the process ends after FORCED_EXIT_AFTER_S."""
-    def end() -> None:
-        print(f"score: {message}; the rows written so far are kept: re-run to resume", file=sys.stderr, flush=True)
-        os._exit(EXIT_RANK_FAILED)
-    timer = threading.Timer(FORCED_EXIT_AFTER_S, end)
-    timer.daemon = True
-    timer.start()
+    """A rank failed: the job normally raises at once; if a collective still holds it, it ends
+    (``exit_later``)."""
+    exit_later(EXIT_RANK_FAILED, f"score: {message}; the rows written so far are kept: re-run to resume")
 
 
 class LocalBackend:
-    """The model in this process, batches packed by ``plan_batches``; with ``ranks``, the model
-    is rank 0's of those tensor-parallel ranks, and ``close`` stops them."""
+    """The model in this process, batches packed by ``plan_batches``; with ``executor`` (e.g.
+    ``TensorParallelRanks``, whose ``model`` this is), each batch runs through it, and ``close``
+    stops it."""
 
-    def __init__(self, model, ranks: TensorParallelRanks | None = None):
-        self.model, self.config, self.ranks = model, model.config, ranks
+    def __init__(self, model, *, executor: Executor | None = None):
+        self.model, self.config = model, model.config
+        self.executor = executor_for(model, executor)
 
     @classmethod
     def load(cls, path: str, *, dtype: str | None = None, device: str | None = None,
@@ -49,7 +44,7 @@ class LocalBackend:
                 return cls(load_model(path, dtype=dtype, device=device))
             ranks = TensorParallelRanks(path, tensor_parallel_size, dtype=dtype, device=device,
                                         on_failure=_exit_if_stuck)
-            return cls(ranks.model, ranks)
+            return cls(ranks.model, executor=ranks)
         except UnsupportedModelError as exc:
             where = f"--tensor-parallel-size {tensor_parallel_size}" if tensor_parallel_size > 1 else f"cannot load {path}"
             raise JobError(f"{where}: {exc}") from None
@@ -59,14 +54,13 @@ class LocalBackend:
     def score(self, requests: list[Request], max_batch_tokens: int) -> Scored:
         try:
             for batch in score_planned(self.model, [r.ids for r in requests], [r.prompt_length for r in requests],
-                                       max_batch_tokens):
+                                       max_batch_tokens, executor=self.executor):
                 yield [(requests[i], result) for i, result in batch]
         except (TensorParallelError, DeviceError) as exc:  # no row's fault: the job ends, its rows kept
             raise JobError(f"{exc}; the rows written so far are kept: re-run to resume") from None
 
     def close(self) -> None:
-        if self.ranks is not None:
-            self.ranks.close()
+        self.executor.close()
 
 
 class RayBackend:
