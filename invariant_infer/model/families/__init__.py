@@ -45,7 +45,7 @@ class FamilyAdapter:
     refuse_config: Callable[[object], str | None] = field(default=lambda config: None)
     # Config fields of real models (their shapes) and of small test models, by name.
     presets: dict[str, dict] = field(default_factory=dict)
-    refused: str = ""                     # what the family refuses, in words (README table)
+    refused: str = ""                     # what the family refuses, in words (the table in docs/models.md)
     moe: MoeLayout | None = None          # mixture-of-experts families only
 
     def is_sparse(self, layer: nn.Module) -> bool:
