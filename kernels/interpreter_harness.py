@@ -9,6 +9,10 @@ The stock interpreter has two defects that matter here:
 element over k in one sequential order (as one tensor-core instruction does on a GPU,
 whatever the other rows hold), and a round-to-nearest-even bf16 cast.
 
+It also mends a defect of Triton < 3.7's interpreter: it turns a scalar into a Python int with
+``int()`` of its 1-element array, which numpy 2.4 refuses (numpy >= 1.25 warns), so a loop over
+computed bounds fails. The fix is installed only where a probe of the stock conversion fails.
+
 While an interpreted launch runs, it also lets nested @triton.jit helpers run interpreted and
 turns off the interpreter's integer-overflow sanitizer (costly; our kernels use int64 offsets
 where products can pass 2**31). These patches are process-wide for the duration of a CPU
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import threading
+import warnings
 
 import numpy as np
 import triton.language as tl
@@ -32,6 +38,7 @@ _saved: dict = {}
 _saved_jit_call: list = [None]
 _saved_options: list = [None]
 _lang_scope: list = [None]
+_saved_patch_lang_tensor: list = [None]
 
 
 def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
@@ -106,6 +113,34 @@ def _fp_to_fp(self, src, dst_type, rounding_mode):
     return _saved["create_fp_to_fp"](self, src, dst_type, rounding_mode)
 
 
+def _scalar_index(self) -> int:
+    return int(self.handle.data.squeeze())  # a 0-d array: what Triton >= 3.7 converts
+
+
+def _stock_scalar_index_fails() -> bool:
+    """Whether this Triton's interpreter fails (or warns) turning a scalar, held as a 1-element array
+    as the interpreter holds scalars, into an index."""
+    class Probe:
+        pass
+    _interp._patch_lang_tensor(Probe, _interp._LangPatchScope())
+    probe = Probe()
+    probe.handle = _interp.TensorHandle(np.array([3], dtype=np.int32), tl.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        try:
+            return operator.index(probe) != 3
+        except (TypeError, DeprecationWarning):
+            return True
+
+
+SCALAR_INDEX_FIX_NEEDED = _stock_scalar_index_fails()
+
+
+def _patch_lang_tensor_scalar_index(tensor, scope):
+    _saved_patch_lang_tensor[0](tensor, scope)
+    scope.set_attr(tensor, "__index__", _scalar_index)  # restored with the interpreter's own patches
+
+
 _PATCHES = {"create_dot": _dot, "cast_impl": _cast, "create_fp_to_fp": _fp_to_fp}
 _twins: dict = {}
 
@@ -139,6 +174,9 @@ def patched_interpreter():
             # create_fp_trunc is bound to cast_impl at class creation; rebind it too.
             _saved["create_fp_trunc"] = builder.create_fp_trunc
             builder.create_fp_trunc = lambda self, src, dst_type: _cast(self, src, dst_type)
+            if SCALAR_INDEX_FIX_NEEDED:  # before _patch_lang below, which calls it
+                _saved_patch_lang_tensor[0] = _interp._patch_lang_tensor
+                _interp._patch_lang_tensor = _patch_lang_tensor_scalar_index
             _saved_jit_call[0] = JITFunction.__call__
             JITFunction.__call__ = _call_jit_as_interpreted
             # The integer-overflow sanitizer costs ~40% of interpreter time; kernels use int64 offsets
@@ -158,3 +196,5 @@ def patched_interpreter():
                 JITFunction.__call__ = _saved_jit_call[0]
                 _interp.interpreter_builder.options = _saved_options[0]
                 _lang_scope[0].restore()
+                if SCALAR_INDEX_FIX_NEEDED:
+                    _interp._patch_lang_tensor = _saved_patch_lang_tensor[0]

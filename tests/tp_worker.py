@@ -18,13 +18,16 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
+from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
 
 from invariant_infer.model import tensor_parallel
 from invariant_infer.model.patch import make_invariant, restore
 from tp_controls import allreduce_exchange
 
-# A layout the trees do not serve: embeddings sharded on the hidden dimension.
-PLAN_OVERRIDE = {"model.embed_tokens": "embedding_colwise"}
+# A layout the trees do not serve: embeddings sharded on the hidden dimension. transformers 5.24
+# names it embedding_colwise; 5.17 lacks that name, and its colwise shards an nn.Embedding so.
+HIDDEN_SHARDED_EMBEDDING = "embedding_colwise" if "embedding_colwise" in ALL_PARALLEL_STYLES else "colwise"
+PLAN_OVERRIDE = {"model.embed_tokens": HIDDEN_SHARDED_EMBEDDING}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -1,9 +1,12 @@
-"""The CPU harness on its own: fixed-order dot and round-to-nearest-even bf16 casts."""
+"""The CPU harness on its own: fixed-order dot, round-to-nearest-even bf16 casts, scalar indices."""
+import warnings
+
 import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
+from packaging.version import Version
 
 from triton.runtime import interpreter
 
@@ -112,3 +115,43 @@ def test_stock_interpreter_bf16_dot_is_wrong():
     ref = a.double() @ b.double()
     stock = _run_matmul(a, b, stock_dot=True)
     assert ((stock.double() - ref).norm() / ref.norm()).item() > 1.0
+
+
+@triton.jit
+def _count_kernel(out_ptr, n):
+    start = tl.program_id(0)  # a computed loop bound: a scalar the interpreter holds as a 1-element array
+    total = 0
+    for _ in range(start, start + n):
+        total += 1
+    tl.store(out_ptr + start, total)
+
+
+def _run_count(scalar_index_fix: bool):
+    out = torch.zeros(3, dtype=torch.int32)
+    with patched_interpreter():
+        patched = interpreter._patch_lang_tensor
+        if not scalar_index_fix:  # keep the rest of the harness, put the interpreter's own conversion back
+            interpreter._patch_lang_tensor = interpreter_harness._saved_patch_lang_tensor[0]
+        try:
+            interpreted(_count_kernel)[(3,)](out, 5)
+        finally:
+            interpreter._patch_lang_tensor = patched
+    return out
+
+
+def test_loop_over_computed_bounds_runs_without_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert _run_count(scalar_index_fix=True).tolist() == [5, 5, 5]
+
+
+def test_scalar_index_fix_installed_exactly_where_the_stock_conversion_fails():
+    """Triton < 3.7 converts with int() of a 1-element array: numpy 2.4 refuses it, numpy >= 1.25 warns."""
+    assert interpreter_harness.SCALAR_INDEX_FIX_NEEDED == (Version(triton.__version__).release < (3, 7))
+    if not interpreter_harness.SCALAR_INDEX_FIX_NEEDED:
+        pytest.skip(f"Triton {triton.__version__} converts scalars itself")
+    # Negative control: the stock conversion on this Triton and numpy fails, or warns.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        with pytest.raises((interpreter.InterpreterError, DeprecationWarning, TypeError)):
+            _run_count(scalar_index_fix=False)

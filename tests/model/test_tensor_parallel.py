@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import FAMILY_NAMES, run_bounded
+from tp_worker import HIDDEN_SHARDED_EMBEDDING
 from invariant_infer.kernels.configs import row_parallel_config, tree_leaves
 from invariant_infer.kernels.fused_linear import silu_mul_linear, silu_mul_linear_partials
 from invariant_infer.kernels.linear import combine_partials, linear, linear_partials
@@ -130,7 +131,7 @@ def test_refusals_name_the_sizes_that_work(tp_runs):
     assert "down_proj (intermediate_size)'s K = 160 reduces as a tree of 2 leaves" in i160
     assert "Sizes that work for this model: [1, 2]" in i160
     plan = (tp_runs[2] / "refused-plan.txt").read_text()
-    assert plan.startswith("UnsupportedModelError: tp_plan shards model.embed_tokens as 'embedding_colwise'")
+    assert plan.startswith(f"UnsupportedModelError: tp_plan shards model.embed_tokens as {HIDDEN_SHARDED_EMBEDDING!r}")
     moe = (tp_runs[2] / "refused-moe.txt").read_text()
     assert moe.startswith("UnsupportedModelError: qwen3_moe: tensor parallelism is supported for the dense families")
 
