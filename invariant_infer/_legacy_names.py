@@ -52,6 +52,17 @@ class LegacyNameFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _Alias(moved))
 
 
+def names_of(module, package_name: str):
+    """A package's ``__getattr__`` that gives every name of ``module``, which the package's name
+    once held as a flat module (``invariant_infer.scoring`` was ``scoring/core.py``)."""
+    def __getattr__(name: str):
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"module {package_name!r} has no attribute {name!r}") from None
+    return __getattr__
+
+
 def install() -> None:
     if not any(isinstance(finder, LegacyNameFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, LegacyNameFinder())  # before the path finder, which would load a second copy
