@@ -55,6 +55,8 @@ def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overri
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.data = zero_point.to(module.weight_zero_point.dtype).reshape(
                     module.weight_zero_point.shape)
+            if hasattr(module, "input_scale"):  # a static activation scale: a fixed range of +-8
+                module.input_scale.data.fill_(8.0 / 448.0)
             module.quantization_status = QuantizationStatus.FROZEN
     return model
 

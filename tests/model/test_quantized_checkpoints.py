@@ -19,7 +19,7 @@ from invariant_infer.testing.random_checkpoints import qwen2_config
 
 pytest.importorskip("compressed_tensors")
 
-SCHEMES = ["FP8_DYNAMIC", "W8A8", "W4A16", "W8A16", "FP8_BLOCK"]
+SCHEMES = ["FP8_DYNAMIC", "W8A8", "W4A16", "W8A16", "FP8_BLOCK", "FP8"]  # FP8: a static activation scale
 DTYPES = [torch.bfloat16, torch.float16]
 # Every K a multiple of 128 (group and block formats); one layer keeps the interpreter quick.
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
@@ -27,7 +27,7 @@ CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num
 # Max |logit - float64 reference| / max |reference|. The reference uses the dequantized weights,
 # so weight-only schemes differ only by bf16/fp16 rounding; W8A8 schemes also quantize activations
 # to 8 bits (fp8 e4m3: 3 mantissa bits), which the float64 reference does not.
-LOGIT_TOLERANCE = {"W4A16": 0.03, "W8A16": 0.03, "FP8_DYNAMIC": 0.15, "FP8_BLOCK": 0.15, "W8A8": 0.08}
+LOGIT_TOLERANCE = {"W4A16": 0.03, "W8A16": 0.03, "FP8_DYNAMIC": 0.15, "FP8_BLOCK": 0.15, "FP8": 0.15, "W8A8": 0.08}
 
 
 @pytest.fixture(scope="module")
