@@ -2,12 +2,14 @@
 
 The stock interpreter has two defects that matter here:
   * ``tl.dot`` calls ``np.matmul`` on the raw uint16 bits of bf16 blocks, and numpy's
-    BLAS does not sum an output element in the same order for every row position;
-  * fp32 -> bf16 casts truncate instead of rounding to nearest even.
+    BLAS does not sum an output element in the same order for every row position (fp8 blocks
+    are widened first, but reach the same BLAS call);
+  * fp32 -> bf16 casts truncate instead of rounding to nearest even, and fp32 -> fp8 e4m3 casts
+    are off by up to a binade (124.4 became 64).
 
-``patched_interpreter()`` swaps in a dot that widens to fp32 and reduces every output
-element over k in one sequential order (as one tensor-core instruction does on a GPU,
-whatever the other rows hold), and a round-to-nearest-even bf16 cast.
+``patched_interpreter()`` swaps in a dot that widens to fp32 (bf16, fp16 and fp8 exactly) and
+reduces every output element over k in one sequential order (as one tensor-core instruction does on a GPU,
+whatever the other rows hold), and round-to-nearest-even bf16 and fp8 e4m3 casts.
 
 It also mends a defect of Triton < 3.7's interpreter: it turns a scalar into a Python int with
 ``int()`` of its 1-element array, which numpy 2.4 refuses (numpy >= 1.25 warns), so a loop over
@@ -28,6 +30,7 @@ import threading
 import warnings
 
 import numpy as np
+import torch
 import triton.language as tl
 from triton.runtime import interpreter as _interp
 from triton.runtime.jit import JITFunction
@@ -59,6 +62,8 @@ def _as_fp32(handle) -> np.ndarray:
     dtype = handle.dtype.scalar
     if dtype == tl.bfloat16:
         return bf16_bits_to_fp32(handle.data)
+    if dtype.primitive_bitwidth == 8:  # fp8, stored as uint8: widened through fp16, which holds e4m3/e5m2 exactly
+        return _interp._convert_float(handle.data, dtype, tl.float16, None).view(np.float16).astype(np.float32)
     return handle.data.astype(np.float32, copy=False)
 
 
@@ -101,16 +106,30 @@ def _dot(self, a, b, d, *args, **kwargs):
     return _interp.TensorHandle(out.astype(np.float32), tl.float32)
 
 
-def _cast(self, src, dst_type):
+def fp32_to_fp8e4m3_bits(x: np.ndarray) -> np.ndarray:
+    """Round fp32 to float8_e4m3fn bits, nearest even, saturating at +-448 (the GPU's
+    ``cvt.rn.satfinite``): torch's cast rounds the same way once the range is clamped."""
+    clamped = np.clip(np.ascontiguousarray(x, dtype=np.float32), -448.0, 448.0)
+    return torch.from_numpy(clamped).to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(np.shape(x))
+
+
+def _round(src, dst_type):
+    """The handle for the fixed casts, or None for the stock ones."""
     if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
         return _interp.TensorHandle(fp32_to_bf16_bits_rne(src.data), tl.bfloat16)
-    return _saved["cast_impl"](self, src, dst_type)
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+        return _interp.TensorHandle(fp32_to_fp8e4m3_bits(src.data), tl.float8e4nv)
+    return None
+
+
+def _cast(self, src, dst_type):
+    fixed = _round(src, dst_type)
+    return fixed if fixed is not None else _saved["cast_impl"](self, src, dst_type)
 
 
 def _fp_to_fp(self, src, dst_type, rounding_mode):
-    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-        return _interp.TensorHandle(fp32_to_bf16_bits_rne(src.data), tl.bfloat16)
-    return _saved["create_fp_to_fp"](self, src, dst_type, rounding_mode)
+    fixed = _round(src, dst_type)
+    return fixed if fixed is not None else _saved["create_fp_to_fp"](self, src, dst_type, rounding_mode)
 
 
 def _scalar_index(self) -> int:

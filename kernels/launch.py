@@ -13,8 +13,9 @@ here rather than left to the installed Triton release's defaults or to environme
   * ``enable_reflect_ftz=True``: libdevice math flushes subnormals, the default of 3.6 and 3.9.
   * ``ptx_options=""``: no flags from ``PTXAS_OPTIONS`` (e.g. ``--fmad=false``) reach ptxas.
 ``tl.dot``'s ``input_precision`` is passed explicitly by every kernel (``DOT_PRECISION``), so
-``TRITON_F32_DEFAULT`` and a backend's ``default_dot_input_precision`` never apply. fp8 is not a
-supported dtype, so ``max_num_imprecise_acc`` (fp8 dots on sm_90 only) never applies either.
+``TRITON_F32_DEFAULT`` and a backend's ``default_dot_input_precision`` never apply. fp8 dots
+(``quantized_linear``) sum each K tile from zero and promote it to fp32, so the sm_90 default of
+``max_num_imprecise_acc`` sets accuracy within a tile, fixed per weight shape, never by M.
 
 Triton also compiles a variant per argument specialisation: an int that is 1 or divisible by 16,
 a pointer aligned to 16 bytes. Batch-dependent sizes (M, rows, query and key lengths, block-table

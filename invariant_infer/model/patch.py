@@ -39,11 +39,12 @@ from torch.distributed.tensor import DTensor
 from . import attention as attention_interface, experts as experts_interface
 from ..errors import NonInvariantInputError, UnsupportedModelError
 from .families import FamilyAdapter, family_of, sliding_window_refusal
-from ..kernels import linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul_linear_autograd
+from ..kernels import linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul, silu_mul_linear_autograd
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
+from .quantization import detach_decompression, quantized_forward, quantized_layers
 from .tensor_parallel import moe_refusal, tp_forwards, tp_layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -90,6 +91,11 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if _records_grad(gate, up, down.weight, down.bias):
         return silu_mul_linear_autograd(gate, up, down.weight, down.bias, config=config)
     return silu_mul_linear(gate, up, down.weight, down.bias, config=config)
+
+
+def _quantized_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    # Compressed projections cannot take the fused prologue: silu(gate) * up is written, then down runs.
+    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
@@ -200,7 +206,8 @@ def _not_plain_linear(name: str, module) -> UnsupportedModelError:
                                  "or adapter layers; merge LoRA first)")
 
 
-def _check_model(model: nn.Module, sharded: bool = False) -> tuple[FamilyAdapter, nn.Module]:
+def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
+    """(adapter, base model, {quantized layer: plan})."""
     config = getattr(model, "config", None)
     adapter = family_of(config)
     base = _base_model(model)
@@ -213,9 +220,13 @@ def _check_model(model: nn.Module, sharded: bool = False) -> tuple[FamilyAdapter
     if rope_type not in STATIC_ROPE_TYPES:
         raise UnsupportedModelError(f"rope_type {rope_type!r} rescales with sequence length, which depends on "
                                     f"the batch; supported: {STATIC_ROPE_TYPES}")
-    if getattr(config, "quantization_config", None) is not None or getattr(model, "hf_quantizer", None):
-        raise UnsupportedModelError("quantized models are not supported: projections must be plain nn.Linear "
-                                    f"in {SUPPORTED_DTYPES}")
+    quantized = quantized_layers(model, strict)
+    if quantized and sharded:
+        raise UnsupportedModelError("quantized models run at tensor-parallel size 1 only")
+    if quantized and adapter.moe is not None:
+        raise UnsupportedModelError(f"{config.model_type}: quantized mixture-of-experts models are not supported")
+    compressed = {f"{name}.{p}" for name, module in model.named_modules() if module in quantized
+                  for p, _ in module.named_parameters(recurse=False)}
     for index, layer in enumerate(base.layers):
         for name, proj in adapter.projections(layer).items():
             if type(proj) is not nn.Linear:
@@ -236,6 +247,8 @@ def _check_model(model: nn.Module, sharded: bool = False) -> tuple[FamilyAdapter
     if head is not None and type(head) is not nn.Linear:
         raise UnsupportedModelError(f"lm_head is {type(head).__name__}; only a plain torch.nn.Linear is supported")
     for name, param in model.named_parameters():
+        if name in compressed:
+            continue
         if param.dtype not in SUPPORTED_DTYPES:
             raise UnsupportedModelError(f"parameter {name} has dtype {param.dtype}; supported: {SUPPORTED_DTYPES}")
         if param.device.type not in SUPPORTED_DEVICES:
@@ -244,7 +257,7 @@ def _check_model(model: nn.Module, sharded: bool = False) -> tuple[FamilyAdapter
         if type(param.data) is not torch.Tensor and not (sharded and isinstance(param.data, DTensor)):
             raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
                                         "are supported")
-    return adapter, base
+    return adapter, base, quantized
 
 
 # ---- public API -------------------------------------------------------------------------------------
@@ -266,14 +279,17 @@ def _set_forward(module: nn.Module, fn, patched: list) -> None:
     module.forward = types.MethodType(fn, module)
 
 
-def make_invariant(model: nn.Module) -> nn.Module:
+def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     """Patch a loaded model of a supported family in place so its logits are bitwise batch-invariant.
 
+    A compressed-tensors checkpoint keeps its compressed weights and runs the quantized GEMM
+    (``invariant_infer.model.quantization``); ``strict=True`` refuses a checkpoint's dynamic
+    per-tensor activation scale instead of replacing it by a per-token one.
     Returns the same model. Idempotent. Undo with ``restore(model)``."""
     if getattr(model, _STATE_ATTR, None) is not None:
         return model
     layout = tp_layout(model)
-    adapter, base = _check_model(model, sharded=layout is not None)
+    adapter, base, quantized = _check_model(model, sharded=layout is not None, strict=strict)
     sharded = tp_forwards(model, adapter, base, layout) if layout is not None else {}
     attention_interface.register()
 
@@ -284,12 +300,15 @@ def make_invariant(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if module in sharded:
             _set_forward(module, sharded[module], patched)
+        elif module in quantized:
+            module._invariant_quantized = quantized[module]
+            _set_forward(module, quantized_forward, patched)
         elif type(module) is nn.Linear:
             _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward, patched)
         elif type(module) is adapter.rms_norm:
             _set_forward(module, _rms_norm_forward, patched)
         elif adapter.mlp is not None and type(module) is adapter.mlp:
-            _set_forward(module, _mlp_forward, patched)
+            _set_forward(module, _quantized_mlp_forward if module.down_proj in quantized else _mlp_forward, patched)
         elif adapter.moe is not None and type(module) is adapter.moe.router:
             _set_forward(module, router_forward, patched)
         elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
@@ -299,6 +318,7 @@ def make_invariant(model: nn.Module) -> nn.Module:
     rotary._invariant_tables = _rope_tables(rotary, model.config.max_position_embeddings)
     _set_forward(rotary, _rotary_forward, patched)
 
+    reattach_decompression = detach_decompression(model) if quantized else None
     hook = base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
     previous_attn = model.config._attn_implementation
     model.set_attn_implementation(attention_interface.ATTN_IMPLEMENTATION)
@@ -311,7 +331,8 @@ def make_invariant(model: nn.Module) -> nn.Module:
     for install, _ in extensions:
         install(model)
     setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "experts": previous_experts,
-                                 "rotary": rotary, "extensions": extensions, "family": adapter})
+                                 "rotary": rotary, "extensions": extensions, "family": adapter,
+                                 "reattach_decompression": reattach_decompression})
     return model
 
 
@@ -327,9 +348,12 @@ def restore(model: nn.Module) -> nn.Module:
     for module, previous in state["patched"]:
         del module.forward
         module.__dict__.pop("_invariant_tp", None)
+        module.__dict__.pop("_invariant_quantized", None)
         if previous is not None:
             module.forward = previous
     state["hook"].remove()
+    if state["reattach_decompression"] is not None:
+        state["reattach_decompression"]()
     del state["rotary"]._invariant_tables
     model.set_attn_implementation(state["attn"])
     if state["experts"] is not None:

@@ -155,3 +155,12 @@ def test_scalar_index_fix_installed_exactly_where_the_stock_conversion_fails():
         warnings.simplefilter("error", DeprecationWarning)
         with pytest.raises((interpreter.InterpreterError, DeprecationWarning, TypeError)):
             _run_count(scalar_index_fix=False)
+
+
+def test_fp8_cast_rounds_to_nearest_even_and_saturates():
+    from invariant_infer.kernels.interpreter_harness import fp32_to_fp8e4m3_bits
+    x = (torch.randn(4096) * 100).float()
+    x[:3] = torch.tensor([124.4, 1e6, -1e6])
+    got = torch.from_numpy(fp32_to_fp8e4m3_bits(x.numpy())).view(torch.float8_e4m3fn).float()
+    assert torch.equal(got, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert got[0].item() == 128.0 and got[1].item() == 448.0

@@ -1,0 +1,221 @@
+"""Quantized checkpoints (compressed-tensors) kept compressed and run on the invariant quantized GEMM.
+
+``AutoModelForCausalLM.from_pretrained`` of a compressed-tensors checkpoint leaves each quantized
+layer an ``nn.Linear`` holding its compressed tensors (``weight`` in fp8/int8, or ``weight_packed``
+int32 with ``weight_scale``), plus a pre-hook on the top-level model that would decompress every
+layer to the float dtype on the first forward. ``quantized_layers`` reads each layer's scheme and
+refuses what cannot run batch-invariantly here; ``make_invariant`` then removes that hook (the
+packed tensors stay in memory) and gives each layer ``quantized_forward``.
+
+Activations: a dynamic scale is computed per token (per 128-wide group for block formats), so a
+row's numbers never depend on its batch. A checkpoint asking for a dynamic *per-tensor* scale,
+the max over every token in the batch, gets a per-token one with a warning (``strict=True``
+refuses it). Static scales are constants and kept.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from ..kernels import QuantizedWeight, quantize_activations, quantized_linear
+
+SUPPORTED_SCHEMES = ("FP8_DYNAMIC (fp8 weights per channel, fp8 per-token activations)",
+                     "FP8_BLOCK (fp8 128x128 weight blocks, fp8 activations per 128-group)",
+                     "W8A8 (int8 weights per channel, int8 per-token activations)",
+                     "FP8 (fp8 weights, a static activation scale)",
+                     "W4A16 / W8A16 pack-quantized (symmetric, scales per group along K)")
+_SUPPORTED = "supported compressed-tensors schemes: " + "; ".join(SUPPORTED_SCHEMES)
+_FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class QuantizedLinearPlan:
+    """How one layer runs: its compressed weight, and how activations are quantized (None: not)."""
+    weight: QuantizedWeight
+    activation_dtype: torch.dtype | None = None   # float8_e4m3fn or int8
+    activation_group: int | None = None           # 128 for block formats, None per token
+    static_scale: bool = False                    # the layer's own input_scale, a constant
+
+
+def _refuse(what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"{what} is not supported; {_SUPPORTED}")
+
+
+def _value(field) -> str:
+    return str(getattr(field, "value", field)).lower()
+
+
+def _checkpoint_config(model: nn.Module) -> dict:
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    if config is None:
+        return {}
+    return config if isinstance(config, dict) else config.to_dict()
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return bool(_checkpoint_config(model)) or getattr(model, "hf_quantizer", None) is not None
+
+
+def _check_checkpoint(config: dict) -> None:
+    method = config.get("quant_method")
+    if method != "compressed-tensors":
+        raise _refuse(f"quantization method {method!r}")
+    if config.get("dequantize") or config.get("run_compressed") is False:
+        raise UnsupportedModelError("the checkpoint was loaded with dequantize=True, which silently drops activation "
+                                    "quantization: load it without a quantization_config override")
+    if config.get("kv_cache_scheme"):
+        raise _refuse("a quantized KV-cache scheme (kv_cache_scheme)")
+    sparsity = config.get("sparsity_config") or {}
+    if sparsity:
+        raise _refuse(f"sparsity ({sparsity.get('format', 'sparse')}, e.g. 2:4)")
+    if config.get("transform_config"):
+        raise _refuse("a transform (rotation) config")
+
+
+def _weight_of(name: str, module: nn.Linear, args) -> QuantizedWeight:
+    kind, bits, strategy = _value(args.type), args.num_bits, _value(args.strategy)
+    if kind == "float" and bits == 4:
+        raise _refuse(f"{name}: fp4 weights (NVFP4/MXFP4)")
+    if getattr(args, "actorder", None) is not None or hasattr(module, "weight_g_idx"):
+        raise _refuse(f"{name}: GPTQ activation ordering (actorder with g_idx)")
+    if not args.symmetric or hasattr(module, "weight_zero_point") and module.weight_zero_point.abs().max() != 0:
+        raise _refuse(f"{name}: asymmetric weights (zero points)")
+    scale = module.weight_scale.data
+    shape = (module.out_features, module.in_features)
+    if hasattr(module, "weight_packed"):
+        if kind != "int" or bits not in (4, 8) or strategy not in ("group", "channel"):
+            raise _refuse(f"{name}: pack-quantized {kind}{bits} {strategy} weights")
+        group = args.group_size if strategy == "group" else None
+        return QuantizedWeight("packed", module.weight_packed.data, scale, shape, bits=bits, group_size=group)
+    weight = getattr(module, "weight", None)
+    stored = None if weight is None else weight.dtype
+    if kind == "float" and bits == 8 and stored == torch.float8_e4m3fn:
+        if strategy == "block" and list(args.block_structure) == [128, 128]:
+            return QuantizedWeight("fp8", weight.data, scale, shape, block=True)
+        if strategy in ("channel", "tensor"):
+            return QuantizedWeight("fp8", weight.data, _per_channel(scale, shape[0]), shape)
+    if kind == "int" and bits == 8 and stored == torch.int8 and strategy in ("channel", "tensor"):
+        return QuantizedWeight("int8", weight.data, _per_channel(scale, shape[0]), shape)
+    raise _refuse(f"{name}: {kind}{bits} {strategy} weights stored as {stored}")
+
+
+def _per_channel(scale: torch.Tensor, n: int) -> torch.Tensor:
+    # A per-tensor weight scale is one value per channel, repeated (the same products).
+    return scale.reshape(-1, 1).expand(n, 1).contiguous() if scale.numel() == 1 else scale.reshape(n, 1)
+
+
+def _activations_of(name: str, module: nn.Linear, weight: QuantizedWeight, args, strict: bool) -> dict:
+    if args is None:
+        if weight.format != "packed" and weight.format != "fp8":
+            raise _refuse(f"{name}: {weight.format} weights with float activations")
+        return {}
+    kind, bits, strategy = _value(args.type), args.num_bits, _value(args.strategy)
+    target = {("float", 8): torch.float8_e4m3fn, ("int", 8): torch.int8}.get((kind, bits))
+    if target is None or weight.format == "packed" or (target == torch.int8) != (weight.format == "int8"):
+        raise _refuse(f"{name}: {kind}{bits} activations with {weight.format} weights")
+    if not args.symmetric:
+        raise _refuse(f"{name}: asymmetric activations")
+    if not args.dynamic:
+        if strategy != "tensor" or target != torch.float8_e4m3fn or weight.block:
+            raise _refuse(f"{name}: static {kind}{bits} {strategy} activation scales")
+        return {"activation_dtype": target, "static_scale": True}
+    if strategy == "tensor":
+        message = (f"{name}: the checkpoint asks for a dynamic per-tensor activation scale, the max over every token "
+                   "in the batch, which makes each row depend on its batch")
+        if strict:
+            raise UnsupportedModelError(message + "; make_invariant(model, strict=False) uses per-token scales instead")
+        _warn_once(message + "; using a per-token scale instead (pass strict=True to refuse)")
+        strategy = "token"
+    if strategy == "token" and not weight.block:
+        return {"activation_dtype": target}
+    if strategy == "group" and args.group_size == 128 and weight.block:
+        return {"activation_dtype": target, "activation_group": 128}
+    raise _refuse(f"{name}: dynamic {strategy} activations (group size {args.group_size}) with "
+                  f"{'block' if weight.block else 'per-channel'} weights")
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    key = message.split(":", 1)[1]
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def quantized_layers(model: nn.Module, strict: bool = False) -> dict[nn.Module, QuantizedLinearPlan]:
+    """Every compressed layer of a loaded compressed-tensors model with how it will run, or the
+    reason it cannot (``UnsupportedModelError``). Empty for a model that is not quantized."""
+    config = _checkpoint_config(model)
+    if not config and getattr(model, "hf_quantizer", None) is None:
+        return {}
+    _check_checkpoint(config)
+    plans = {}
+    for name, module in model.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        if type(module) is not nn.Linear or scheme.weights is None:
+            raise _refuse(f"{name}: a quantized {type(module).__name__}" + ("" if scheme.weights else " without "
+                                                                                   "weight quantization"))
+        if getattr(scheme, "output_activations", None) is not None:
+            raise _refuse(f"{name}: output activation quantization")
+        status = _value(getattr(module, "quantization_status", "compressed"))
+        if status != "compressed":
+            raise UnsupportedModelError(f"{name} is {status}, not compressed: make_invariant runs a model as loaded, "
+                                        "before its first stock forward decompresses it")
+        weight = _weight_of(name, module, scheme.weights)
+        plans[module] = QuantizedLinearPlan(weight, **_activations_of(name, module, weight,
+                                                                      scheme.input_activations, strict))
+    return plans
+
+
+def quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer on its compressed weight: quantize x per token (or by its static scale), then
+    the invariant quantized GEMM; weight-only layers multiply in x's dtype."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise UnsupportedModelError("quantized layers run inference only (no autograd through quantized weights)")
+    plan: QuantizedLinearPlan = self._invariant_quantized
+    if plan.activation_dtype is None:
+        return quantized_linear(x, plan.weight, self.bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if plan.static_scale:
+        q, scale = _static_fp8(x2, self.input_scale)
+    else:
+        q, scale = quantize_activations(x2, plan.activation_dtype, plan.activation_group)
+    y = quantized_linear(q, plan.weight, self.bias, x_scale=scale, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _static_fp8(x2: torch.Tensor, input_scale: torch.Tensor):
+    # Elementwise with a constant scale: division and the fp8 cast are correctly rounded, so each
+    # value depends on itself alone. Rounded through x's dtype as compressed-tensors does.
+    scale = input_scale.reshape(()).to(x2.dtype).float()
+    q = (x2.float() / scale).to(x2.dtype).float().clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+
+
+def detach_decompression(model: nn.Module):
+    """Remove compressed-tensors' decompress-on-first-forward hook; returns how to put it back."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    compressor = getattr(quantizer, "compressor", None)
+    if compressor is None or not hasattr(model, "ct_decompress_hook"):
+        return None
+    compressor.remove_decompression_hook(model)
+    return lambda: compressor.add_decompress_hook(model)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters as held in memory (compressed tensors counted as stored)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.data_ptr() in seen:  # tied embeddings count once
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total

@@ -1,0 +1,75 @@
+"""Small quantized checkpoints written with compressed-tensors' own compressors, for tests.
+
+The recipe is llm-compressor's without llm-compressor: a preset scheme applied to every Linear
+but lm_head, min/max qparams per module, then ``ModelCompressor`` compresses the weights, and
+``save_pretrained`` plus ``update_config`` write them as a real quantized checkpoint would be.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from .random_checkpoints import random_model
+
+
+def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Observed weight range at the granularity of ``args.strategy`` (a plain min/max observer)."""
+    strategy = str(args.strategy.value if hasattr(args.strategy, "value") else args.strategy)
+    w = weight.float()
+    if strategy == "tensor":
+        return w.amin().reshape(1), w.amax().reshape(1)
+    if strategy == "channel":
+        return w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    if strategy == "group":
+        grouped = w.unflatten(1, (-1, args.group_size))
+        return grouped.amin(dim=-1), grouped.amax(dim=-1)
+    if strategy == "block":
+        bn, bk = args.block_structure
+        blocks = w.unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
+        return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+    raise ValueError(f"no observer for weight strategy {strategy!r}")
+
+
+def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overrides):
+    """Quantize every Linear but lm_head with compressed-tensors' preset ``scheme_name`` (in place,
+    weights still dense); ``activation_overrides`` replace fields of the input activation args
+    (e.g. ``strategy="tensor"`` for a per-tensor dynamic scale)."""
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
+                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = preset_name_to_scheme(scheme_name, ["Linear"])
+    if activation_overrides:
+        scheme.input_activations = scheme.input_activations.model_copy(update=activation_overrides)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for module in model.modules():
+            qscheme = getattr(module, "quantization_scheme", None)
+            if qscheme is None or qscheme.weights is None:
+                continue
+            scale, zero_point = calculate_qparams(*_min_max(module.weight, qscheme.weights), qscheme.weights)
+            module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data = zero_point.to(module.weight_zero_point.dtype).reshape(
+                    module.weight_zero_point.shape)
+            if hasattr(module, "input_scale"):  # a static activation scale: a fixed range of +-8
+                module.input_scale.data.fill_(8.0 / 448.0)
+            module.quantization_status = QuantizationStatus.FROZEN
+    return model
+
+
+def save_quantized_checkpoint(path: str | Path, config: PretrainedConfig, scheme_name: str, seed: int = 0,
+                              dtype: torch.dtype = torch.bfloat16, **activation_overrides) -> Path:
+    """A random model of ``config`` in ``dtype``, quantized with ``scheme_name`` and saved compressed."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    path = Path(path)
+    model = quantize_model(random_model(config, seed, dtype), scheme_name, **activation_overrides)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(path)
+    compressor.update_config(path)
+    return path

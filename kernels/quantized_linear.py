@@ -1,0 +1,233 @@
+"""Batch-invariant linear layer on quantized weights: y = x @ dequant(W)^T (+ bias).
+
+The weight stays in its checkpoint format; each K tile is loaded and dequantized inside the K
+loop, and every output element is reduced over K in one order fixed by the weight's shape and
+format (one tile config per weight, never chosen by M; no split-K, no atomics).
+
+Weight formats (``QuantizedWeight.format``):
+  * ``"fp8"``: float8_e4m3fn [N, K], fp32/bf16/fp16 scales per output channel [N, 1] or per
+    128x128 block [ceil(N/128), ceil(K/128)];
+  * ``"int8"``: int8 [N, K], scales per output channel [N, 1];
+  * ``"packed"``: 4- or 8-bit integers packed along K into int32 [N, K * bits / 32] (element k of
+    a row at bits (k % (32/bits)) * bits of word k // (32/bits), stored + 2**(bits-1)), scales
+    per group of ``group_size`` along K [N, K / group_size]; symmetric (no zero points).
+
+Activations:
+  * bf16/fp16 (weight-only, W4A16/W8A16): the weight tile is dequantized to the activation dtype,
+    ``(q * scale)`` rounded to the scale's dtype first, as compressed-tensors decompresses, then
+    multiplied in the activation dtype with fp32 accumulation;
+  * quantized per token (W8A8, ``quantize_activations``): fp8 x fp8 or int8 x int8 products.
+    int8 partial sums are exact in int32 and scaled once at the end; fp8 partial products of each
+    K tile are summed from zero and promoted into the fp32 accumulator once per tile (Hopper's fp8
+    MMA accumulates in limited precision); per-group/block scales multiply each tile's partial
+    sum (``x_scale[m, k // 128] * w_scale[n // 128, k // 128]``). Per-channel/per-token scales
+    are applied once, after the K loop, as ``(acc * x_scale[m]) * w_scale[n]``.
+On CPU the interpreter's dot is the harness's fixed-order fp32 sum; fp8 operands are widened to
+fp32 exactly, so a product is exact and only the order of the sum differs from a GPU MMA, which
+also sums in an order fixed per instruction: the batch-invariance holds on both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import DOT_PRECISION, launch
+
+WEIGHT_FORMATS = ("fp8", "int8", "packed")
+_FORMAT_CODE = {"fp8": 0, "int8": 1, "packed": 2}
+BLOCK = 128  # the block formats' 128x128 weight blocks and 128-wide activation groups
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight kept compressed: ``data`` in ``format``, ``scale`` per channel, group or block."""
+    format: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, int]          # (N, K) of the dense weight
+    bits: int = 8                   # packed only: 4 or 8
+    group_size: int | None = None   # packed: the scale group along K; None for per channel
+    block: bool = False             # fp8 only: 128x128 block scales
+
+    def __post_init__(self):
+        if self.format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {self.format!r}")
+
+    @property
+    def scale_group_k(self) -> int:
+        """How many consecutive k share one scale column."""
+        if self.block:
+            return BLOCK
+        return self.group_size or self.shape[1]
+
+
+@dataclass(frozen=True)
+class QuantizedLinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def quantized_linear_config(device_type: str, weight: QuantizedWeight) -> QuantizedLinearConfig:
+    """One tile config per (device type, weight shape and format), never per M. BLOCK_K divides
+    the scale group so a K tile never straddles two scales."""
+    n, k = weight.shape
+    group = weight.scale_group_k
+    block_k = min(BLOCK, group) if group < k else BLOCK
+    if group < k and (group & (group - 1) or group < 16):
+        raise ValueError(f"scale groups along K must be a power of two >= 16, got {group}")
+    if device_type == "cpu":  # interpreter: large tiles mean fewer Python-level programs
+        return QuantizedLinearConfig(64, min(256, max(16, triton.next_power_of_2(n))), block_k)
+    return QuantizedLinearConfig(64, 128, block_k)
+
+
+@triton.jit
+def _weight_tile(w_ptr, offs_n, ks, N, K, stride_wn, FORMAT: tl.constexpr, BITS: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of stored weight values at (ks, offs_n): fp8 or int8 as stored,
+    packed integers unpacked to int32 (masked entries are 0)."""
+    mask = (offs_n[None, :] < N) & (ks[:, None] < K)
+    if FORMAT == 2:
+        per_word: tl.constexpr = 32 // BITS
+        words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (ks[:, None] // per_word), mask=mask, other=0)
+        shift = (ks[:, None] % per_word) * BITS
+        q = ((words >> shift) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
+        return tl.where(mask, q, 0)
+    return tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
+def _dequantized_tile(w_ptr, ws_ptr, offs_n, ks, N, K, stride_wn, stride_sn, SCALE_GROUP_K: tl.constexpr,
+                      SCALE_GROUP_N: tl.constexpr, FORMAT: tl.constexpr, BITS: tl.constexpr):
+    """The tile dequantized in the scale's dtype: (q * scale) rounded once, as compressed-tensors'
+    ``q.to(scale.dtype) * scale`` gives (q is exact in fp32 and the product too)."""
+    q = _weight_tile(w_ptr, offs_n, ks, N, K, stride_wn, FORMAT, BITS)
+    smask = (offs_n[None, :] < N) & (ks[:, None] < K)
+    s = tl.load(ws_ptr + (offs_n[None, :] // SCALE_GROUP_N) * stride_sn + ks[:, None] // SCALE_GROUP_K,
+                mask=smask, other=0.0)
+    return (q.to(tl.float32) * s.to(tl.float32)).to(ws_ptr.dtype.element_ty)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quantized_linear_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym,
+    FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
+    ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    grouped = SCALE_GROUP_K < K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
+                    mask=m_mask[:, None] & (ks[None, :] < K), other=0.0)
+        if ACT_QUANT:
+            w = _weight_tile(w_ptr, offs_n, ks, N, K, stride_wn, FORMAT, BITS)
+            if FORMAT == 1:  # int8: exact int32 sums over all of K
+                iacc = tl.dot(x, w, iacc)
+            else:  # fp8: the tile's partial sum from zero, promoted once per K tile
+                part = tl.dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
+                if grouped:
+                    xs = tl.load(xs_ptr + offs_m * stride_xsm + k0 // BLOCK, mask=m_mask, other=0.0)
+                    ws = tl.load(ws_ptr + (offs_n // SCALE_GROUP_N) * stride_sn + k0 // SCALE_GROUP_K,
+                                 mask=offs_n < N, other=0.0).to(tl.float32)
+                    part = part * (xs[:, None] * ws[None, :])
+                acc += part
+        else:
+            w = _dequantized_tile(w_ptr, ws_ptr, offs_n, ks, N, K, stride_wn, stride_sn, SCALE_GROUP_K,
+                                  SCALE_GROUP_N, FORMAT, BITS).to(x_ptr.dtype.element_ty)
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if ACT_QUANT:
+        if FORMAT == 1:
+            acc = iacc.to(tl.float32)
+        if not grouped:  # per token x per channel, once, after the K loop
+            xs = tl.load(xs_ptr + offs_m * stride_xsm, mask=m_mask, other=0.0)
+            ws = tl.load(ws_ptr + (offs_n // SCALE_GROUP_N) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = (acc * xs[:, None]) * ws[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out_mask = m_mask[:, None] & (offs_n[None, :] < N)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                       FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr,
+                       SCALE_GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = _dequantized_tile(w_ptr, ws_ptr, offs_n, ks, N, K, stride_wn, stride_sn, SCALE_GROUP_K, SCALE_GROUP_N,
+                          FORMAT, BITS)
+    tl.store(out_ptr + offs_n[None, :] * stride_on + ks[:, None], w,
+             mask=(offs_n[None, :] < N) & (ks[:, None] < K))
+
+
+def _launch_args(weight: QuantizedWeight):
+    return dict(FORMAT=_FORMAT_CODE[weight.format], BITS=weight.bits if weight.format == "packed" else 8,
+                SCALE_GROUP_K=weight.scale_group_k, SCALE_GROUP_N=BLOCK if weight.block else 1)
+
+
+def dequantize_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """The dense [N, K] weight in the scale's dtype, computed by the tile code the K loop runs:
+    the values the weight-only path multiplies (and compressed-tensors' decompression gives)."""
+    n, k = weight.shape
+    out = torch.empty((n, k), device=weight.data.device, dtype=weight.scale.dtype)
+    cfg = quantized_linear_config(weight.data.device.type, weight)
+    launch(_dequantize_kernel, (triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)), weight.data.device,
+           weight.data, weight.scale, out, n, k, weight.data.stride(0), weight.scale.stride(0), out.stride(0),
+           **_launch_args(weight), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    return out
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                     x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                     config: QuantizedLinearConfig | None = None) -> torch.Tensor:
+    """``x @ dequant(weight)^T + bias`` with a batch-invariant reduction order.
+
+    ``x`` [..., K] is bf16/fp16 (weight-only), or fp8/int8 values from ``quantize_activations``
+    with their fp32 ``x_scale`` [..., 1 or K / 128]; then ``out_dtype`` is the output's dtype."""
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"quantized_linear: x has {x.shape[-1]} features, weight expects {k}")
+    act_quant = x_scale is not None
+    if act_quant:
+        expected = torch.int8 if weight.format == "int8" else torch.float8_e4m3fn
+        if x.dtype != expected or out_dtype is None:
+            raise TypeError(f"quantized_linear: {weight.format} weights take {expected} activations and an "
+                            f"out_dtype, got {x.dtype}")
+        if weight.format == "packed" or (weight.format == "int8" and weight.scale_group_k < k):
+            raise ValueError("quantized activations take fp8 or per-channel int8 weights")
+        groups = x_scale.shape[-1]
+        if groups != (k // BLOCK if weight.scale_group_k < k else 1) or (groups > 1 and weight.scale_group_k != BLOCK):
+            raise ValueError(f"x_scale has {groups} groups per token, weight {weight.format} needs "
+                             f"{k // BLOCK if weight.scale_group_k < k else 1}")
+    elif x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"quantized_linear: weight-only activations must be bf16 or fp16, got {x.dtype}")
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    xs2 = x_scale.reshape(-1, x_scale.shape[-1]).contiguous() if act_quant else x2
+    m = x2.shape[0]
+    y = torch.empty((m, n), device=x.device, dtype=out_dtype)
+    cfg = config or quantized_linear_config(x.device.type, weight)
+    if m:
+        launch(_quantized_linear_kernel, (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)), x.device,
+               x2, xs2, weight.data, weight.scale, bias if bias is not None else x2, y, m, n, k,
+               x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0), y.stride(0),
+               **_launch_args(weight), ACT_QUANT=act_quant, HAS_BIAS=bias is not None,
+               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=DOT_PRECISION,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,142 @@
+"""Quantized linear: accuracy against float64 of the dequantized operands, and bitwise row invariance."""
+import pytest
+import torch
+
+from invariant_infer.kernels.quantize_activations import quantize_activations
+from invariant_infer.kernels.quantized_linear import (QuantizedLinearConfig, QuantizedWeight, dequantize_weight,
+                                                      quantized_linear, quantized_linear_config)
+
+N, K = 160, 256
+BATCH_SIZES = [1, 2, 5, 16, 33, 70]
+# Max relative error against float64 of the same (dequantized) operands. Weight-only: the output is
+# rounded to bf16 / fp16 (8 / 11 bits). Quantized activations: products are exact, so only the fp32
+# sums and the output rounding remain.
+TOLERANCE = {torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def _weight(fmt, scale_dtype, seed=0):
+    """(QuantizedWeight, its dense dequantized values in float64 by the format's definition)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) / 16
+    if fmt in ("fp8", "int8"):
+        qmax = 448.0 if fmt == "fp8" else 127.5
+        scale = (w.abs().amax(1, keepdim=True) / qmax).to(scale_dtype)
+        scaled = w / scale.float()
+        q = scaled.clamp(-448, 448).to(torch.float8_e4m3fn) if fmt == "fp8" else scaled.round().clamp(-128, 127).to(torch.int8)
+        return QuantizedWeight(fmt, q, scale, (N, K)), q.double() * scale.double()
+    if fmt == "fp8_block":
+        pad = torch.zeros(256, K)  # N = 160 is not a multiple of 128
+        pad[:N] = w
+        blocks = pad.unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448).to(scale_dtype)
+        full = scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:N]
+        q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return QuantizedWeight("fp8", q, scale, (N, K), block=True), q.double() * full.double()
+    bits, group = (4, 64) if fmt == "int4" else (8, 128)
+    qmax = (2 ** bits - 1) / 2
+    wg = w.unflatten(1, (-1, group))
+    scale = (wg.abs().amax(-1) / qmax).to(scale_dtype)
+    q = (wg / scale.float()[..., None]).round().clamp(-2 ** (bits - 1), 2 ** (bits - 1) - 1).flatten(1).to(torch.int8)
+    dense = (q.double().unflatten(1, (-1, group)) * scale.double()[..., None]).flatten(1)
+    return QuantizedWeight("packed", pack_to_int32(q, bits), scale, (N, K), bits=bits, group_size=group), dense
+
+
+WEIGHT_ONLY = ["int4", "packed8", "int8", "fp8"]
+W8A8 = [("fp8", torch.float8_e4m3fn, None), ("int8", torch.int8, None), ("fp8_block", torch.float8_e4m3fn, 128)]
+
+
+def _run_w8a8(x, weight, target, group, bias=None):
+    q, scale = quantize_activations(x, target, group)
+    return quantized_linear(q, weight, bias, x_scale=scale, out_dtype=x.dtype)
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", WEIGHT_ONLY)
+def test_weight_only_accuracy_and_dequantization(act, fmt):
+    weight, dense = _weight(fmt, act)
+    # The in-loop dequantization: (q * scale) rounded once to the scale dtype, exactly.
+    assert torch.equal(dequantize_weight(weight), dense.to(act))
+    x = torch.randn(37, K).to(act)
+    b = torch.randn(N).to(act)
+    y = quantized_linear(x, weight, b)
+    ref = x.double() @ dense.to(act).double().T + b.double()
+    assert y.dtype == act and ((y.double() - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[act]
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,target,group", W8A8)
+def test_w8a8_accuracy(act, fmt, target, group):
+    weight, dense = _weight(fmt, act)
+    x = torch.randn(37, K).to(act)
+    q, scale = quantize_activations(x, target, group)
+    x_dense = (q.double().unflatten(1, (scale.shape[1], -1)) * scale.double()[..., None]).flatten(1)
+    y = quantized_linear(q, weight, x_scale=scale, out_dtype=act)
+    ref = x_dense @ dense.T
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[act]
+
+
+def _assert_rows_invariant(run, act):
+    pool = torch.randn(max(BATCH_SIZES), K).to(act)
+    alone = [run(pool[i:i + 1])[0] for i in range(4)]
+    for m in BATCH_SIZES:
+        for pos in sorted({0, m // 2, m - 1}):
+            i = (m + pos) % 4
+            batch = pool[torch.randperm(pool.shape[0])[:m]].clone()
+            batch[pos] = pool[i]
+            assert torch.equal(run(batch)[pos], alone[i]), f"M={m} pos={pos}"
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["int4", "packed8", "fp8"])
+def test_weight_only_row_alone_equals_row_in_any_batch(act, fmt):
+    weight, _ = _weight(fmt, act)
+    b = torch.randn(N).to(act)
+    _assert_rows_invariant(lambda x: quantized_linear(x, weight, b), act)
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,target,group", W8A8)
+def test_w8a8_row_alone_equals_row_in_any_batch(act, fmt, target, group):
+    weight, _ = _weight(fmt, act)
+    b = torch.randn(N).to(act)
+    _assert_rows_invariant(lambda x: _run_w8a8(x, weight, target, group, b), act)
+
+
+def test_negative_control_per_tensor_activation_scale_breaks_invariance():
+    """The same GEMM fed a per-tensor dynamic scale (the max over the batch): rows change with their batch."""
+    weight, _ = _weight("fp8", torch.bfloat16)
+    x = torch.randn(8, K).bfloat16()
+    x[3] *= 40
+
+    def per_tensor(x):
+        scale = (x.float().abs().amax() / 448).reshape(1, 1).expand(x.shape[0], 1).contiguous()
+        return quantized_linear((x.float() / scale).to(torch.float8_e4m3fn), weight, x_scale=scale,
+                                out_dtype=torch.bfloat16)
+    batched = per_tensor(x)
+    assert not all(torch.equal(per_tensor(x[i:i + 1])[0], batched[i]) for i in (0, 1, 2))
+    fixed = _run_w8a8(x, weight, torch.float8_e4m3fn, None)
+    assert all(torch.equal(_run_w8a8(x[i:i + 1], weight, torch.float8_e4m3fn, None)[0], fixed[i]) for i in range(8))
+
+
+def test_negative_control_m_dependent_block_k_breaks_invariance():
+    weight, _ = _weight("int4", torch.float16)
+    x = torch.randn(8, K).half()
+    pick = lambda x: QuantizedLinearConfig(64, 64, 16 if x.shape[0] <= 4 else 64)  # noqa: E731
+    batched = quantized_linear(x, weight, config=pick(x)).float()
+    # fp32 sums regrouped by BLOCK_K: visible after the fp16 rounding in some element of some row
+    alone = [quantized_linear(x[i:i + 1], weight, config=pick(x[i:i + 1]))[0].float() for i in range(8)]
+    assert not all(torch.equal(a, batched[i]) for i, a in enumerate(alone))
+
+
+def test_config_never_depends_on_m():
+    import inspect
+    assert list(inspect.signature(quantized_linear_config).parameters) == ["device_type", "weight"]
+
+
+def test_rejects_mismatched_operands():
+    weight, _ = _weight("int4", torch.bfloat16)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        quantized_linear(torch.randn(2, K), weight)
+    with pytest.raises(TypeError, match="take"):
+        quantized_linear(torch.randn(2, K).bfloat16(), _weight("fp8", torch.bfloat16)[0], x_scale=torch.ones(2, 1))
