@@ -19,6 +19,7 @@ class LinearConfig:
     block_n: int
     block_k: int
     k_chunks: int = 1   # the reduction tree: K cut into this many chunks, summed in order
+    chunk_k: int = 0    # K per chunk; 0: ceil(K / BLOCK_K / k_chunks) BLOCK_Ks (see chunk_length)
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
@@ -104,13 +105,24 @@ def tree_leaves(k: int) -> int:
     return leaves
 
 
+def chunk_length(config: LinearConfig, k: int) -> int:
+    """The K width of each of ``config.k_chunks`` chunks (the last one may be shorter)."""
+    if config.chunk_k:
+        return config.chunk_k
+    return triton.cdiv(triton.cdiv(k, config.block_k), config.k_chunks) * config.block_k
+
+
 def row_parallel_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> LinearConfig:
     """The config of a row-parallel layer: ``linear_config``'s tiles, K cut into ``tree_leaves(k)``
-    chunks (leaves) and BLOCK_K the largest power of two up to linear_config's that divides a
-    leaf, so that a leaf's BLOCK_K steps start at the leaf on every rank. Fixed by the shape alone."""
+    chunks (leaves), each walked in BLOCK_K steps from its own start on every rank. Fixed by the
+    shape alone. On CUDA, BLOCK_K is the largest power of two up to linear_config's that divides a
+    leaf. In the interpreter, whose cost is per step, BLOCK_K is the leaf's next power of two (up to
+    linear_config's) and a leaf's last step is masked at the leaf's end (``chunk_k``)."""
     base = linear_config(device_type, dtype, n, k)
     leaves = tree_leaves(k)
     leaf = k // leaves
+    if device_type == "cpu" and leaves > 1:
+        return replace(base, block_k=min(base.block_k, triton.next_power_of_2(leaf)), k_chunks=leaves, chunk_k=leaf)
     block_k = base.block_k
     while block_k > MIN_BLOCK_K and leaf % block_k:
         block_k //= 2

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import LinearConfig, linear_config
+from .configs import LinearConfig, chunk_length, linear_config
 from .launch import DOT_PRECISION, launch
 from .linear import PROLOGUE_NONE, PROLOGUE_SILU_MUL, _k_tree_dot
 
@@ -45,7 +45,7 @@ def _find_tile(offsets_ptr, slot, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexp
 @triton.jit
 def _grouped_linear_kernel(
     x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, offsets_ptr,
-    N, K, E,
+    N, K, E, CHUNK_K,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, K_CHUNKS: tl.constexpr, PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -61,7 +61,7 @@ def _grouped_linear_kernel(
         w_e = w_ptr + expert.to(tl.int64) * stride_we
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _k_tree_dot(x_e, up_e, w_e, offs_m, offs_n, 0, K_CHUNKS, M, N, K,
+        acc = _k_tree_dot(x_e, up_e, w_e, offs_m, offs_n, 0, K_CHUNKS, M, N, K, CHUNK_K,
                           stride_xm, stride_xk, stride_wn, stride_wk, K_CHUNKS, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOT_PRECISION)
         if HAS_BIAS:
@@ -114,7 +114,7 @@ def launch_grouped_linear(x, up, weight, offsets, bias, prologue, config: Linear
     launch(
         _grouped_linear_kernel, grid, x.device,
         x, x if up is None else up, weight, bias if has_bias else x, y, offsets,
-        n, k, experts,
+        n, k, experts, chunk_length(cfg, k),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
         bias.stride(0) if has_bias else 0, y.stride(0), y.stride(1),
         HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, PROLOGUE=int(prologue),

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import LinearConfig, linear_config
+from .configs import LinearConfig, chunk_length, linear_config
 from .launch import DOT_PRECISION, launch
 from .silu_mul import rounded_silu
 
@@ -32,7 +32,7 @@ PROLOGUE_SILU_MUL = tl.constexpr(1)
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, up_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K,
+    M, N, K, CHUNK_K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, K_CHUNKS: tl.constexpr, PARALLEL_CHUNKS: tl.constexpr, PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -57,7 +57,7 @@ def _linear_kernel(
     else:
         first_chunk = 0
         last_chunk = K_CHUNKS
-    acc = _k_tree_dot(x_ptr, up_ptr, w_ptr, offs_m, offs_n, first_chunk, last_chunk, M, N, K,
+    acc = _k_tree_dot(x_ptr, up_ptr, w_ptr, offs_m, offs_n, first_chunk, last_chunk, M, N, K, CHUNK_K,
                       stride_xm, stride_xk, stride_wn, stride_wk, K_CHUNKS, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K,
                       DOT_PRECISION)
 
@@ -72,19 +72,19 @@ def _linear_kernel(
 
 
 @triton.jit
-def _k_tree_dot(x_ptr, up_ptr, w_ptr, offs_m, offs_n, first_chunk, last_chunk, M, N, K,
+def _k_tree_dot(x_ptr, up_ptr, w_ptr, offs_m, offs_n, first_chunk, last_chunk, M, N, K, CHUNK_K,
                 stride_xm, stride_xk, stride_wn, stride_wk,
                 K_CHUNKS: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The fp32 [BLOCK_M, BLOCK_N] sum over chunks first_chunk..last_chunk-1 of the K-chunk tree:
     the reduction order of one output tile, shared by every kernel that must give linear's bits."""
     offs_k = tl.arange(0, BLOCK_K)
-    # Chunk c covers K range [c * chunk_len, (c + 1) * chunk_len): fixed by K and K_CHUNKS only.
-    chunk_len = (((K + BLOCK_K - 1) // BLOCK_K + K_CHUNKS - 1) // K_CHUNKS) * BLOCK_K
+    # Chunk c covers K range [c * CHUNK_K, (c + 1) * CHUNK_K): fixed by the config and K only
+    # (configs.chunk_length).
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for chunk in range(first_chunk, last_chunk):
-        k_begin = chunk * chunk_len
-        k_end = tl.minimum(K, k_begin + chunk_len)
+        k_begin = chunk * CHUNK_K
+        k_end = tl.minimum(K, k_begin + CHUNK_K)
         if K_CHUNKS == 1:
             acc = _chunk_dot(acc, x_ptr, up_ptr, w_ptr, offs_m, offs_n, offs_k, k_begin, k_end,
                              M, N, stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
@@ -188,7 +188,7 @@ def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None,
     launch(
         _linear_kernel, grid, x2.device,
         x2, x2 if up is None else up, weight, bias if has_bias else x2, out,
-        m, n, k,
+        m, n, k, chunk_length(cfg, k),
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
         stride_ys, out.stride(-2), out.stride(-1),
         HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, PARALLEL_CHUNKS=parallel_chunks, PROLOGUE=int(prologue),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 from transformers import AutoModelForCausalLM
 
 from helpers import FAMILY_NAMES, run_bounded
@@ -144,17 +145,21 @@ def test_supported_sizes_of_real_shapes():
     assert "Sizes that work for this model: [1, 2, 4, 8]" in tp_size_refusal(random_config("qwen3", "qwen3-8b"), 3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_tree_split_across_ranks(dtype):
+@pytest.mark.parametrize("dtype, k", [(torch.float32, 256), (torch.bfloat16, 256), (torch.bfloat16, 384)])
+def test_kernel_tree_split_across_ranks(dtype, k):
     """The kernel's own check: shards of K computed apart (each rank's leaves) and combined give
     linear's bits for every TP size dividing the leaves; a split that reduces each shard as one
-    chunk (a TP-dependent tree) does not."""
-    n, k = 64, 256
+    chunk (a TP-dependent tree) does not. K = 384 has leaves of 48, which the interpreter walks
+    in one BLOCK_K step of 64 masked at the leaf's end."""
+    n = 64
     x, gate, up = (torch.randn(5, k).to(dtype) for _ in range(3))
     w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
     cfg = row_parallel_config("cpu", dtype, n, k)
-    assert cfg.k_chunks == tree_leaves(k) == 8 and (k // 8) % cfg.block_k == 0
+    assert cfg.k_chunks == tree_leaves(k) == 8 and cfg.chunk_k == k // 8
+    assert cfg.block_k == triton.next_power_of_2(k // 8)
     ref, fused_ref = linear(x, w, b, config=cfg), silu_mul_linear(gate, up, w, b, config=cfg)
+    exact = x.double() @ w.double().T + b.double()  # the tree is an accurate sum too (bf16 output rounding)
+    assert (ref.double() - exact).abs().max() <= 2 ** -7 * exact.abs().max()
     for t in (1, 2, 4, 8):
         rank_cfg, s = replace(cfg, k_chunks=cfg.k_chunks // t), k // t
         shards = [slice(r * s, (r + 1) * s) for r in range(t)]
