@@ -7,8 +7,10 @@ preempted and recomputed, prefix caching on or off) and 2..MAX_REQUESTS requests
 of the schedules share a prefix longer than one KV page among some of their prompts, so later
 arrivals hit the prefix cache), its arrival step (requests are added between steps), max_tokens,
 greedy or seeded sampling (temperature, top-k, top-p, repetition penalty), logprobs and prompt
-logprobs, stop tokens, ignore_eos. The schedule runs through one engine; then each request runs
-alone through a fresh engine, and its token ids, logprobs, top logprobs, prompt logprobs, seed and
+logprobs, stop tokens, ignore_eos. Half of the schedules speculate (n-gram prompt lookup, or the model
+itself as its draft, 1..MAX_SPECULATIVE proposals a step; some requests opt out). The schedule runs
+through one engine; then each request runs alone through a fresh engine that does not speculate,
+and its token ids, logprobs, top logprobs, prompt logprobs, seed and
 finish reason must be equal (``==`` on the Python floats the engine returns).
 
 Models: those of ``benchmarks.fuzz`` (each family's tiny preset, 1 layer, 128-token vocabulary).
@@ -28,7 +30,7 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,6 +52,7 @@ MAX_PROMPT = 40
 MAX_NEW_TOKENS = 6
 MAX_ARRIVAL = 8          # requests arrive before engine steps 0..MAX_ARRIVAL
 MAX_EXTRA_PAGES = 2      # KV pages beyond the largest request's: few, so sequences get preempted
+MAX_SPECULATIVE = 8      # proposals per verify step
 MAX_STEPS = 2000         # a schedule that takes more steps has stopped making progress
 COMPARED = ("token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "prompt_greedy",
             "seed", "finish_reason", "error")
@@ -76,13 +79,14 @@ class Schedule:
     enable_prefix_caching: bool
     shared_prefix: int  # tokens of the prefix some prompts share (0: none)
     requests: tuple[Request, ...]
+    speculative: tuple[tuple[str, object], ...] = ()  # Engine(speculative=dict(...)) (a draft model: itself)
 
     def describe(self) -> str:
         return (f"#{self.index} {self.family} {self.dtype} {len(self.requests)} requests, prompts "
                 f"{[len(r.prompt) for r in self.requests]} arriving at {[r.arrival for r in self.requests]}, "
                 f"max_num_seqs={self.max_num_seqs} max_num_batched_tokens={self.max_num_batched_tokens} "
                 f"extra_pages={self.extra_pages} prefix_caching={self.enable_prefix_caching} "
-                f"shared_prefix={self.shared_prefix}")
+                f"shared_prefix={self.shared_prefix} speculative={dict(self.speculative) or None}")
 
 
 def draw_params(rng: random.Random, vocab: int) -> tuple:
@@ -119,9 +123,27 @@ def draw(seed: int, index: int, families: list[str], dtypes: list[str], vocab: d
         prompt = prefix + own if shared and rng.random() < 0.7 else own
         requests.append(Request(tuple(prompt), rng.randint(0, MAX_ARRIVAL), draw_params(rng, v)))
     budget = rng.choice((rng.randint(1, 8), rng.randint(8, 48), rng.randint(48, 256)))
-    return Schedule(index=index, family=family, dtype=dtype, max_num_seqs=rng.randint(1, count),
-                    max_num_batched_tokens=budget, extra_pages=rng.choice((0, 0, 1, MAX_EXTRA_PAGES)),
-                    enable_prefix_caching=rng.random() < 0.75, shared_prefix=shared, requests=tuple(requests))
+    schedule = Schedule(index=index, family=family, dtype=dtype, max_num_seqs=rng.randint(1, count),
+                        max_num_batched_tokens=budget, extra_pages=rng.choice((0, 0, 1, MAX_EXTRA_PAGES)),
+                        enable_prefix_caching=rng.random() < 0.75, shared_prefix=shared, requests=tuple(requests))
+    return draw_speculative(rng, schedule)  # drawn last: the draws above are those of runs before it
+
+
+def draw_speculative(rng: random.Random, s: Schedule) -> Schedule:
+    """Half of the schedules speculate, with k + 1 within the token budget; a fifth of their requests
+    opt out (SamplingParams.speculative=False)."""
+    if rng.random() < 0.5 or s.max_num_batched_tokens < 2:
+        return s
+    k = rng.randint(1, min(MAX_SPECULATIVE, s.max_num_batched_tokens - 1))
+    if rng.random() < 0.5:
+        low = rng.randint(1, 2)
+        config = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=low,
+                      prompt_lookup_max=rng.randint(low, 4))
+    else:
+        config = dict(method="draft_model", num_speculative_tokens=k)
+    requests = tuple(Request(r.prompt, r.arrival, tuple(sorted(r.params + (("speculative", False),))))
+                     if rng.random() < 0.2 else r for r in s.requests)
+    return replace(s, requests=requests, speculative=tuple(sorted(config.items())))
 
 
 def draw_context(families, dtypes, device: str) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
@@ -154,10 +176,12 @@ class Runner:
     def together(self, s: Schedule):
         """(outputs in request order, engine) of the whole schedule through one engine."""
         need, page_bytes = self._pages(s.family, s.dtype, s.requests)
-        engine = Engine(self.models(s.family, s.dtype), max_num_seqs=s.max_num_seqs,
-                        max_num_batched_tokens=s.max_num_batched_tokens,
+        model, speculative = self.models(s.family, s.dtype), dict(s.speculative) or None
+        if speculative and speculative["method"] == "draft_model":
+            speculative["model"] = model
+        engine = Engine(model, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                         kv_cache_memory=(need + s.extra_pages) * page_bytes,
-                        enable_prefix_caching=s.enable_prefix_caching)
+                        enable_prefix_caching=s.enable_prefix_caching, speculative=speculative)
         outputs, ids, step = {}, {}, 0
         while len(outputs) < len(s.requests):
             for i, r in enumerate(s.requests):
@@ -192,6 +216,11 @@ def _coverage(s: Schedule, engine) -> list[str]:
         keys.append("prefix_hit")
     if any(len(r.prompt) > s.max_num_batched_tokens for r in s.requests):
         keys.append("chunked_prefill")
+    if engine.speculative is not None:
+        stats = engine.speculative.stats
+        keys.append(f"speculative={dict(s.speculative)['method']}")
+        keys += ["spec_accepted"] * bool(stats.num_accepted_tokens)
+        keys += ["spec_rejected"] * (stats.num_draft_tokens > stats.num_accepted_tokens)
     if len({r.arrival for r in s.requests}) > 1:
         keys.append("staggered_arrivals")
     if s.max_num_seqs < len(s.requests):
@@ -249,7 +278,8 @@ def run(args) -> dict:
               "negative_control": args.negative_control, "seed": args.seed, "families": args.families,
               "dtypes": args.dtypes, "model_overrides": {f: fuzz_overrides(f) for f in args.families},
               "max_requests": MAX_REQUESTS, "max_prompt": MAX_PROMPT, "max_new_tokens": MAX_NEW_TOKENS,
-              "max_arrival": MAX_ARRIVAL, "max_extra_pages": MAX_EXTRA_PAGES, "start": indices[0],
+              "max_arrival": MAX_ARRIVAL, "max_extra_pages": MAX_EXTRA_PAGES, "max_speculative": MAX_SPECULATIVE,
+              "start": indices[0],
               "schedules_requested": len(indices), "time_limit_s": args.time_limit_s, "workers": args.workers}
     totals = dict(schedules=0, requests=0, requests_unequal=0, schedules_unequal=0, steps=0, tokens=0,
                   preemptions=0, prefix_hit_tokens=0)

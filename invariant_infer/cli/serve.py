@@ -4,6 +4,7 @@ function of its own request, whatever else is in flight. Needs ``pip install inv
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
@@ -14,6 +15,16 @@ def positive_seconds(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
 
 
@@ -40,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a streaming client that reads nothing for this long is dropped and its requests "
                         "aborted, freeing their KV pages (default: 30)")
     p.add_argument("--disable-prefix-caching", action="store_true")
+    p.add_argument("--speculative-config", type=json_object, metavar="JSON",
+                   help='speculative decoding, bitwise lossless: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 3} or {"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4} (docs/speculative.md)')
     p.add_argument("--kernels", choices=["invariant", "stock"], default="invariant",
                    help=argparse.SUPPRESS)  # stock: the negative control and benchmark baseline
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -59,7 +74,8 @@ def run(args) -> int:
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.disable_prefix_caching,
-        kernels=args.kernels, host=args.host, port=args.port, log_level=args.log_level))
+        kernels=args.kernels, speculative_config=args.speculative_config, host=args.host, port=args.port,
+        log_level=args.log_level))
 
 
 def add_parser(sub) -> None:

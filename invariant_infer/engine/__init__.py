@@ -4,7 +4,8 @@ result is bitwise what the same request gives alone, and what ``model.generate``
 
 Files: ``sequence`` (a request's state), ``sampling_params``, ``block_manager`` (pages, prefix
 cache), ``scheduler`` (continuous batching, chunked prefill, preemption), ``model_runner`` (one
-packed forward over the paged cache), ``engine`` (the API) and ``async_engine`` (for servers).
+packed forward over the paged cache), ``logprob_rows``, ``speculative`` and ``proposers``
+(speculative decoding, bitwise lossless), ``engine`` (the API) and ``async_engine`` (for servers).
 """
 from .async_engine import AsyncEngine
 from .engine import Engine, EngineBusyError, RequestOutput

@@ -124,8 +124,14 @@ class AsyncEngine:
     def stats(self) -> dict:
         with self._lock:
             scheduler, blocks = self.engine.scheduler, self.engine.blocks
-            return {"waiting": len(scheduler.waiting), "running": len(scheduler.running),
-                    "kv_pages_used": blocks.num_used, "kv_pages_total": blocks.num_pages}
+            stats = {"waiting": len(scheduler.waiting), "running": len(scheduler.running),
+                     "kv_pages_used": blocks.num_used, "kv_pages_total": blocks.num_pages}
+            if self.engine.speculative is not None:
+                spec = self.engine.speculative.stats
+                stats.update(spec_decode_num_drafts=spec.num_drafts,
+                             spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                             spec_decode_num_accepted_tokens=spec.num_accepted_tokens)
+            return stats
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -103,6 +103,16 @@ class BlockManager:
                 self.page_of_hash[page_hash_] = page
         seq.num_hashed_pages = full
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the sequence's pages past its computed positions (those of rejected proposals: never
+        registered, since only pages its computed positions fill are)."""
+        keep = self.pages_for(seq.num_computed)
+        for page in reversed(seq.pages[keep:]):
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                self.free[page] = None
+        del seq.pages[keep:]
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (all must be free); returns how many were findable."""
         if self.num_used:

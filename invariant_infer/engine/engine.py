@@ -27,10 +27,12 @@ from ..generation.sampling import sample_next_token
 from ..scoring.core import ScoreResult
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
+from .logprob_rows import record_prompt_logprobs, row_logprobs, top_logprobs
 from .output import Detokenizer, RequestOutput, finish_reason, request_output
 from .sampling_params import RequestError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, Status
+from .speculative import speculative_decoder
 from .step_timer import NULL_TIMER, StepTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
@@ -53,7 +55,7 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
-                 decode_buckets: tuple[int, ...] = (), executor: Executor | None = None):
+                 decode_buckets: tuple[int, ...] = (), executor: Executor | None = None, speculative=None):
         executor = executor_for(model, executor)  # where each step runs (default: this process)
         if kernels not in ("invariant", "stock"):
             raise ValueError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
@@ -91,6 +93,7 @@ class Engine:
         eos = tokenizer.eos_token_id if eos is None and tokenizer is not None else eos
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
         self.timer = None  # off (the null timer); set a StepTimer to time each step's phases (benchmarks)
+        self.speculative = speculative_decoder(self, speculative, kernels)  # None: off (see speculative.py)
 
     @property
     def timer(self) -> StepTimer:
@@ -177,6 +180,8 @@ class Engine:
         Out of memory or a device error raises ``DeviceError`` (no request's fault: none is retried)."""
         timer = self.timer
         timer.start()
+        if self.speculative is not None:
+            self.speculative.propose(self.scheduler.running)
         chunks = self.scheduler.schedule()
         timer.mark("schedule")
         if not chunks:
@@ -240,7 +245,7 @@ class Engine:
         offset = 0
         for chunk in chunks:
             seq = chunk.seq
-            seq.num_computed += chunk.num_tokens
+            seq.num_computed += chunk.num_tokens - len(chunk.draft)  # proposals count once verified
             self.blocks.register_full_pages(seq)
             if seq.wants_prompt_logprobs:
                 last = min(chunk.start + chunk.num_tokens, len(seq.prompt_ids) - 1)
@@ -248,9 +253,9 @@ class Engine:
                     rows.append(offset + position - chunk.start)
                     prompt_targets.append(seq.prompt_ids[position + 1])
                     prompt_owners.append(seq)
-            if chunk.completes:
-                sample_rows.append((len(rows), seq))
-                rows.append(offset + chunk.num_tokens - 1)
+            if chunk.completes:  # its last row, and one per proposal, yield tokens
+                sample_rows.append((len(rows), seq, chunk.draft))
+                rows += range(offset + chunk.num_tokens - 1 - len(chunk.draft), offset + chunk.num_tokens)
             offset += chunk.num_tokens
         timer = self.timer
         timer.mark("output")
@@ -259,12 +264,12 @@ class Engine:
         logits = self.runner.logits_of(hidden, rows)
         timer.mark("forward")
         if prompt_targets:
-            sampled = {r for r, _ in sample_rows}
+            sampled = {r + i for r, _, draft in sample_rows for i in range(len(draft) + 1)}
             prompt_rows = [i for i in range(len(rows)) if i not in sampled]
-            self._record_prompt_logprobs(logits[prompt_rows], prompt_targets, prompt_owners)
+            record_prompt_logprobs(self.runner, logits[prompt_rows], prompt_targets, prompt_owners)
             timer.mark("logprobs")
         advanced, picked = [], []
-        greedy = [row for row, seq in sample_rows if self._plain_greedy(seq)]
+        greedy = [r + i for r, seq, draft in sample_rows if self._plain_greedy(seq) for i in range(len(draft) + 1)]
         # One argmax over every plain greedy row: per row the same first maximum as sample_next_token's,
         # in one call (and one device sync) instead of one per sequence.
         if greedy:
@@ -273,52 +278,27 @@ class Engine:
             timer.mark("forward")  # device work, charged with the model's
         else:
             argmax = {}
-        for row, seq in sample_rows:
+        for row, seq, draft in sample_rows:
             advanced.append(seq)
             try:
-                token = self._pick(seq, logits[row], argmax.get(row))
+                tokens = self.speculative.verify(self, seq, logits, row, draft, argmax) if draft else \
+                    [self._pick(seq, logits[row], argmax.get(row))]
             except Exception as exc:  # noqa: BLE001  (one request's failure stays its own)
                 raise_if_device_failure(exc, "the engine's sampling")
                 self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
                 continue
-            if token is not None:
-                picked.append((row, seq, token))
+            picked += [(row + i, seq, token) for i, token in enumerate(tokens) if token is not None]
         timer.mark("sampling")
         if picked:  # the sampled tokens' logprobs, one launch per temperature they are taken at
-            values = self._logprobs(logits[[row for row, _, _ in picked]], [token for _, _, token in picked],
-                                    [seq.params.logprob_temperature for _, seq, _ in picked])[0]
+            values = row_logprobs(self.runner, logits[[row for row, _, _ in picked]], [t for _, _, t in picked],
+                                  [seq.params.logprob_temperature for _, seq, _ in picked])[0]
             timer.mark("logprobs")
             for (row, seq, token), value in zip(picked, values):
-                self._append(seq, token, value, logits[row])
+                if not seq.finished:  # a verified step's tokens after a stop are not kept
+                    self._append(seq, token, value, logits[row])
+        if self.speculative is not None:
+            self.speculative.settle(self.blocks, chunks)
         return advanced
-
-    def _logprobs(self, logits: torch.Tensor, targets: list[int], temperatures: list[float]):
-        """(logprobs, is-argmax) lists for rows [R, V] at each row's temperature: one launch per
-        temperature (each row is reduced alone, so the grouping changes no bit)."""
-        values, is_argmax = [0.0] * len(targets), [False] * len(targets)
-        for temperature in dict.fromkeys(temperatures):
-            rows = [i for i, t in enumerate(temperatures) if t == temperature]
-            ids = torch.tensor([targets[i] for i in rows], device=logits.device)
-            group = logits if len(rows) == len(targets) else logits[rows]
-            got, hit = self.runner.logprobs(group, ids, temperature)
-            for i, value, greedy in zip(rows, got.tolist(), hit.tolist()):
-                values[i], is_argmax[i] = value, greedy
-        return values, is_argmax
-
-    def _record_prompt_logprobs(self, logits, targets, owners) -> None:
-        values, is_argmax = self._logprobs(logits, targets, [seq.params.logprob_temperature for seq in owners])
-        for i, (seq, value, greedy) in enumerate(zip(owners, values, is_argmax)):
-            seq.prompt_logprobs.append(value)
-            seq.prompt_greedy.append(greedy)
-            if seq.params.prompt_logprobs:
-                seq.prompt_top_logprobs.append(self._top(logits[i], seq.params.prompt_logprobs,
-                                                         seq.params.logprob_temperature))
-
-    def _top(self, logits_row: torch.Tensor, k: int, temperature: float) -> dict[int, float]:
-        """The k most likely tokens and their logprobs, from the same kernel as a sampled token's."""
-        ids = torch.topk(logits_row.float(), k).indices
-        values = self.runner.logprobs(logits_row[None].expand(k, -1), ids, temperature)[0].tolist()
-        return dict(zip(ids.tolist(), values))
 
     @staticmethod
     def _plain_greedy(seq: Sequence) -> bool:
@@ -345,7 +325,8 @@ class Engine:
         seq.output_ids.append(token)
         seq.logprobs.append(logprob)
         if params.logprobs:
-            seq.top_logprobs.append(self._top(logits_row, params.logprobs, params.logprob_temperature))
+            seq.top_logprobs.append(top_logprobs(self.runner, logits_row, params.logprobs,
+                                                 params.logprob_temperature))
         reason = finish_reason(seq, token, self.eos_token_ids, self.max_positions)
         if reason is not None:
             self._finish(seq, reason)

@@ -196,7 +196,7 @@ class ModelRunner:
         ids, positions, slots, starts, lens, tables = [], [], [], [0], [], []
         for chunk in chunks:
             seq, end = chunk.seq, chunk.start + chunk.num_tokens
-            ids += seq.tokens[chunk.start:end]
+            ids += chunk.token_ids
             span = range(chunk.start, end)
             positions += span
             slots += [seq.pages[p // self.page_size] * self.page_size + p % self.page_size for p in span]

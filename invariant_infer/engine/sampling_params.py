@@ -38,6 +38,7 @@ class SamplingParams:
     # Only the temperature is applied to them, so processed_logprobs with top_k, top_p < 1 or
     # repetition_penalty != 1 is refused rather than reported for a distribution it was not sampled from.
     logprobs_mode: str = "raw_logprobs"
+    speculative: bool = True         # False: this request never speculates (in an engine that does)
 
     @property
     def logprob_temperature(self) -> float:
@@ -70,6 +71,7 @@ class SamplingParams:
             value = getattr(self, name)
             need(value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS), name,
                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        need(type(self.speculative) is bool, "speculative", f"speculative must be a bool, got {self.speculative!r}")
         need(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
              f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.logprobs_mode == "processed_logprobs":

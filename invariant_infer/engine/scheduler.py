@@ -12,7 +12,7 @@ sequence alone.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
@@ -22,12 +22,17 @@ from .sequence import Sequence, Status
 class ScheduledChunk:
     seq: Sequence
     start: int        # first position computed in this step
-    num_tokens: int   # positions [start, start + num_tokens)
+    num_tokens: int   # positions [start, start + num_tokens), the draft's included
+    draft: list[int] = field(default_factory=list)  # proposals after the sequence's last token: the last rows
 
     @property
     def completes(self) -> bool:
-        """The chunk reaches the sequence's last token, so its last row yields the next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        """The chunk reaches the sequence's last token, so its last row(s) yield the next token(s)."""
+        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.tokens[self.start:self.start + self.num_tokens - len(self.draft)] + self.draft
 
 
 class Scheduler:
@@ -73,14 +78,18 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted below to make room for an earlier one
                 continue
-            count = min(seq.num_tokens - seq.num_computed, budget)
+            pending = seq.num_tokens - seq.num_computed
+            count = min(pending + len(seq.draft_ids), budget)
+            if not self.blocks.can_allocate(seq, count):  # verify fewer proposals rather than preempt
+                count = min(pending, budget)
             while not self.blocks.can_allocate(seq, count):
                 if self.preempt_latest() is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
             self.blocks.allocate(seq, count)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, count))
+            draft = seq.draft_ids[:max(0, count - pending)]
+            chunks.append(ScheduledChunk(seq, seq.num_computed, count, draft))
             budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

@@ -27,6 +27,7 @@ class Sequence:
     num_computed: int = 0              # tokens whose KV is in the cache
     num_hashed_pages: int = 0          # leading full pages registered for prefix caching
     page_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full page, computed lazily
+    draft_ids: list[int] = field(default_factory=list)  # this step's speculative proposals (verified, not kept)
     # Results. Logprobs are of the model's own distribution (before penalty, temperature, top-k/p), or
     # at the temperature with logprobs_mode="processed_logprobs".
     logprobs: list[float] = field(default_factory=list)

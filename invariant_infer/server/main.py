@@ -59,7 +59,8 @@ def build(options: ServerOptions, ranks: TensorParallelRanks | None = None):
     tokenizer = load_tokenizer(options.tokenizer or options.model)
     engine = Engine(model, tokenizer, max_num_seqs=options.max_num_seqs,
                     max_num_batched_tokens=options.max_num_batched_tokens, kv_cache_memory=options.kv_cache_memory,
-                    enable_prefix_caching=options.enable_prefix_caching, kernels=options.kernels, executor=ranks)
+                    enable_prefix_caching=options.enable_prefix_caching, kernels=options.kernels, executor=ranks,
+                    speculative=options.speculative_config)
     return create_app(AsyncEngine(engine), tokenizer, options)
 
 

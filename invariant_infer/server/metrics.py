@@ -42,6 +42,14 @@ class Metrics:
                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
                                  registry=registry)
         self._window: deque[tuple[float, int]] = deque()
+        # Speculative decoding (vLLM's names): counters brought up to the engine's totals at scrape time.
+        self.spec = {name: Counter(f"invariant_infer_{name}", text, registry=registry) for name, text in (
+            ("spec_decode_num_drafts", "Verify steps with speculative proposals"),
+            ("spec_decode_num_draft_tokens", "Speculative proposals verified"),
+            ("spec_decode_num_accepted_tokens", "Speculative proposals accepted"))}
+        self._spec_seen = dict.fromkeys(self.spec, 0)
+        self.acceptance_length = Gauge("invariant_infer_spec_decode_mean_acceptance_length",
+                                       "Tokens per verify step since start: 1 + accepted / drafts", registry=registry)
 
     def tokens_done(self, count: int) -> None:
         self.generated.inc(count)
@@ -55,6 +63,11 @@ class Metrics:
         self.running.set(stats["running"])
         self.pages_used.set(stats["kv_pages_used"])
         self.pages_total.set(stats["kv_pages_total"])
+        for name, counter in self.spec.items():
+            counter.inc(stats.get(name, 0) - self._spec_seen[name])
+            self._spec_seen[name] = stats.get(name, 0)
+        drafts = stats.get("spec_decode_num_drafts", 0)
+        self.acceptance_length.set(1 + stats["spec_decode_num_accepted_tokens"] / drafts if drafts else 0)
         now = time.monotonic()
         while self._window and self._window[0][0] < now - RATE_WINDOW_S:
             self._window.popleft()

@@ -36,6 +36,7 @@ class ServerOptions:
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     kernels: str = "invariant"
+    speculative_config: dict | None = None  # vLLM's speculative_config (``Engine(speculative=...)``)
     # The socket and uvicorn.
     host: str = "127.0.0.1"
     port: int = 8000

@@ -348,3 +348,15 @@ def test_divergence_for_a_llama_preset():
     assert row["stock_rows_checked"] == 3 == row["invariant_rows_checked"]
     assert row["invariant_rows_unequal"] == 0 and row["invariant_max_abs_diff"] == 0.0
     assert row["invariant_frac_unequal"] == 0.0
+
+
+def test_spec_rows(results):
+    rows = results["spec"]  # code_edit (ngram) and free_text (a layer-skip draft), batch 1 and 2, off then on
+    assert [(r["workload"], r["batch"], r["speculative"]) for r in rows] == [
+        (w, b, s) for w in ("code_edit", "free_text") for b in (1, 2) for s in (False, True)]
+    for plain, spec in zip(rows[::2], rows[1::2]):
+        assert plain["bitwise_equal"] is spec["bitwise_equal"] is True
+        assert plain["output_tokens"] == spec["output_tokens"] and spec["target_forwards"] <= plain["target_forwards"]
+        assert spec["forwards_per_token"] == spec["target_forwards"] / spec["output_tokens"]
+    draft = [r for r in rows if r["workload"] == "free_text" and r["speculative"]]
+    assert all(r["draft_forwards"] > 0 and r["acceptance_length"] >= 1 for r in draft)

@@ -230,3 +230,6 @@ def test_engine_schedules_are_reproducible():
     assert all(2 <= len(s.requests) <= fuzz_engine.MAX_REQUESTS and 1 <= s.max_num_seqs <= len(s.requests)
                for s in first)
     assert any(s.shared_prefix for s in first) and any(not s.shared_prefix for s in first)
+    speculating = [s for s in first if s.speculative]
+    assert {dict(s.speculative)["method"] for s in speculating} == {"ngram", "draft_model"} and len(speculating) < 40
+    assert all(dict(s.speculative)["num_speculative_tokens"] < s.max_num_batched_tokens for s in speculating)
