@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import invariant_infer.model.patch
-from helpers import load_model, m_dependent_linear
+from helpers import FAMILY_NAMES, MOE_FAMILY_NAMES, load_model, m_dependent_linear
 from invariant_infer import make_invariant
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.engine.proposers import prompt_lookup
@@ -116,6 +116,27 @@ def test_speculation_in_a_busy_engine_equals_plain_decoding(models, plain_busy, 
     stats = engine.speculative.stats
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens  # both kinds
     assert engine.scheduler.num_preemptions > 0
+
+
+FAMILY_CELLS = [(family, torch.bfloat16) for family in FAMILY_NAMES + MOE_FAMILY_NAMES] + [("qwen2", torch.float32)]
+
+
+@pytest.mark.parametrize("family, dtype", FAMILY_CELLS, ids=lambda v: str(v).replace("torch.", ""))
+def test_every_family_speculates_bitwise(family_checkpoints, family, dtype):
+    """Each family (dense and MoE) in bf16, and one in fp32: greedy and seeded
+    requests side by side, the model its own draft (greedy proposals: accepted for the greedy
+    request, mostly rejected for the seeded one), equal plain decoding."""
+    model = make_invariant(load_model(family_checkpoints(family), dtype))
+    prompts = [prompts_for(model.config.vocab_size, (9,), seed=15)[0], [7, 8, 9]]
+    params = [SamplingParams(max_tokens=6, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.9, seed=5, logprobs=1, ignore_eos=True)]
+    plain = Engine(model, kv_cache_memory=1 << 20).generate(prompts, params)
+    engine = Engine(model, kv_cache_memory=1 << 20,
+                    speculative={"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    for a, b in zip(engine.generate(prompts, params), plain):
+        assert_same(a, b)
+    stats = engine.speculative.stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
 
 
 def test_draft_equal_to_the_target_accepts_every_greedy_proposal(models):
