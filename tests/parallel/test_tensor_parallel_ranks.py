@@ -132,20 +132,29 @@ def test_engine_and_scores_at_tp2_and_tp4_are_those_of_one_process(checkpoint, s
     assert_same(single, sharded)
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
 def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
     """Each engine's runner has its own pages on every rank: the first engine's prefix hits after a
-    second engine ran read the first one's KV, as in one process."""
-    params = SamplingParams(max_tokens=4, logprobs=1)  # no prompt logprobs: a repeated prompt hits the cache
-    prompts, other = [list(range(5, 85)), list(range(100, 180))], [list(range(200, 280))]  # pages of 64 on CPU
+    second engine ran read the first one's KV, as in one process. The second engine speculates
+    (n-gram proposals, accepted and rejected): its verify chunks run on the ranks as in one process."""
+    params = SamplingParams(max_tokens=8, logprobs=1)  # no prompt logprobs: a repeated prompt hits the cache
+    prompts = [list(range(5, 85)), list(range(100, 180))]  # pages of 64 on CPU
+    other = [list(range(200, 280)), list(range(200, 216)) * 4]
 
     def run(model, executor=None):
-        first, second = Engine(model, executor=executor), Engine(model, executor=executor)
+        first, second = Engine(model, executor=executor), Engine(model, executor=executor, speculative=NGRAM)
         before = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]
-        second.generate(other, params)
+        speculated = [(o.token_ids, o.logprobs) for o in second.generate(other, params)]
         after = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]  # prefix hits
         assert first.blocks.prefix_hits > 0  # the second run of the prompts read cached pages
-        return before, after
-    single = run(load_model(checkpoint, dtype="fp32", device="cpu"))
+        stats = second.speculative.stats
+        assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
+        return before, after, speculated
+    model = load_model(checkpoint, dtype="fp32", device="cpu")
+    single = run(model)
+    assert single[2] == [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, params)]
     with TensorParallelRanks(checkpoint, 2, dtype="fp32", device="cpu") as ranks:
         assert run(ranks.model, ranks) == single
 
