@@ -27,7 +27,7 @@ SUPPORTED_SCHEMES = ("FP8_DYNAMIC (fp8 weights per channel, fp8 per-token activa
                      "FP8_BLOCK (fp8 128x128 weight blocks, fp8 activations per 128-group)",
                      "W8A8 (int8 weights per channel, int8 per-token activations)",
                      "FP8 (fp8 weights, a static activation scale)",
-                     "W4A16 / W8A16 pack-quantized (symmetric, scales per group along K)")
+                     "W4A16 / W8A16 pack-quantized (scales per group along K, zero points if asymmetric)")
 _SUPPORTED = "supported compressed-tensors schemes: " + "; ".join(SUPPORTED_SCHEMES)
 _FP8_MAX = 448.0
 
@@ -82,15 +82,16 @@ def _weight_of(name: str, module: nn.Linear, args) -> QuantizedWeight:
         raise _refuse(f"{name}: fp4 weights (NVFP4/MXFP4)")
     if getattr(args, "actorder", None) is not None or hasattr(module, "weight_g_idx"):
         raise _refuse(f"{name}: GPTQ activation ordering (actorder with g_idx)")
-    if not args.symmetric or hasattr(module, "weight_zero_point") and module.weight_zero_point.abs().max() != 0:
-        raise _refuse(f"{name}: asymmetric weights (zero points)")
     scale = module.weight_scale.data
     shape = (module.out_features, module.in_features)
     if hasattr(module, "weight_packed"):
         if kind != "int" or bits not in (4, 8) or strategy not in ("group", "channel"):
             raise _refuse(f"{name}: pack-quantized {kind}{bits} {strategy} weights")
         group = args.group_size if strategy == "group" else None
-        return QuantizedWeight("packed", module.weight_packed.data, scale, shape, bits=bits, group_size=group)
+        return QuantizedWeight("packed", module.weight_packed.data, scale, shape, bits=bits, group_size=group,
+                               zero_point=_packed_zero_point(name, module, args, scale))
+    if not args.symmetric or hasattr(module, "weight_zero_point") and module.weight_zero_point.abs().max() != 0:
+        raise _refuse(f"{name}: asymmetric {kind}{bits} weights (zero points; supported for pack-quantized int4/int8)")
     weight = getattr(module, "weight", None)
     stored = None if weight is None else weight.dtype
     if kind == "float" and bits == 8 and stored == torch.float8_e4m3fn:
@@ -101,6 +102,20 @@ def _weight_of(name: str, module: nn.Linear, args) -> QuantizedWeight:
     if kind == "int" and bits == 8 and stored == torch.int8 and strategy in ("channel", "tensor"):
         return QuantizedWeight("int8", weight.data, _per_channel(scale, shape[0]), shape)
     raise _refuse(f"{name}: {kind}{bits} {strategy} weights stored as {stored}")
+
+
+def _packed_zero_point(name: str, module: nn.Linear, args, scale: torch.Tensor) -> torch.Tensor | None:
+    # Kept as stored: int32 words packing 32 / bits zero points along N, one column per scale group.
+    zero_point = getattr(module, "weight_zero_point", None)
+    if args.symmetric:
+        if zero_point is not None and zero_point.abs().max() != 0:
+            raise _refuse(f"{name}: zero points on symmetric weights")
+        return None
+    expected = (-(-module.out_features * args.num_bits // 32), scale.shape[1])
+    if zero_point is None or zero_point.dtype != torch.int32 or tuple(zero_point.shape) != expected:
+        found = None if zero_point is None else (zero_point.dtype, tuple(zero_point.shape))
+        raise _refuse(f"{name}: asymmetric weights need packed int32 zero points of shape {expected}, found {found}")
+    return zero_point.data
 
 
 def _per_channel(scale: torch.Tensor, n: int) -> torch.Tensor:

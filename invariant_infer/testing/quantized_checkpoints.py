@@ -13,6 +13,9 @@ from transformers import PretrainedConfig
 
 from .random_checkpoints import random_model
 
+# Schemes with no preset of their own: (preset, the fields of its weight args that change).
+DERIVED_SCHEMES = {"W8A16_ASYM": ("W4A16_ASYM", {"num_bits": 8})}
+
 
 def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     """Observed weight range at the granularity of ``args.strategy`` (a plain min/max observer)."""
@@ -40,7 +43,10 @@ def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overri
                                                  preset_name_to_scheme)
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    scheme = preset_name_to_scheme(scheme_name, ["Linear"])
+    preset, weight_overrides = DERIVED_SCHEMES.get(scheme_name, (scheme_name, {}))
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if weight_overrides:
+        scheme.weights = scheme.weights.model_copy(update=weight_overrides)
     if activation_overrides:
         scheme.input_activations = scheme.input_activations.model_copy(update=activation_overrides)
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
