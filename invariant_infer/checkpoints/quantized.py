@@ -1,10 +1,18 @@
 """Loading quantized checkpoints that stock ``from_pretrained`` cannot load as stored.
 
+``quantized_loading()`` enters both contexts below; ``checkpoints.loading.load_model`` loads in it.
+
 Asymmetric ``pack-quantized`` checkpoints (``W4A16_ASYM``): compressed-tensors (0.20) writes each
 layer's zero points packed along N into int32 ``[N * bits / 32, groups]``, but the compressed layout
 it builds before loading keeps them unpacked ``[N, groups]``, so ``from_pretrained`` stops on a size
 mismatch. ``packed_zero_points()`` gives that layout the stored shape and dtype while it is active
 (one class attribute, put back on exit); the tensors then load as stored and stay packed.
+
+transformers' own ``fp8`` checkpoints (``weight_block_size`` [128, 128], ``weight_scale_inv``):
+without a GPU, transformers dequantizes them to bf16 at load and drops their quantization config,
+so nothing is left to run as FP8. ``fp8_layers_on_cpu()`` keeps its ``FP8Linear`` layers (fp8
+weights, inverse block scales) on CPU too, as a GPU load keeps them, unless ``dequantize=True``
+was asked for.
 """
 from __future__ import annotations
 
@@ -46,3 +54,32 @@ def packed_zero_points():
             yield
         finally:
             PackedQuantizationCompressor.compress = original
+
+
+@contextlib.contextmanager
+def fp8_layers_on_cpu():
+    """While active, transformers' fp8 quantizer keeps a pre-quantized checkpoint's FP8Linear
+    layers when no GPU is present, instead of dequantizing them to bf16."""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    with _LOCK:
+        original = FineGrainedFP8HfQuantizer.validate_environment
+
+        def validate_environment(self, *args, **kwargs):
+            if (self.pre_quantized and not self.quantization_config.dequantize and not torch.cuda.is_available()
+                    and not (hasattr(torch, "xpu") and torch.xpu.is_available())):
+                return None  # no GPU: keep the FP8 layers (the invariant kernels run them on CPU)
+            return original(self, *args, **kwargs)
+
+        FineGrainedFP8HfQuantizer.validate_environment = validate_environment
+        try:
+            yield
+        finally:
+            FineGrainedFP8HfQuantizer.validate_environment = original
+
+
+@contextlib.contextmanager
+def quantized_loading():
+    """Both: asymmetric packed zero points as stored, and fp8 layers kept without a GPU."""
+    with packed_zero_points(), fp8_layers_on_cpu():
+        yield

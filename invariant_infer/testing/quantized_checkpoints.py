@@ -79,3 +79,36 @@ def save_quantized_checkpoint(path: str | Path, config: PretrainedConfig, scheme
     model.save_pretrained(path)
     compressor.update_config(path)
     return path
+
+
+def save_fp8_checkpoint(path: str | Path, config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                        scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A random model of ``config`` in transformers' own ``fp8`` format, as the official Qwen3 FP8
+    checkpoints store it: every Linear but lm_head as float8_e4m3fn ``weight`` with one inverse
+    scale per 128x128 block in ``weight_scale_inv`` (``scale_dtype``), activations dynamic. Block
+    scales are max |w| / 448 per block, as transformers' own ``Fp8Quantize`` computes them."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    model = random_model(config, seed, dtype)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if not name.endswith(".weight") or not isinstance(model.get_submodule(module), torch.nn.Linear) \
+                or module == "lm_head":
+            state[name] = tensor.contiguous()
+            continue
+        n, k = tensor.shape
+        if n % 128 or k % 128:
+            raise ValueError(f"{module}: fp8 block checkpoints need sizes that are multiples of 128, got {n}x{k}")
+        blocks = tensor.float().unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+        amax = blocks.abs().amax(dim=(1, 3))
+        inverse = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).to(scale_dtype)
+        full = inverse.float()[:, None, :, None]
+        state[name] = (blocks / full).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(2).flatten(0, 1)
+        state[f"{module}.weight_scale_inv"] = inverse
+    model.config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                        "weight_block_size": [128, 128]}
+    model.config.save_pretrained(path)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
