@@ -57,6 +57,17 @@ def _checkpoint_config(model: nn.Module) -> dict:
     return config if isinstance(config, dict) else config.to_dict()
 
 
+def describe_quantization(model: nn.Module) -> str:
+    """The checkpoint's quantization in a few words ("unquantized" for a dense model)."""
+    config = _checkpoint_config(model)
+    method = config.get("quant_method")
+    if method == "fp8":
+        return f"fp8 (transformers' format, weight blocks {config.get('weight_block_size') or 'per tensor'})"
+    if method == "compressed-tensors":
+        return f"compressed-tensors {config.get('format')}"
+    return str(method or "unquantized")
+
+
 def is_quantized(model: nn.Module) -> bool:
     return bool(_checkpoint_config(model)) or getattr(model, "hf_quantizer", None) is not None
 
@@ -190,6 +201,9 @@ def quantized_layers(model: nn.Module, strict: bool = False) -> dict[nn.Module, 
         weight = _weight_of(name, module, scheme.weights)
         plans[module] = QuantizedLinearPlan(weight, **_activations_of(name, module, weight,
                                                                       scheme.input_activations, strict))
+        if plans[module].activation_dtype is None and getattr(model, "dtype", None) == torch.float32:
+            raise UnsupportedModelError(f"{name}: weight-only quantized layers run in bf16 or fp16 activations, "
+                                        "not float32: load with dtype=torch.bfloat16 (--dtype bf16)")
     return plans
 
 
