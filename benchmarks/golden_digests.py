@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import platform
@@ -164,10 +165,15 @@ def engine_digest(model, family: str) -> str:
     return hashlib.sha256(json.dumps(records[0], sort_keys=True).encode()).hexdigest()
 
 
-def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True, progress=None) -> dict[str, str]:
-    """Every digest for this device: {family/dtype/case: sha256 hex}."""
+def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True, progress=None,
+            quantized: bool = True) -> dict[str, str]:
+    """Every digest for this device: {family/dtype/case: sha256 hex}, and with ``quantized`` those
+    of the quantized formats (``benchmarks.golden_quantized``, when compressed-tensors is installed)."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if quantized and families is None and importlib.util.find_spec("compressed_tensors") is not None:
+            from benchmarks.golden_quantized import quantized_digests
+            out.update(quantized_digests(device, Path(tmp), progress=progress))
         for family in families or CONFIGS:
             for dtype_name in dtypes or DTYPES:
                 dtype = DTYPES[dtype_name]
@@ -196,6 +202,9 @@ def backend_key(device: str = "cpu") -> str:
 def environment(device: str = "cpu") -> dict[str, str]:
     env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
            "transformers": transformers.__version__, "numpy": np.__version__, "machine": platform.machine()}
+    if importlib.util.find_spec("compressed_tensors") is not None:  # it computes the quantized models' qparams
+        import compressed_tensors
+        env["compressed_tensors"] = compressed_tensors.__version__
     if device != "cpu":
         env.update(gpu=torch.cuda.get_device_name(0), cuda=str(torch.version.cuda))
     return env

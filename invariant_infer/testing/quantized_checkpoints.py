@@ -70,10 +70,15 @@ def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overri
 def save_quantized_checkpoint(path: str | Path, config: PretrainedConfig, scheme_name: str, seed: int = 0,
                               dtype: torch.dtype = torch.bfloat16, **activation_overrides) -> Path:
     """A random model of ``config`` in ``dtype``, quantized with ``scheme_name`` and saved compressed."""
+    return save_quantized_model(random_model(config, seed, dtype), path, scheme_name, **activation_overrides)
+
+
+def save_quantized_model(model: torch.nn.Module, path: str | Path, scheme_name: str, **activation_overrides) -> Path:
+    """``model`` (dense, in its dtype) quantized with ``scheme_name`` and saved compressed."""
     from compressed_tensors.compressors import ModelCompressor
 
     path = Path(path)
-    model = quantize_model(random_model(config, seed, dtype), scheme_name, **activation_overrides)
+    model = quantize_model(model, scheme_name, **activation_overrides)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(path)
@@ -87,10 +92,14 @@ def save_fp8_checkpoint(path: str | Path, config: PretrainedConfig, seed: int = 
     checkpoints store it: every Linear but lm_head as float8_e4m3fn ``weight`` with one inverse
     scale per 128x128 block in ``weight_scale_inv`` (``scale_dtype``), activations dynamic. Block
     scales are max |w| / 448 per block, as transformers' own ``Fp8Quantize`` computes them."""
+    return save_fp8_model(random_model(config, seed, dtype), path, scale_dtype)
+
+
+def save_fp8_model(model: torch.nn.Module, path: str | Path, scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """``model`` (dense) saved in transformers' ``fp8`` format, as ``save_fp8_checkpoint`` describes."""
     from safetensors.torch import save_file
 
     path = Path(path)
-    model = random_model(config, seed, dtype)
     state = {}
     for name, tensor in model.state_dict().items():
         module = name.rsplit(".", 1)[0]
