@@ -1,11 +1,11 @@
-"""The quantized formats' golden digests (``benchmarks.golden_quantized``, checked with the others by
+"""The quantized formats' golden digests (``benchmarks.golden_digests.quantized_digests``, checked with the others by
 ``test_golden_digests.py``): a batch-variant activation scale moves them, and the check names them."""
 import pytest
 import torch
 
 import invariant_infer.model.quantization as quantization
 from benchmarks import golden_digests as golden
-from benchmarks.golden_quantized import quantized_digests
+quantized_digests = golden.quantized_digests
 
 pytest.importorskip("compressed_tensors")
 
