@@ -5,7 +5,6 @@ import torch
 
 import invariant_infer.model.quantization as quantization
 from benchmarks import golden_digests as golden
-quantized_digests = golden.quantized_digests
 
 pytest.importorskip("compressed_tensors")
 
@@ -20,8 +19,8 @@ def _per_tensor(x2, dtype, group=None):
 def test_a_batch_variant_activation_scale_moves_the_quantized_digests(monkeypatch, tmp_path):
     recorded = golden.load()["cpu-interpreter"]
     mine = {k: v for k, v in recorded["digests"].items() if k.startswith("quant/FP8_DYNAMIC/")}
-    assert quantized_digests("cpu", tmp_path / "as-is", formats=["FP8_DYNAMIC"]) == mine
+    assert golden.quantized_digests("cpu", tmp_path / "as-is", formats=["FP8_DYNAMIC"]) == mine
     monkeypatch.setattr(quantization, "quantize_activations", _per_tensor)
-    current = quantized_digests("cpu", tmp_path / "per-tensor", formats=["FP8_DYNAMIC"])
+    current = golden.quantized_digests("cpu", tmp_path / "per-tensor", formats=["FP8_DYNAMIC"])
     problem = golden.explain("cpu-interpreter", {**recorded, "digests": mine}, current, golden.environment("cpu"))
     assert problem is not None and "moved:   quant/FP8_DYNAMIC/bf16/left_pad" in problem
