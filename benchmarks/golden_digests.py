@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import platform
@@ -36,6 +37,7 @@ from invariant_infer.testing.drift import logits_alone, logits_in_batch
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.model.families import FAMILIES
 from invariant_infer.checkpoints.loading import DTYPES as LOADING_DTYPES
+from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.model.patch import make_invariant
 
 GOLDEN_PATH = Path(__file__).resolve().parent.parent / "tests" / "golden" / "digests.json"
@@ -164,10 +166,14 @@ def engine_digest(model, family: str) -> str:
     return hashlib.sha256(json.dumps(records[0], sort_keys=True).encode()).hexdigest()
 
 
-def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True, progress=None) -> dict[str, str]:
-    """Every digest for this device: {family/dtype/case: sha256 hex}."""
+def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True, progress=None,
+            quantized: bool = True) -> dict[str, str]:
+    """Every digest for this device: {family/dtype/case: sha256 hex}, and with ``quantized`` those
+    of the quantized formats (``quantized_digests``, when compressed-tensors is installed)."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if quantized and families is None and importlib.util.find_spec("compressed_tensors") is not None:
+            out.update(quantized_digests(device, Path(tmp), progress=progress))
         for family in families or CONFIGS:
             for dtype_name in dtypes or DTYPES:
                 dtype = DTYPES[dtype_name]
@@ -179,6 +185,41 @@ def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True
                     out[f"{family}/{dtype_name}/engine"] = engine_digest(model, family)
                 if progress:
                     progress(f"{family}/{dtype_name}")
+    return out
+
+
+# ---- quantized formats --------------------------------------------------------------------------------
+# One fixed qwen2 model per format: its weights from the formula, quantized by compressed-tensors' own
+# compressors (min/max qparams, no calibration data) or written in transformers' fp8 format, loaded with
+# from_pretrained and digested like the dense models. Every K is a multiple of 128 (group and block
+# formats); activations are bf16 (weight-only formats need 16-bit activations). Keys: quant/<format>/bf16/<case>.
+
+QUANT_FAMILY = "qwen2"
+QUANT_FORMATS = ("FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "fp8")
+QUANT_WIDTHS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2)
+
+
+def write_quantized_checkpoint(fmt: str, path: Path) -> Path:
+    from invariant_infer.testing.quantized_checkpoints import save_fp8_model, save_quantized_model
+
+    config = FAMILIES[QUANT_FAMILY].config_class(**{**CONFIGS[QUANT_FAMILY], **QUANT_WIDTHS})
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(parameter_values(name, tuple(param.shape)))
+    model = model.to(torch.bfloat16).eval()
+    return save_fp8_model(model, path) if fmt == "fp8" else save_quantized_model(model, path, fmt)
+
+
+def quantized_digests(device: str, tmp: Path, formats=QUANT_FORMATS, progress=None) -> dict[str, str]:
+    out = {}
+    for fmt in formats:
+        path = write_quantized_checkpoint(fmt, tmp / f"quant-{fmt}")
+        with quantized_loading():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+        out.update(model_digests(make_invariant(model), QUANT_FAMILY, f"quant/{fmt}/bf16"))
+        if progress:
+            progress(f"quant/{fmt}")
     return out
 
 
@@ -196,6 +237,9 @@ def backend_key(device: str = "cpu") -> str:
 def environment(device: str = "cpu") -> dict[str, str]:
     env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
            "transformers": transformers.__version__, "numpy": np.__version__, "machine": platform.machine()}
+    if importlib.util.find_spec("compressed_tensors") is not None:  # it computes the quantized models' qparams
+        import compressed_tensors
+        env["compressed_tensors"] = compressed_tensors.__version__
     if device != "cpu":
         env.update(gpu=torch.cuda.get_device_name(0), cuda=str(torch.version.cuda))
     return env

@@ -10,7 +10,9 @@ Weight formats (``QuantizedWeight.format``):
   * ``"int8"``: int8 [N, K], scales per output channel [N, 1];
   * ``"packed"``: 4- or 8-bit integers packed along K into int32 [N, K * bits / 32] (element k of
     a row at bits (k % (32/bits)) * bits of word k // (32/bits), stored + 2**(bits-1)), scales
-    per group of ``group_size`` along K [N, K / group_size]; symmetric (no zero points).
+    per group of ``group_size`` along K [N, K / group_size]; asymmetric weights add zero points
+    per group, packed the same way along N (compressed-tensors' layout) [N * bits / 32, K / group_size],
+    and dequantize as ``(q - zero_point) * scale``.
 
 Activations:
   * bf16/fp16 (weight-only, W4A16/W8A16): the weight tile is dequantized to the activation dtype,
@@ -51,10 +53,13 @@ class QuantizedWeight:
     bits: int = 8                   # packed only: 4 or 8
     group_size: int | None = None   # packed: the scale group along K; None for per channel
     block: bool = False             # fp8 only: 128x128 block scales
+    zero_point: torch.Tensor | None = None  # packed only: int32, packed along N like the values
 
     def __post_init__(self):
         if self.format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {self.format!r}")
+        if self.zero_point is not None and self.format != "packed":
+            raise ValueError(f"zero points are for packed weights, not {self.format}")
 
     @property
     def scale_group_k(self) -> int:
@@ -101,12 +106,20 @@ def _weight_tile(w_ptr, offs_n, ks, N, K, stride_wn, FORMAT: tl.constexpr, BITS:
 
 
 @triton.jit
-def _dequantized_tile(w_ptr, ws_ptr, offs_n, ks, N, K, stride_wn, stride_sn, SCALE_GROUP_K: tl.constexpr,
-                      SCALE_GROUP_N: tl.constexpr, FORMAT: tl.constexpr, BITS: tl.constexpr):
-    """The tile dequantized in the scale's dtype: (q * scale) rounded once, as compressed-tensors'
-    ``q.to(scale.dtype) * scale`` gives (q is exact in fp32 and the product too)."""
+def _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K, stride_wn, stride_sn, stride_zn,
+                      SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr, FORMAT: tl.constexpr,
+                      BITS: tl.constexpr, HAS_ZP: tl.constexpr):
+    """The tile dequantized in the scale's dtype: ((q - zero_point) * scale) rounded once, as
+    compressed-tensors' ``(q.to(scale.dtype) - zp.to(scale.dtype)) * scale`` gives (the integer
+    difference is exact in bf16/fp16 and fp32, the product exact in fp32)."""
     q = _weight_tile(w_ptr, offs_n, ks, N, K, stride_wn, FORMAT, BITS)
     smask = (offs_n[None, :] < N) & (ks[:, None] < K)
+    if HAS_ZP:
+        per_word: tl.constexpr = 32 // BITS
+        zwords = tl.load(zp_ptr + (offs_n[None, :] // per_word) * stride_zn + ks[:, None] // SCALE_GROUP_K,
+                         mask=smask, other=0)
+        zp = ((zwords >> ((offs_n[None, :] % per_word) * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
+        q = tl.where(smask, q - zp, 0)
     s = tl.load(ws_ptr + (offs_n[None, :] // SCALE_GROUP_N) * stride_sn + ks[:, None] // SCALE_GROUP_K,
                 mask=smask, other=0.0)
     return (q.to(tl.float32) * s.to(tl.float32)).to(ws_ptr.dtype.element_ty)
@@ -114,9 +127,10 @@ def _dequantized_tile(w_ptr, ws_ptr, offs_n, ks, N, K, stride_wn, stride_sn, SCA
 
 @triton.jit(do_not_specialize=["M"])
 def _quantized_linear_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
-    stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, b_ptr, y_ptr, M, N, K,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn, stride_ym,
     FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
+    HAS_ZP: tl.constexpr,
     ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -146,8 +160,8 @@ def _quantized_linear_kernel(
                     part = part * (xs[:, None] * ws[None, :])
                 acc += part
         else:
-            w = _dequantized_tile(w_ptr, ws_ptr, offs_n, ks, N, K, stride_wn, stride_sn, SCALE_GROUP_K,
-                                  SCALE_GROUP_N, FORMAT, BITS).to(x_ptr.dtype.element_ty)
+            w = _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K, stride_wn, stride_sn, stride_zn,
+                                  SCALE_GROUP_K, SCALE_GROUP_N, FORMAT, BITS, HAS_ZP).to(x_ptr.dtype.element_ty)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if ACT_QUANT:
         if FORMAT == 1:
@@ -163,20 +177,27 @@ def _quantized_linear_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+def _dequantize_kernel(w_ptr, ws_ptr, zp_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_zn, stride_on,
                        FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr,
-                       SCALE_GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SCALE_GROUP_N: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    w = _dequantized_tile(w_ptr, ws_ptr, offs_n, ks, N, K, stride_wn, stride_sn, SCALE_GROUP_K, SCALE_GROUP_N,
-                          FORMAT, BITS)
+    w = _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K, stride_wn, stride_sn, stride_zn,
+                          SCALE_GROUP_K, SCALE_GROUP_N, FORMAT, BITS, HAS_ZP)
     tl.store(out_ptr + offs_n[None, :] * stride_on + ks[:, None], w,
              mask=(offs_n[None, :] < N) & (ks[:, None] < K))
 
 
 def _launch_args(weight: QuantizedWeight):
     return dict(FORMAT=_FORMAT_CODE[weight.format], BITS=weight.bits if weight.format == "packed" else 8,
-                SCALE_GROUP_K=weight.scale_group_k, SCALE_GROUP_N=BLOCK if weight.block else 1)
+                SCALE_GROUP_K=weight.scale_group_k, SCALE_GROUP_N=BLOCK if weight.block else 1,
+                HAS_ZP=weight.zero_point is not None)
+
+
+def _zero_point_args(weight: QuantizedWeight):
+    zp = weight.zero_point
+    return (zp, zp.stride(0)) if zp is not None else (weight.scale, 0)
 
 
 def dequantize_weight(weight: QuantizedWeight) -> torch.Tensor:
@@ -186,7 +207,8 @@ def dequantize_weight(weight: QuantizedWeight) -> torch.Tensor:
     out = torch.empty((n, k), device=weight.data.device, dtype=weight.scale.dtype)
     cfg = quantized_linear_config(weight.data.device.type, weight)
     launch(_dequantize_kernel, (triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)), weight.data.device,
-           weight.data, weight.scale, out, n, k, weight.data.stride(0), weight.scale.stride(0), out.stride(0),
+           weight.data, weight.scale, _zero_point_args(weight)[0], out, n, k, weight.data.stride(0),
+           weight.scale.stride(0), _zero_point_args(weight)[1], out.stride(0),
            **_launch_args(weight), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     return out
 
@@ -225,8 +247,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     cfg = config or quantized_linear_config(x.device.type, weight)
     if m:
         launch(_quantized_linear_kernel, (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)), x.device,
-               x2, xs2, weight.data, weight.scale, bias if bias is not None else x2, y, m, n, k,
-               x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0), y.stride(0),
+               x2, xs2, weight.data, weight.scale, _zero_point_args(weight)[0], bias if bias is not None else x2, y,
+               m, n, k, x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0),
+               _zero_point_args(weight)[1], y.stride(0),
                **_launch_args(weight), ACT_QUANT=act_quant, HAS_BIAS=bias is not None,
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=DOT_PRECISION,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from ..model.patch import make_invariant
+from .quantized import quantized_loading
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
@@ -37,7 +38,8 @@ def load_model(path: str, *, dtype: str | None = None, device: str | None = None
     """``AutoModelForCausalLM.from_pretrained(path)`` in ``dtype`` on ``device``, in eval mode, and
     wrapped by ``make_invariant`` unless ``invariant`` is False (the stock baselines)."""
     where = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, where)).to(where).eval()
+    with quantized_loading():  # quantized checkpoints load as stored, kept compressed
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, where)).to(where).eval()
     return make_invariant(model) if invariant else model
 
 

@@ -17,6 +17,7 @@ from ..testing.drift import batch_drift
 from ..model.families import FAMILIES
 from ..checkpoints.loading import DEVICES, DTYPES, load_model, resolve_device
 from ..model.patch import make_invariant, restore
+from ..model.quantization import describe_quantization, is_quantized, weight_bytes
 from ..testing.random_checkpoints import random_config, random_model
 
 SAMPLE_LENGTHS = (1, 33, 7, 20)
@@ -53,18 +54,27 @@ def _load(args, device):
 def run(args) -> int:
     device = resolve_device(args.device)
     model, name = _load(args, device)
+    # A quantized model's stock forward changes it (compressed-tensors decompresses every layer), or
+    # needs a GPU kernel: the stock run gets a copy of its own.
+    stock = _load(args, device)[0] if is_quantized(model) else model
     g = torch.Generator().manual_seed(args.seed)
     samples = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in SAMPLE_LENGTHS]
     print(f"model:  {name}\n        {args.dtype} on {device}")
+    print(f"weights: {weight_bytes(model) / 2**20:.2f} MiB as held in memory, {describe_quantization(model)}")
     print(f"batch:  {len(samples)} rows of {', '.join(map(str, SAMPLE_LENGTHS))} tokens, left-padded; "
           "each row also run alone")
     results = {}
     with tqdm(total=2 * (len(samples) + 1), desc="forward passes", unit="pass") as bar:
-        for label in ("stock HF", "invariant"):
+        for label, runs in (("stock HF", stock), ("invariant", model)):
             if label == "invariant":
                 make_invariant(model)
             start = time.perf_counter()
-            results[label] = (batch_drift(model, samples, progress=bar), time.perf_counter() - start)
+            try:
+                results[label] = (batch_drift(runs, samples, progress=bar), time.perf_counter() - start)
+            except Exception as exc:  # e.g. transformers' fp8 kernels without a GPU
+                if runs is model:
+                    raise
+                print(f"\nstock HF cannot run this checkpoint here: {type(exc).__name__}: {str(exc)[:200]}")
     restore(model)
     print(f"\n{'':12}{'max |Δ logit|':>15}{'rows bitwise equal':>22}{'time':>9}")
     for label, (drift, seconds) in results.items():

@@ -229,7 +229,7 @@ def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
                   for p, _ in module.named_parameters(recurse=False)}
     for index, layer in enumerate(base.layers):
         for name, proj in adapter.projections(layer).items():
-            if type(proj) is not nn.Linear:
+            if type(proj) is not nn.Linear and proj not in quantized:
                 raise _not_plain_linear(f"layers.{index}.{name}", proj)
         if adapter.is_sparse(layer):
             experts_interface.check_sparse_block(adapter, layer.mlp, f"layers.{index}.mlp")
@@ -241,7 +241,7 @@ def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
             if type(getattr(layer.self_attn, name, None)) is not adapter.rms_norm:
                 raise UnsupportedModelError(f"layers.{index}.self_attn.{name} is not a {adapter.rms_norm.__name__}")
     for name, module in model.named_modules():  # lm_head, score heads, anything Linear-like
-        if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+        if isinstance(module, nn.Linear) and type(module) is not nn.Linear and module not in quantized:
             raise _not_plain_linear(name or "model", module)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and type(head) is not nn.Linear:

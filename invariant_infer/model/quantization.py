@@ -1,4 +1,4 @@
-"""Quantized checkpoints (compressed-tensors) kept compressed and run on the invariant quantized GEMM.
+"""Quantized checkpoints (compressed-tensors, transformers' fp8) kept compressed and run on the invariant quantized GEMM.
 
 ``AutoModelForCausalLM.from_pretrained`` of a compressed-tensors checkpoint leaves each quantized
 layer an ``nn.Linear`` holding its compressed tensors (``weight`` in fp8/int8, or ``weight_packed``
@@ -27,8 +27,9 @@ SUPPORTED_SCHEMES = ("FP8_DYNAMIC (fp8 weights per channel, fp8 per-token activa
                      "FP8_BLOCK (fp8 128x128 weight blocks, fp8 activations per 128-group)",
                      "W8A8 (int8 weights per channel, int8 per-token activations)",
                      "FP8 (fp8 weights, a static activation scale)",
-                     "W4A16 / W8A16 pack-quantized (symmetric, scales per group along K)")
-_SUPPORTED = "supported compressed-tensors schemes: " + "; ".join(SUPPORTED_SCHEMES)
+                     "W4A16 / W8A16 pack-quantized (scales per group along K, zero points if asymmetric)",
+                     "transformers' fp8 (weight_block_size [128, 128] or per tensor, dynamic activations)")
+_SUPPORTED = "supported quantized checkpoints: " + "; ".join(SUPPORTED_SCHEMES)
 _FP8_MAX = 448.0
 
 
@@ -54,6 +55,17 @@ def _checkpoint_config(model: nn.Module) -> dict:
     if config is None:
         return {}
     return config if isinstance(config, dict) else config.to_dict()
+
+
+def describe_quantization(model: nn.Module) -> str:
+    """The checkpoint's quantization in a few words ("unquantized" for a dense model)."""
+    config = _checkpoint_config(model)
+    method = config.get("quant_method")
+    if method == "fp8":
+        return f"fp8 (transformers' format, weight blocks {config.get('weight_block_size') or 'per tensor'})"
+    if method == "compressed-tensors":
+        return f"compressed-tensors {config.get('format')}"
+    return str(method or "unquantized")
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -82,15 +94,16 @@ def _weight_of(name: str, module: nn.Linear, args) -> QuantizedWeight:
         raise _refuse(f"{name}: fp4 weights (NVFP4/MXFP4)")
     if getattr(args, "actorder", None) is not None or hasattr(module, "weight_g_idx"):
         raise _refuse(f"{name}: GPTQ activation ordering (actorder with g_idx)")
-    if not args.symmetric or hasattr(module, "weight_zero_point") and module.weight_zero_point.abs().max() != 0:
-        raise _refuse(f"{name}: asymmetric weights (zero points)")
     scale = module.weight_scale.data
     shape = (module.out_features, module.in_features)
     if hasattr(module, "weight_packed"):
         if kind != "int" or bits not in (4, 8) or strategy not in ("group", "channel"):
             raise _refuse(f"{name}: pack-quantized {kind}{bits} {strategy} weights")
         group = args.group_size if strategy == "group" else None
-        return QuantizedWeight("packed", module.weight_packed.data, scale, shape, bits=bits, group_size=group)
+        return QuantizedWeight("packed", module.weight_packed.data, scale, shape, bits=bits, group_size=group,
+                               zero_point=_packed_zero_point(name, module, args, scale))
+    if not args.symmetric or hasattr(module, "weight_zero_point") and module.weight_zero_point.abs().max() != 0:
+        raise _refuse(f"{name}: asymmetric {kind}{bits} weights (zero points; supported for pack-quantized int4/int8)")
     weight = getattr(module, "weight", None)
     stored = None if weight is None else weight.dtype
     if kind == "float" and bits == 8 and stored == torch.float8_e4m3fn:
@@ -101,6 +114,20 @@ def _weight_of(name: str, module: nn.Linear, args) -> QuantizedWeight:
     if kind == "int" and bits == 8 and stored == torch.int8 and strategy in ("channel", "tensor"):
         return QuantizedWeight("int8", weight.data, _per_channel(scale, shape[0]), shape)
     raise _refuse(f"{name}: {kind}{bits} {strategy} weights stored as {stored}")
+
+
+def _packed_zero_point(name: str, module: nn.Linear, args, scale: torch.Tensor) -> torch.Tensor | None:
+    # Kept as stored: int32 words packing 32 / bits zero points along N, one column per scale group.
+    zero_point = getattr(module, "weight_zero_point", None)
+    if args.symmetric:
+        if zero_point is not None and zero_point.abs().max() != 0:
+            raise _refuse(f"{name}: zero points on symmetric weights")
+        return None
+    expected = (-(-module.out_features * args.num_bits // 32), scale.shape[1])
+    if zero_point is None or zero_point.dtype != torch.int32 or tuple(zero_point.shape) != expected:
+        found = None if zero_point is None else (zero_point.dtype, tuple(zero_point.shape))
+        raise _refuse(f"{name}: asymmetric weights need packed int32 zero points of shape {expected}, found {found}")
+    return zero_point.data
 
 
 def _per_channel(scale: torch.Tensor, n: int) -> torch.Tensor:
@@ -154,6 +181,8 @@ def quantized_layers(model: nn.Module, strict: bool = False) -> dict[nn.Module, 
     config = _checkpoint_config(model)
     if not config and getattr(model, "hf_quantizer", None) is None:
         return {}
+    if config.get("quant_method") == "fp8":
+        return _fp8_layers(model, config)
     _check_checkpoint(config)
     plans = {}
     for name, module in model.named_modules():
@@ -172,6 +201,45 @@ def quantized_layers(model: nn.Module, strict: bool = False) -> dict[nn.Module, 
         weight = _weight_of(name, module, scheme.weights)
         plans[module] = QuantizedLinearPlan(weight, **_activations_of(name, module, weight,
                                                                       scheme.input_activations, strict))
+        if plans[module].activation_dtype is None and getattr(model, "dtype", None) == torch.float32:
+            raise UnsupportedModelError(f"{name}: weight-only quantized layers run in bf16 or fp16 activations, "
+                                        "not float32: load with dtype=torch.bfloat16 (--dtype bf16)")
+    return plans
+
+
+def _fp8_layers(model: nn.Module, config: dict) -> dict[nn.Module, QuantizedLinearPlan]:
+    """transformers' own ``fp8`` format: ``FP8Linear`` layers with fp8 weights and inverse scales
+    (``weight_scale_inv``) per 128x128 block, or one per tensor; activations dynamic, per token
+    and 128-wide group for blocks (as transformers' fp8 kernels quantize them), else per token."""
+    if config.get("dequantize"):
+        raise UnsupportedModelError("the fp8 checkpoint was loaded with dequantize=True, which drops activation "
+                                    "quantization: load it without a quantization_config override")
+    if config.get("scale_fmt", "float") != "float":
+        raise _refuse(f"fp8 with {config['scale_fmt']} (MXFP8) scales")
+    if config.get("modules_to_convert"):
+        raise _refuse("fp8 embeddings (modules_to_convert)")
+    plans = {}
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if not type(module).__module__.startswith("transformers.integrations.finegrained_fp8"):
+            continue
+        if kind != "FP8Linear":
+            raise _refuse(f"{name}: a quantized {kind} (quantized mixture-of-experts experts, embeddings)")
+        if module.weight.dtype != torch.float8_e4m3fn:
+            raise _refuse(f"{name}: {module.weight.dtype} weights in the fp8 format (NVFP4/MXFP4)")
+        if module.activation_scheme != "dynamic":
+            raise _refuse(f"{name}: {module.activation_scheme} activation scales in transformers' fp8 format")
+        shape, block = (module.out_features, module.in_features), module.block_size
+        if block is None:
+            weight = QuantizedWeight("fp8", module.weight.data, _per_channel(module.weight_scale_inv.data, shape[0]),
+                                     shape)
+            plans[module] = QuantizedLinearPlan(weight, torch.float8_e4m3fn)
+        elif list(block) == [128, 128] and shape[1] % 128 == 0:
+            weight = QuantizedWeight("fp8", module.weight.data, module.weight_scale_inv.data, shape, block=True)
+            plans[module] = QuantizedLinearPlan(weight, torch.float8_e4m3fn, activation_group=128)
+        else:
+            raise _refuse(f"{name}: fp8 blocks {list(block)} with {shape[1]} input features (blocks [128, 128] "
+                          "need a multiple of 128)")
     return plans
 
 

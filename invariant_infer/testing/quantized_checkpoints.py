@@ -13,6 +13,9 @@ from transformers import PretrainedConfig
 
 from .random_checkpoints import random_model
 
+# Schemes with no preset of their own: (preset, the fields of its weight args that change).
+DERIVED_SCHEMES = {"W8A16_ASYM": ("W4A16_ASYM", {"num_bits": 8})}
+
 
 def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     """Observed weight range at the granularity of ``args.strategy`` (a plain min/max observer)."""
@@ -40,7 +43,10 @@ def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overri
                                                  preset_name_to_scheme)
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    scheme = preset_name_to_scheme(scheme_name, ["Linear"])
+    preset, weight_overrides = DERIVED_SCHEMES.get(scheme_name, (scheme_name, {}))
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if weight_overrides:
+        scheme.weights = scheme.weights.model_copy(update=weight_overrides)
     if activation_overrides:
         scheme.input_activations = scheme.input_activations.model_copy(update=activation_overrides)
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
@@ -64,12 +70,54 @@ def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overri
 def save_quantized_checkpoint(path: str | Path, config: PretrainedConfig, scheme_name: str, seed: int = 0,
                               dtype: torch.dtype = torch.bfloat16, **activation_overrides) -> Path:
     """A random model of ``config`` in ``dtype``, quantized with ``scheme_name`` and saved compressed."""
+    return save_quantized_model(random_model(config, seed, dtype), path, scheme_name, **activation_overrides)
+
+
+def save_quantized_model(model: torch.nn.Module, path: str | Path, scheme_name: str, **activation_overrides) -> Path:
+    """``model`` (dense, in its dtype) quantized with ``scheme_name`` and saved compressed."""
     from compressed_tensors.compressors import ModelCompressor
 
     path = Path(path)
-    model = quantize_model(random_model(config, seed, dtype), scheme_name, **activation_overrides)
+    model = quantize_model(model, scheme_name, **activation_overrides)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(path)
     compressor.update_config(path)
+    return path
+
+
+def save_fp8_checkpoint(path: str | Path, config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                        scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A random model of ``config`` in transformers' own ``fp8`` format, as the official Qwen3 FP8
+    checkpoints store it: every Linear but lm_head as float8_e4m3fn ``weight`` with one inverse
+    scale per 128x128 block in ``weight_scale_inv`` (``scale_dtype``), activations dynamic. Block
+    scales are max |w| / 448 per block, as transformers' own ``Fp8Quantize`` computes them."""
+    return save_fp8_model(random_model(config, seed, dtype), path, scale_dtype)
+
+
+def save_fp8_model(model: torch.nn.Module, path: str | Path, scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """``model`` (dense) saved in transformers' ``fp8`` format, as ``save_fp8_checkpoint`` describes."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if not name.endswith(".weight") or not isinstance(model.get_submodule(module), torch.nn.Linear) \
+                or module == "lm_head":
+            state[name] = tensor.contiguous()
+            continue
+        n, k = tensor.shape
+        if n % 128 or k % 128:
+            raise ValueError(f"{module}: fp8 block checkpoints need sizes that are multiples of 128, got {n}x{k}")
+        blocks = tensor.float().unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+        amax = blocks.abs().amax(dim=(1, 3))
+        inverse = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).to(scale_dtype)
+        full = inverse.float()[:, None, :, None]
+        state[name] = (blocks / full).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(2).flatten(0, 1)
+        state[f"{module}.weight_scale_inv"] = inverse
+    model.config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                        "weight_block_size": [128, 128]}
+    model.config.save_pretrained(path)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     return path

@@ -33,16 +33,23 @@ def _weight(fmt, scale_dtype, seed=0):
         full = scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:N]
         q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
         return QuantizedWeight("fp8", q, scale, (N, K), block=True), q.double() * full.double()
-    bits, group = (4, 64) if fmt == "int4" else (8, 128)
-    qmax = (2 ** bits - 1) / 2
+    bits, group = (4, 64) if fmt.startswith("int4") else (8, 128)
+    qmin, qmax = -2 ** (bits - 1), 2 ** (bits - 1) - 1
     wg = w.unflatten(1, (-1, group))
-    scale = (wg.abs().amax(-1) / qmax).to(scale_dtype)
-    q = (wg / scale.float()[..., None]).round().clamp(-2 ** (bits - 1), 2 ** (bits - 1) - 1).flatten(1).to(torch.int8)
-    dense = (q.double().unflatten(1, (-1, group)) * scale.double()[..., None]).flatten(1)
-    return QuantizedWeight("packed", pack_to_int32(q, bits), scale, (N, K), bits=bits, group_size=group), dense
+    if fmt == "int4_asym":  # zero points per group: the range [min, max] maps onto [qmin, qmax]
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / (qmax - qmin)).to(scale_dtype)
+        zero = (qmin - lo / scale.float()).round().clamp(qmin, qmax).to(torch.int8)
+    else:
+        scale, zero = (wg.abs().amax(-1) / ((2 ** bits - 1) / 2)).to(scale_dtype), torch.zeros(N, K // group)
+    q = (wg / scale.float()[..., None] + zero[..., None]).round().clamp(qmin, qmax).flatten(1).to(torch.int8)
+    dense = ((q.double().unflatten(1, (-1, group)) - zero.double()[..., None]) * scale.double()[..., None]).flatten(1)
+    packed_zero = pack_to_int32(zero, bits, packed_dim=0) if fmt == "int4_asym" else None
+    return QuantizedWeight("packed", pack_to_int32(q, bits), scale, (N, K), bits=bits, group_size=group,
+                           zero_point=packed_zero), dense
 
 
-WEIGHT_ONLY = ["int4", "packed8", "int8", "fp8"]
+WEIGHT_ONLY = ["int4", "int4_asym", "packed8", "int8", "fp8"]
 W8A8 = [("fp8", torch.float8_e4m3fn, None), ("int8", torch.int8, None), ("fp8_block", torch.float8_e4m3fn, 128)]
 
 
@@ -88,7 +95,7 @@ def _assert_rows_invariant(run, act):
 
 
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fmt", ["int4", "packed8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4", "int4_asym", "packed8", "fp8"])
 def test_weight_only_row_alone_equals_row_in_any_batch(act, fmt):
     weight, _ = _weight(fmt, act)
     b = torch.randn(N).to(act)

@@ -2,6 +2,7 @@
 
 Checkpoints are written with compressed-tensors' own compressors (``testing.quantized_checkpoints``)."""
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import batch_mismatches, make_samples
 from invariant_infer import make_invariant
+from invariant_infer.checkpoints.quantized import packed_zero_points
 from invariant_infer.errors import UnsupportedModelError
 from invariant_infer.kernels import dequantize_weight
 from invariant_infer.model.patch import restore
@@ -19,7 +21,8 @@ from invariant_infer.testing.random_checkpoints import qwen2_config
 
 pytest.importorskip("compressed_tensors")
 
-SCHEMES = ["FP8_DYNAMIC", "W8A8", "W4A16", "W8A16", "FP8_BLOCK", "FP8"]  # FP8: a static activation scale
+# FP8: a static activation scale; *_ASYM: asymmetric packed weights (zero points per group)
+SCHEMES = ["FP8_DYNAMIC", "W8A8", "W4A16", "W8A16", "W4A16_ASYM", "W8A16_ASYM", "FP8_BLOCK", "FP8"]
 DTYPES = [torch.bfloat16, torch.float16]
 # Every K a multiple of 128 (group and block formats); one layer keeps the interpreter quick.
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
@@ -27,7 +30,7 @@ CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num
 # Max |logit - float64 reference| / max |reference|. The reference uses the dequantized weights,
 # so weight-only schemes differ only by bf16/fp16 rounding; W8A8 schemes also quantize activations
 # to 8 bits (fp8 e4m3: 3 mantissa bits), which the float64 reference does not.
-LOGIT_TOLERANCE = {"W4A16": 0.03, "W8A16": 0.03, "FP8_DYNAMIC": 0.15, "FP8_BLOCK": 0.15, "FP8": 0.15, "W8A8": 0.08}
+LOGIT_TOLERANCE = {"W4A16": 0.03, "W8A16": 0.03, "W4A16_ASYM": 0.03, "W8A16_ASYM": 0.03, "FP8_DYNAMIC": 0.15, "FP8_BLOCK": 0.15, "FP8": 0.15, "W8A8": 0.08}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _load(path, dtype=torch.bfloat16):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    with packed_zero_points():  # asymmetric packed checkpoints: the zero points load as stored
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,6 +92,9 @@ def test_dequantization_equals_compressed_tensors_and_logits_match_float64(check
     modules = dict(reference.named_modules())
     for name, plan in plans.items():
         assert torch.equal(dequantize_weight(plan.weight), modules[name].weight.data), name
+        if plan.weight.zero_point is not None:  # the zero points matter: without them the values differ
+            symmetric = dataclasses.replace(plan.weight, zero_point=None)
+            assert not torch.equal(dequantize_weight(symmetric), modules[name].weight.data), name
     # float64 model with the dequantized weights (and everything else as stored)
     ref64 = AutoModelForCausalLM.from_config(copy.deepcopy(reference.config)).double().eval()
     ref64.config.quantization_config = None
@@ -114,6 +121,18 @@ def test_negative_control_per_tensor_dynamic_scale(checkpoints):
         model = make_invariant(_load(checkpoints["per-tensor"]))
     with torch.no_grad():
         assert batch_mismatches(model, samples) == []
+
+
+def test_asymmetric_zero_points_load_packed_as_stored(checkpoints):
+    """transformers 5.24 builds them unpacked and stops on a size mismatch; in packed_zero_points()
+    (5.17 also without) they load as the file stores them."""
+    from safetensors.torch import load_file
+    path = checkpoints["W4A16_ASYM", torch.bfloat16]
+    stored = {k: v for k, v in load_file(path / "model.safetensors").items() if k.endswith("weight_zero_point")}
+    loaded = _load(path).state_dict()
+    assert len(stored) == 7
+    for name, zero_point in stored.items():
+        assert zero_point.dtype == torch.int32 and torch.equal(loaded[name], zero_point), name
 
 
 def test_restore_gives_back_the_stock_model(checkpoints):
