@@ -54,7 +54,10 @@ def _read_source(source):
     if isinstance(source, (str, Path)):
         if not (Path(source) / "adapter_config.json").is_file():
             raise LoraAdapterError(f"{source} is not a PEFT adapter folder (no adapter_config.json)")
-        return peft.PeftConfig.from_pretrained(str(source)), peft.utils.load_peft_weights(str(source), device="cpu")
+        try:
+            return peft.PeftConfig.from_pretrained(str(source)), peft.utils.load_peft_weights(str(source), device="cpu")
+        except Exception as exc:  # noqa: BLE001  (a corrupt config or weights file)
+            raise LoraAdapterError(f"cannot read the adapter at {source}: {type(exc).__name__}: {exc}") from None
     if isinstance(source, tuple) and len(source) == 2:
         return source
     raise LoraAdapterError("an adapter is a PEFT adapter folder, a PeftModel, or a (LoraConfig, state_dict) pair")
@@ -104,7 +107,7 @@ class LoraSlots:
         config, state = _read_source(source)
         _check_config(config)
         adapter = self._parse(name, config, state)
-        self.adapters[name] = adapter
+        self.adapters = {**self.adapters, name: adapter}  # a new dict: readers on other threads see one or the other
         return adapter
 
     def _parse(self, name: str, config, state: dict) -> LoraAdapter:
@@ -156,7 +159,7 @@ class LoraSlots:
                                    "them first")
         if adapter.slot is not None:
             self.owners[adapter.slot] = None
-        del self.adapters[name]
+        self.adapters = {key: value for key, value in self.adapters.items() if key != name}
 
     # ---- slots and rows ------------------------------------------------------------------------------
 
