@@ -61,6 +61,11 @@ def is_peft_lora_layer(module) -> bool:
     return peft is not None and isinstance(module, peft.tuners.lora.LoraLayer)
 
 
+def has_unpatched_lora(model: nn.Module) -> bool:
+    """Whether PEFT LoRA layers were added to a model after ``make_invariant`` patched it."""
+    return any(is_peft_lora_layer(module) and LORA_ATTR not in module.__dict__ for module in model.modules())
+
+
 def base_linear(module):
     """The layer that holds a projection's base weight: a LoRA layer's base layer, a
     ``modules_to_save`` wrapper's original module, else the module itself."""
@@ -141,7 +146,7 @@ def add_lora_delta(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
 
 def _refuse_train_dropout(layer, adapter: str) -> None:
     dropout = layer.lora_dropout[adapter]
-    if layer.training and isinstance(dropout, nn.Dropout) and dropout.p > 0 and torch.is_grad_enabled():
+    if layer.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
         raise NonInvariantInputError(
             f"adapter {adapter!r} has lora_dropout={dropout.p} and the model is in train mode: the dropout mask is "
             "drawn for the whole batch, so a sample's numbers would depend on its batch. Use lora_dropout=0.0 "

@@ -45,7 +45,8 @@ from ..kernels import (linear, linear_autograd, rms_norm, rms_norm_autograd, sil
                        silu_mul_linear_autograd)
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
-from .lora import LORA_ATTR, base_linear, check_peft, lora_layers, peft_lora_forward, unwrap_peft
+from .lora import (LORA_ATTR, base_linear, check_peft, has_unpatched_lora, lora_layers, peft_lora_forward,
+                   unwrap_peft)
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, quantized_forward, quantized_layers
@@ -294,7 +295,9 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     Returns the same model. Idempotent. Undo with ``restore(model)``."""
     wrapper, model = model, unwrap_peft(model)  # a PeftModel: patch the model inside, LoRA layers unmerged
     if getattr(model, _STATE_ATTR, None) is not None:
-        return wrapper
+        if not has_unpatched_lora(model):
+            return wrapper
+        restore(model)  # LoRA layers came after the patch (get_peft_model on a patched model): patch them too
     check_peft(wrapper)
     layout = tp_layout(model)
     adapter, base, quantized, adapters = _check_model(model, sharded=layout is not None, strict=strict)
