@@ -31,6 +31,13 @@ ADAPTERS = {
 PARAMS = SamplingParams(max_tokens=3, prompt_logprobs=0, ignore_eos=True)
 
 
+def mixed_params(i: int) -> SamplingParams:
+    """Greedy and seeded sampling alternate; all report prompt logprobs."""
+    if i % 2 == 0:
+        return PARAMS
+    return SamplingParams(max_tokens=3, temperature=0.8, seed=10 + i, prompt_logprobs=0, ignore_eos=True)
+
+
 def base_model(dtype=DTYPE):
     return random_model(qwen2_config("tiny", num_hidden_layers=1), seed=0, dtype=dtype)
 
@@ -71,20 +78,20 @@ MIXED = ["a", "b", None, "c", "a"]  # two rows share adapter a
 def alone(adapter_dirs):
     """Each mixed request run alone, on an engine holding only its own adapter."""
     results = []
-    for prompt, name in zip(prompts(len(MIXED)), MIXED):
+    for i, (prompt, name) in enumerate(zip(prompts(len(MIXED)), MIXED)):
         engine = lora_engine(adapter_dirs, order=[name] if name else [], max_loras=1, max_lora_rank=16)
-        results.append(outcome(engine.generate([prompt], PARAMS, lora=name)[0]))
+        results.append(outcome(engine.generate([prompt], mixed_params(i), lora=name)[0]))
     return results
 
 
 def test_mixed_adapters_and_base_rows_equal_each_request_alone(adapter_dirs, alone):
     engine = lora_engine(adapter_dirs)
-    outs = engine.generate(prompts(len(MIXED)), PARAMS, lora=MIXED)
+    outs = engine.generate(prompts(len(MIXED)), [mixed_params(i) for i in range(len(MIXED))], lora=MIXED)
     assert [outcome(o) for o in outs] == alone
     # The adapters change the outputs; base rows are the base model's (an engine with no adapters).
-    base = Engine(base_model()).generate([prompts(len(MIXED))[2]], PARAMS)[0]
+    base = Engine(base_model()).generate([prompts(len(MIXED))[2]], mixed_params(2))[0]
     assert outcome(base) == alone[2]
-    plain = Engine(base_model()).generate(prompts(len(MIXED)), PARAMS)
+    plain = Engine(base_model()).generate(prompts(len(MIXED)), [mixed_params(i) for i in range(len(MIXED))])
     assert all(outcome(p)[2] != a[2] for p, a, name in zip(plain, alone, MIXED) if name)
 
 
@@ -92,7 +99,8 @@ def test_mixed_adapters_and_base_rows_equal_each_request_alone(adapter_dirs, alo
                          ids=["one-slot-evicting", "two-slots-rank-32"])
 def test_slots_load_order_and_rank_padding_change_no_bit(adapter_dirs, alone, order, max_loras, max_lora_rank):
     engine = lora_engine(adapter_dirs, order=order, max_loras=max_loras, max_lora_rank=max_lora_rank)
-    ids = [engine.add_request(p, PARAMS, lora=name) for p, name in zip(prompts(len(MIXED)), MIXED)]
+    ids = [engine.add_request(p, mixed_params(i), lora=name) for i, (p, name) in enumerate(zip(prompts(len(MIXED)),
+                                                                                              MIXED))]
     done, resident = {}, set()
     while len(done) < len(ids):
         for out in engine.step():
@@ -130,7 +138,8 @@ def test_negative_control_rows_dependent_shrink_split_is_caught(adapter_dirs, al
         base = linear_config(device_type, dtype, rank, k)
         return LinearConfig(base.block_m, base.block_n, 16, k_chunks=4 if rows < 8 else 1)
     monkeypatch.setattr(lora_module, "shrink_config", rows_dependent)
-    outs = lora_engine(adapter_dirs).generate(prompts(len(MIXED)), PARAMS, lora=MIXED)
+    outs = lora_engine(adapter_dirs).generate(prompts(len(MIXED)), [mixed_params(i) for i in range(len(MIXED))],
+                                              lora=MIXED)
     assert [outcome(o) for o in outs] != alone
 
 
