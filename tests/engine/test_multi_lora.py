@@ -28,14 +28,14 @@ ADAPTERS = {
     "c": LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "up_proj"],
                     init_lora_weights=False),
 }
-PARAMS = SamplingParams(max_tokens=3, prompt_logprobs=0, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=6, prompt_logprobs=0, ignore_eos=True)
 
 
 def mixed_params(i: int) -> SamplingParams:
     """Greedy and seeded sampling alternate; all report prompt logprobs."""
     if i % 2 == 0:
         return PARAMS
-    return SamplingParams(max_tokens=3, temperature=0.8, seed=10 + i, prompt_logprobs=0, ignore_eos=True)
+    return SamplingParams(max_tokens=6, temperature=0.8, seed=10 + i, prompt_logprobs=0, ignore_eos=True)
 
 
 def base_model(dtype=DTYPE):
@@ -63,8 +63,10 @@ def lora_engine(adapter_dirs, order=("a", "b", "c"), dtype=DTYPE, **options):
 
 
 def prompts(count, length=5, seed=0):
+    """Prompts that repeat a few random tokens (so ngram speculation finds proposals)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 256, (length + i % 3,), generator=g).tolist() for i in range(count)]
+    motifs = [torch.randint(1, 256, (2 + i % 2,), generator=g).tolist() for i in range(count)]
+    return [(motif * length)[:length + i % 3] for i, motif in enumerate(motifs)]
 
 
 def outcome(out):
@@ -111,6 +113,15 @@ def test_slots_load_order_and_rank_padding_change_no_bit(adapter_dirs, alone, or
     assert [done[i] for i in ids] == alone
     if max_loras == 1:  # each adapter took the one slot in turn, a twice (evicted, then reloaded)
         assert {("a",), ("b",), ("c",)} <= resident
+
+
+def test_speculative_decoding_with_adapters_changes_no_bit(adapter_dirs, alone):
+    """ngram proposals verified under each row's own adapter: still each request alone, unspeculated."""
+    engine = lora_engine(adapter_dirs, speculative={"method": "ngram", "num_speculative_tokens": 2,
+                                                     "prompt_lookup_max": 2})
+    outs = engine.generate(prompts(len(MIXED)), [mixed_params(i) for i in range(len(MIXED))], lora=MIXED)
+    assert engine.speculative.stats.num_draft_tokens > 0
+    assert [outcome(o) for o in outs] == alone
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
