@@ -11,6 +11,9 @@ wrapped model): lines are read, validated and resumed on the driver exactly as a
 rows are written as workers finish their tasks. A worker that dies is restarted (at most
 ``--max-restarts`` times) and its task retried; a row that kills its worker even alone, or whose
 scoring raises, becomes an error row.
+
+``--lora NAME=PATH ...`` loads PEFT LoRA adapters (unmerged); a row's ``lora`` field names the one
+it is scored with (absent or null: the base model), and its result row repeats it.
 """
 from __future__ import annotations
 
@@ -26,6 +29,19 @@ from ..scoring.job.run import JobError, JobOptions, run_job
 EXIT_LINE_ERRORS, EXIT_FATAL, EXIT_VERIFY_MISMATCH = 1, 2, 3
 
 
+def parse_loras(values) -> dict[str, str]:
+    """``["name=path", ...]`` -> {name: path}; raises JobError."""
+    loras = {}
+    for value in values or []:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise JobError(f"--lora takes NAME=PATH, got {value!r}")
+        if name in loras:
+            raise JobError(f"--lora: the name {name!r} is given twice")
+        loras[name] = path
+    return loras
+
+
 def run(args) -> int:
     options = JobOptions(args.input, args.output, args.tokenizer or args.model, args.max_batch_tokens, args.verify)
     try:
@@ -35,6 +51,9 @@ def run(args) -> int:
             raise JobError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
         if getattr(args, "ray", False) and tensor_parallel_size > 1:
             raise JobError("--tensor-parallel-size and --ray do not combine: each Ray worker holds the whole model")
+        loras = parse_loras(getattr(args, "lora", None))
+        if loras and getattr(args, "ray", False):
+            raise JobError("--lora and --ray do not combine (yet): adapters are scored in one process")
         if getattr(args, "ray", False):
             backend = RayBackend(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                  address=args.ray_address, num_workers=args.num_workers,
@@ -42,7 +61,7 @@ def run(args) -> int:
                                  max_restarts=args.max_restarts)
         else:
             backend = LocalBackend.load(args.model, dtype=args.dtype, device=args.device,
-                                        tensor_parallel_size=tensor_parallel_size)
+                                        tensor_parallel_size=tensor_parallel_size, loras=loras)
     except JobError as exc:
         print(f"score: {exc}", file=sys.stderr)
         return EXIT_FATAL
@@ -71,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="ranks (processes, one GPU each on cuda) the model is sharded over, started and "
                              "stopped by this command; results are bitwise those of 1 (default: 1)")
+    parser.add_argument("--lora", nargs="+", metavar="NAME=PATH",
+                        help="PEFT LoRA adapter folders, run unmerged; a row's \"lora\" field picks one by NAME")
     parser.add_argument("--verify", type=int, default=0, metavar="K",
                         help="re-score K random rows alone and check their digests bitwise")
     ray = parser.add_argument_group("scale out on Ray Data (pip install \"invariant-infer[ray]\")")

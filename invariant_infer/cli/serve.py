@@ -50,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-write-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="a streaming client that reads nothing for this long is dropped and its requests "
                         "aborted, freeing their KV pages (default: 30)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapters to serve, run unmerged; a request's 'model' field names one")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (implied by --lora-modules); /v1/load_lora_adapter adds more")
+    p.add_argument("--max-loras", type=int, default=1, metavar="N",
+                   help="adapters on the device at once (default: 1); a request waits for a slot")
+    p.add_argument("--max-lora-rank", type=int, default=16, metavar="R", help="the largest adapter rank (default: 16)")
     p.add_argument("--disable-prefix-caching", action="store_true")
     p.add_argument("--speculative-config", type=json_object, metavar="JSON",
                    help='speculative decoding, bitwise lossless: {"method": "ngram", "num_speculative_tokens": 4, '
@@ -68,6 +75,13 @@ def run(args) -> int:
         print(f"invariant-infer serve needs the serve extra (pip install 'invariant-infer[serve]'): {exc}",
               file=sys.stderr)
         return 2
+    loras = {}
+    for value in args.lora_modules:
+        name, sep, path = value.partition("=")
+        if not (sep and name and path) or name in loras:
+            print(f"invariant-infer serve: --lora-modules takes distinct NAME=PATH, got {value!r}", file=sys.stderr)
+            return 2
+        loras[name] = path
     return serve(ServerOptions(
         model_name=args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes, stream_write_timeout=args.stream_write_timeout, model=args.model,
@@ -75,7 +89,8 @@ def run(args) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.disable_prefix_caching,
         kernels=args.kernels, speculative_config=args.speculative_config, host=args.host, port=args.port,
-        log_level=args.log_level))
+        log_level=args.log_level, lora_modules=loras, enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank))
 
 
 def add_parser(sub) -> None:

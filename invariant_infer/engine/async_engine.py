@@ -66,19 +66,19 @@ class AsyncEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
-    def _add(self, prompt, params, request_id, loop, queue) -> str:
+    def _add(self, prompt, params, request_id, loop, queue, lora=None) -> str:
         with self._lock:
-            request_id = self.engine.add_request(prompt, params, request_id)
+            request_id = self.engine.add_request(prompt, params, request_id, lora=lora)
             self._streams[request_id] = (loop, queue)
         return request_id
 
-    async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Add a request (``RequestError`` for a bad one) and yield its outputs until it finishes.
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request (on adapter ``lora``; ``RequestError`` for a bad one) and yield its outputs until it finishes.
         Leaving the iteration early (a client that went away) aborts it and frees its pages."""
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        adding = loop.run_in_executor(None, self._add, prompt, params, request_id, loop, queue)
+        adding = loop.run_in_executor(None, self._add, prompt, params, request_id, loop, queue, lora)
         try:
             request_id = await asyncio.shield(adding)
         except asyncio.CancelledError:  # the caller left while the request was being added
@@ -96,6 +96,12 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             else:
                 self._abort_later(request_id)
+
+    def locked(self, call: Callable[[Engine], T]) -> T:
+        """``call(engine)`` between steps (e.g. ``add_lora``); blocks up to one step: call it off the event loop."""
+        with self._lock:
+            self._apply_aborts()
+            return call(self.engine)
 
     def reset_prefix_cache(self) -> int:
         """``Engine.reset_prefix_cache`` between steps (``EngineBusyError`` while requests are in flight)."""

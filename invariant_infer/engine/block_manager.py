@@ -56,7 +56,7 @@ class BlockManager:
         """The hash of the sequence's page j (full), extending its chain as far as needed."""
         while len(seq.page_hashes) <= j:
             k = len(seq.page_hashes)
-            previous = seq.page_hashes[-1] if k else b""
+            previous = seq.page_hashes[-1] if k else seq.hash_seed
             seq.page_hashes.append(page_hash(previous, seq.tokens[k * self.page_size:(k + 1) * self.page_size]))
         return seq.page_hashes[j]
 

@@ -26,6 +26,7 @@ from ..model.patch import is_invariant, make_invariant
 from ..generation.sampling import sample_next_token
 from ..scoring.core import ScoreResult
 from .block_manager import BlockManager
+from .lora_slots import LoraRequests
 from .model_runner import ModelRunner
 from .logprob_rows import record_prompt_logprobs, row_logprobs, top_logprobs
 from .output import Detokenizer, RequestOutput, finish_reason, request_output
@@ -43,7 +44,7 @@ class EngineBusyError(RuntimeError):
     """The engine has unfinished requests, and the operation needs an idle engine."""
 
 
-class Engine:
+class Engine(LoraRequests):
     """Continuous batching over one causal LM (see the module's docstring).
 
     Weight updates: the engine keeps no copy of any weight, nor anything derived from one but the
@@ -55,7 +56,8 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
-                 decode_buckets: tuple[int, ...] = (), executor: Executor | None = None, speculative=None):
+                 decode_buckets: tuple[int, ...] = (), executor: Executor | None = None, speculative=None,
+                 max_loras: int = 0, max_lora_rank: int = 16):
         executor = executor_for(model, executor)  # where each step runs (default: this process)
         if kernels not in ("invariant", "stock"):
             raise ValueError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
@@ -87,6 +89,7 @@ class Engine:
                                   decode_buckets=decode_buckets, executor=executor)
         self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self._init_loras(max_loras, max_lora_rank)  # LoRA adapter slots (lora_slots.py); 0 serves none
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
@@ -133,17 +136,17 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)", param="stop")
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises ``RequestError`` for a request that cannot run."""
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, lora=None) -> str:
+        """Queue a request on adapter ``lora`` (None: the base model); returns its id, or raises ``RequestError``."""
         params = params or SamplingParams()
-        prompt_ids = self._encode(prompt)
+        prompt_ids, lora_fields = self._encode(prompt), self._lora_fields(lora)
         self.check_request(prompt_ids, params)
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)
         if request_id in self.sequences:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        seq = Sequence(request_id, prompt_ids, params, seed, arrival)
+        seq = Sequence(request_id, prompt_ids, params, seed, arrival, **lora_fields)
         if self.tokenizer is not None:
             seq.detokenizer = Detokenizer(self.tokenizer, params.stop)
         self.sequences[request_id] = seq
@@ -341,18 +344,18 @@ class Engine:
     # ---- offline jobs --------------------------------------------------------------------------------
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
-        """Run the prompts to completion; outputs in prompt order. Invalid requests raise before any runs."""
+                 progress: bool = False, lora: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Run the prompts to completion on adapter(s) ``lora``; outputs in prompt order. Bad requests raise first."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]
+        encoded, loras = [self._encode(p) for p in prompts], self._loras_for(lora, len(prompts))
         for i, (ids, p) in enumerate(zip(encoded, params_list)):
             try:
                 self.check_request(ids, p)
             except RequestError as exc:
                 raise RequestError(f"request {i}: {exc}", param=exc.param) from None
-        ids = [self.add_request(prompt, p) for prompt, p in zip(encoded, params_list)]
+        ids = [self.add_request(prompt, p, lora=name) for prompt, p, name in zip(encoded, params_list, loras)]
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         with tqdm(total=len(ids), unit="req", disable=not progress) as bar:  # disabled: every call does nothing
@@ -363,14 +366,14 @@ class Engine:
                         bar.update(1)
         return [finished[i] for i in ids]
 
-    def score(self, sequences, prompt_lengths: list[int] | None = None) -> list[ScoreResult]:
+    def score(self, sequences, prompt_lengths: list[int] | None = None, lora=None) -> list[ScoreResult]:
         """Logprobs of every token after ``prompt_lengths[i]`` (default 1): bitwise what
-        ``score_sequences`` gives for the same model."""
+        ``score_sequences`` gives for the same model (with ``lora``: its ``PeftModel``)."""
         sequences = [self._encode(s) for s in sequences]
         prompt_lengths = prompt_lengths or [1] * len(sequences)
         if any(not 1 <= start < len(seq) for seq, start in zip(sequences, prompt_lengths)):
             raise RequestError("each sequence needs 1 <= prompt_length < its length")
-        outputs = self.generate(sequences, SamplingParams(max_tokens=0, prompt_logprobs=0))
+        outputs = self.generate(sequences, SamplingParams(max_tokens=0, prompt_logprobs=0), lora=lora)
         results = []
         for out, start in zip(outputs, prompt_lengths):
             if out.error:

@@ -22,6 +22,7 @@ attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kern
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -114,6 +115,7 @@ class StepInputs:
     batch: PagedBatch
     num_real_tokens: int           # the first rows; padding rows follow
     metadata: StepMetadata | None = field(default=None, repr=False)
+    lora_rows: list = field(default_factory=list)  # (slot, packed rows) per LoRA adapter (engine.lora_slots)
 
 
 class ModelRunner:
@@ -161,6 +163,7 @@ class ModelRunner:
             model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
         # Every other rank builds the same runner over its shard, held there under runner_id.
         self.runner_id = next(_RUNNER_IDS)
+        self.loras = None  # the engine's LoraSlots, when it serves adapters
         options = dict(num_pages=num_pages, page_size=page_size, invariant=invariant, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, decode_buckets=tuple(decode_buckets))
         self.executor.collective_rpc(_start_runner, (self.runner_id, options), lambda: None)
@@ -187,7 +190,10 @@ class ModelRunner:
         return len(chunks)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        return self.load(self.step_metadata(chunks))
+        inputs = self.load(self.step_metadata(chunks))
+        if self.loras is not None:
+            inputs.lora_rows = self.loras.rows_for(chunks)
+        return inputs
 
     def step_metadata(self, chunks: list[ScheduledChunk]) -> StepMetadata:
         """The chunks' packed tokens and pages. Padding rows (one token each, at position
@@ -240,8 +246,9 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         # A prepared 4-D mask: transformers passes it through untouched (attention ignores it here).
         mask = sequence_bounds(None, 1, inputs.input_ids.shape[1], 0, self.device)
-        out = self.base(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=mask,
-                        use_cache=False, **{PAGED_BATCH_KWARG: inputs.batch})
+        with self.loras.selecting(inputs.lora_rows) if self.loras is not None else contextlib.nullcontext():
+            out = self.base(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=mask,
+                            use_cache=False, **{PAGED_BATCH_KWARG: inputs.batch})
         return out.last_hidden_state[0, :inputs.num_real_tokens]
 
     def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

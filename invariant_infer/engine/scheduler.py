@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self.can_admit = lambda seq: True  # e.g. whether its LoRA adapter has a slot (engine.lora_slots)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -93,6 +94,8 @@ class Scheduler:
             budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self.can_admit(seq):
+                break
             if not seq.pages:
                 self.blocks.match_prefix(seq)
             count = min(seq.num_tokens - seq.num_computed, budget)

@@ -28,6 +28,8 @@ class Sequence:
     num_hashed_pages: int = 0          # leading full pages registered for prefix caching
     page_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full page, computed lazily
     draft_ids: list[int] = field(default_factory=list)  # this step's speculative proposals (verified, not kept)
+    lora: str | None = None            # the LoRA adapter it runs (None: the base model)
+    hash_seed: bytes = b""             # starts its page hash chain: the adapter's digest, so hits never cross adapters
     # Results. Logprobs are of the model's own distribution (before penalty, temperature, top-k/p), or
     # at the temperature with logprobs_mode="processed_logprobs".
     logprobs: list[float] = field(default_factory=list)

@@ -19,6 +19,8 @@ What changes (and nothing process-wide):
     (cumsum - 1, pads at 0) and rejects masks that cannot be invariant; for packed rows
     (no mask, position_ids restarting, ``cu_seq_lens_*``) it checks the layout and hands
     attention the per-sequence regrouping (``invariant_infer.model.packing``);
+  * a PEFT ``PeftModel``: the model inside is patched, and each LoRA layer adds its adapters'
+    ``scaling * B(A(x))`` on the invariant linear, unmerged (``invariant_infer.model.lora``);
   * registered instance extensions run (``invariant_infer.generation.generate`` registers one that makes
     ``model.generate`` on this instance reject options that are not batch-invariant).
 Every patched op is differentiable: with grad enabled it runs as an autograd Function over the same
@@ -39,9 +41,12 @@ from torch.distributed.tensor import DTensor
 from . import attention as attention_interface, experts as experts_interface
 from ..errors import NonInvariantInputError, UnsupportedModelError
 from .families import FamilyAdapter, family_of, sliding_window_refusal
-from ..kernels import linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul, silu_mul_linear_autograd
+from ..kernels import (linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul, silu_mul_autograd,
+                       silu_mul_linear_autograd)
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
+from .lora import (LORA_ATTR, base_linear, check_peft, has_unpatched_lora, lora_layers, peft_lora_forward,
+                   unwrap_peft)
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, quantized_forward, quantized_layers
@@ -87,6 +92,8 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # down_proj(silu_mul(gate, up)) gives, without writing the [tokens x intermediate] product.
     down = self.down_proj
     gate, up = self.gate_proj(x), self.up_proj(x)
+    if down.__dict__.get(LORA_ATTR) is not None:  # a LoRA delta needs the product itself
+        return down(silu_mul_autograd(gate, up) if _records_grad(gate, up) else silu_mul(gate, up))
     config = row_parallel_config(gate.device.type, gate.dtype, *down.weight.shape)
     if _records_grad(gate, up, down.weight, down.bias):
         return silu_mul_linear_autograd(gate, up, down.weight, down.bias, config=config)
@@ -202,12 +209,12 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 def _not_plain_linear(name: str, module) -> UnsupportedModelError:
     kind = "missing" if module is None else f"{type(module).__module__}.{type(module).__name__}"
-    return UnsupportedModelError(f"{name} is {kind}; only plain torch.nn.Linear layers are supported (no quantized "
-                                 "or adapter layers; merge LoRA first)")
+    return UnsupportedModelError(f"{name} is {kind}; only plain torch.nn.Linear layers, compressed-tensors layers "
+                                 "and PEFT LoRA layers are supported")
 
 
 def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
-    """(adapter, base model, {quantized layer: plan})."""
+    """(adapter, base model, {quantized layer: plan}, [PEFT LoRA layers])."""
     config = getattr(model, "config", None)
     adapter = family_of(config)
     base = _base_model(model)
@@ -229,7 +236,7 @@ def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
                   for p, _ in module.named_parameters(recurse=False)}
     for index, layer in enumerate(base.layers):
         for name, proj in adapter.projections(layer).items():
-            if type(proj) is not nn.Linear and proj not in quantized:
+            if type(base_linear(proj)) is not nn.Linear and proj not in quantized:
                 raise _not_plain_linear(f"layers.{index}.{name}", proj)
         if adapter.is_sparse(layer):
             experts_interface.check_sparse_block(adapter, layer.mlp, f"layers.{index}.mlp")
@@ -244,7 +251,7 @@ def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
         if isinstance(module, nn.Linear) and type(module) is not nn.Linear and module not in quantized:
             raise _not_plain_linear(name or "model", module)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and type(head) is not nn.Linear:
+    if head is not None and type(base_linear(head)) is not nn.Linear:
         raise UnsupportedModelError(f"lm_head is {type(head).__name__}; only a plain torch.nn.Linear is supported")
     for name, param in model.named_parameters():
         if name in compressed:
@@ -257,7 +264,7 @@ def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
         if type(param.data) is not torch.Tensor and not (sharded and isinstance(param.data, DTensor)):
             raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
                                         "are supported")
-    return adapter, base, quantized
+    return adapter, base, quantized, lora_layers(model, head, quantized, sharded)
 
 
 # ---- public API -------------------------------------------------------------------------------------
@@ -286,14 +293,18 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     (``invariant_infer.model.quantization``); ``strict=True`` refuses a checkpoint's dynamic
     per-tensor activation scale instead of replacing it by a per-token one.
     Returns the same model. Idempotent. Undo with ``restore(model)``."""
+    wrapper, model = model, unwrap_peft(model)  # a PeftModel: patch the model inside, LoRA layers unmerged
     if getattr(model, _STATE_ATTR, None) is not None:
-        return model
+        if not has_unpatched_lora(model):
+            return wrapper
+        restore(model)  # LoRA layers came after the patch (get_peft_model on a patched model): patch them too
+    check_peft(wrapper)
     layout = tp_layout(model)
-    adapter, base, quantized = _check_model(model, sharded=layout is not None, strict=strict)
+    adapter, base, quantized, adapters = _check_model(model, sharded=layout is not None, strict=strict)
     sharded = tp_forwards(model, adapter, base, layout) if layout is not None else {}
     attention_interface.register()
 
-    row_parallel = {proj for layer in base.layers for name, proj in adapter.projections(layer).items()
+    row_parallel = {base_linear(proj) for layer in base.layers for name, proj in adapter.projections(layer).items()
                     if name in adapter.row_parallel}
     patched: list = []
     router_forward = experts_interface.router_forward(adapter.moe) if adapter.moe else None
@@ -303,6 +314,9 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
         elif module in quantized:
             module._invariant_quantized = quantized[module]
             _set_forward(module, quantized_forward, patched)
+        elif module in adapters:
+            setattr(module, LORA_ATTR, True)
+            _set_forward(module, peft_lora_forward, patched)
         elif type(module) is nn.Linear:
             _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward, patched)
         elif type(module) is adapter.rms_norm:
@@ -333,22 +347,24 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "experts": previous_experts,
                                  "rotary": rotary, "extensions": extensions, "family": adapter,
                                  "reattach_decompression": reattach_decompression})
-    return model
+    return wrapper
 
 
 def is_invariant(model: nn.Module) -> bool:
-    return getattr(model, _STATE_ATTR, None) is not None
+    return getattr(unwrap_peft(model), _STATE_ATTR, None) is not None
 
 
 def restore(model: nn.Module) -> nn.Module:
     """Return a model patched by ``make_invariant`` to stock transformers behaviour."""
+    wrapper, model = model, unwrap_peft(model)
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
-        return model
+        return wrapper
     for module, previous in state["patched"]:
         del module.forward
         module.__dict__.pop("_invariant_tp", None)
         module.__dict__.pop("_invariant_quantized", None)
+        module.__dict__.pop(LORA_ATTR, None)
         if previous is not None:
             module.forward = previous
     state["hook"].remove()
@@ -361,7 +377,7 @@ def restore(model: nn.Module) -> nn.Module:
     for _, remove in reversed(state["extensions"]):
         remove(model)
     delattr(model, _STATE_ATTR)
-    return model
+    return wrapper
 
 
 @contextlib.contextmanager

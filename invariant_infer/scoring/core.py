@@ -23,6 +23,7 @@ import torch
 
 from ..errors import TensorParallelError, raise_if_device_failure
 from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
+from ..model.lora import unwrap_peft
 from ..model.patch import is_invariant
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
@@ -151,6 +152,7 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
     ``make_invariant``. ``progress``: True for a tqdm bar on stderr, or a callable given the
     number of tokens each batch processed. ``executor``: where each batch runs (default: this
     process; for the model of ``TensorParallelRanks``, pass the ranks: ``executor=ranks``)."""
+    model = unwrap_peft(model)  # a PeftModel scores through the model inside (its LoRA layers unmerged)
     executor = executor_for(model, executor)
     if not is_invariant(model):
         raise ValueError("score_sequences needs a batch-invariant model: call make_invariant(model) first")

@@ -6,7 +6,7 @@ from ..errors import InvariantInferError
 
 # The four shapes of a scoring request, besides its id.
 REQUEST_FIELDS = (("input_ids",), ("text",), ("prompt", "completion"), ("prompt_ids", "completion_ids"))
-KNOWN_FIELDS = {"id"} | {name for fields in REQUEST_FIELDS for name in fields}
+KNOWN_FIELDS = {"id", "lora"} | {name for fields in REQUEST_FIELDS for name in fields}  # lora: an adapter's name
 
 
 class ScoringRequestError(InvariantInferError, ValueError):
@@ -29,11 +29,20 @@ def _encode(tokenizer: LazyTokenizer, text, name: str) -> list[int]:
     return loaded.encode(text, add_special_tokens=False)
 
 
+def request_lora(record: dict, loras) -> str | None:
+    """The request's LoRA adapter (``lora``: a name among ``loras``; absent or null: the base model)."""
+    name = record.get("lora")
+    if name is not None and (not isinstance(name, str) or name not in loras):
+        known = ", ".join(sorted(loras)) or "none (--lora NAME=PATH loads one)"
+        raise ScoringRequestError(f"unknown LoRA adapter {name!r} (loaded: {known})")
+    return name
+
+
 def parse_request(record: dict, tokenizer: LazyTokenizer) -> tuple[list[int], int]:
     """(token ids, prompt length) of one scoring request: ``input_ids``, ``text``, ``prompt`` +
     ``completion`` (tokenized separately, no special tokens, ids concatenated) or ``prompt_ids`` +
-    ``completion_ids``, besides an optional ``id``. Raises ``ScoringRequestError``."""
-    fields = set(record) - {"id"}
+    ``completion_ids``, besides an optional ``id`` and ``lora`` (``request_lora``). Raises ``ScoringRequestError``."""
+    fields = set(record) - {"id", "lora"}
     unknown = sorted(fields - KNOWN_FIELDS)
     if unknown:
         raise ScoringRequestError(f"unknown field(s) {unknown}")

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import AsyncEngine
 from .errors import APIError, error_response, install_handlers
 from .metrics import RequestMetrics
+from .lora import lora_api
 from .routes import api, public
 from .state import ServerOptions, ServerState
 
@@ -58,5 +59,6 @@ def create_app(async_engine: AsyncEngine, tokenizer, options: ServerOptions | No
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=server.metrics)  # outermost: counts the 413s too
     app.include_router(api)
+    app.include_router(lora_api)
     app.include_router(public)
     return app

@@ -18,6 +18,7 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
+    lora: str | None = None  # the LoRA adapter it runs on (None: the base model)
 
 
 class Tokens:

@@ -21,6 +21,7 @@ import sys
 import uvicorn
 
 from ..engine import AsyncEngine, Engine
+from ..engine.lora_slots import LoraAdapterError
 from ..checkpoints.loading import load_model, load_tokenizer
 from ..parallel import TensorParallelRanks
 from ..parallel.forced_exit import FORCED_EXIT_AFTER_S, exit_later
@@ -57,10 +58,14 @@ def build(options: ServerOptions, ranks: TensorParallelRanks | None = None):
     else:
         model = load_model(options.model, dtype=options.dtype, device=options.device, invariant=False)
     tokenizer = load_tokenizer(options.tokenizer or options.model)
+    serves_loras = options.enable_lora or bool(options.lora_modules)
     engine = Engine(model, tokenizer, max_num_seqs=options.max_num_seqs,
                     max_num_batched_tokens=options.max_num_batched_tokens, kv_cache_memory=options.kv_cache_memory,
                     enable_prefix_caching=options.enable_prefix_caching, kernels=options.kernels, executor=ranks,
-                    speculative=options.speculative_config)
+                    speculative=options.speculative_config,
+                    max_loras=options.max_loras if serves_loras else 0, max_lora_rank=options.max_lora_rank)
+    for name, path in options.lora_modules.items():
+        engine.add_lora(name, path)  # a bad adapter stops the start (serve reports it)
     return create_app(AsyncEngine(engine), tokenizer, options)
 
 
@@ -83,7 +88,14 @@ def serve(options: ServerOptions) -> int:
         raise ValueError("ServerOptions.model: the checkpoint to serve")
     size = options.tensor_parallel_size
     if size == 1:
-        return _serve(options, None, None)
+        try:
+            return _serve(options, None, None)
+        except LoraAdapterError as exc:  # a --lora-modules adapter that does not fit
+            print(f"invariant-infer serve: --lora-modules: {exc}", file=sys.stderr)
+            return 2
+    if options.enable_lora or options.lora_modules:
+        print("invariant-infer serve: LoRA adapters run at --tensor-parallel-size 1 only", file=sys.stderr)
+        return 2
     if options.kernels != "invariant":
         print("invariant-infer serve: --tensor-parallel-size runs the invariant kernels only", file=sys.stderr)
         return 2

@@ -46,7 +46,7 @@ def hold(stop: list[str]) -> int:
 
 @api.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, server: ServerState = Depends(server_state)):
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     encoded = [server.encode(p) for p in body.prompt]
     prompt_logprobs = body.logprobs if body.echo else None
     rid = f"cmpl-{secrets.token_hex(12)}"
@@ -56,7 +56,7 @@ async def completions(body: CompletionRequest, request: Request, server: ServerS
             params = body.params(body.max_tokens, seed, body.logprobs, prompt_logprobs)
             server.check_request(ids, params)
             index = p * body.n + i
-            choices.append(Choice(index, p, ids, params, f"{rid}-{index}"))
+            choices.append(Choice(index, p, ids, params, f"{rid}-{index}", lora))
     prompt_texts = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in body.prompt] \
         if body.echo else None
     fmt = CompletionFormat(server.tokens, choices, prompt_texts, body.echo, body.logprobs, hold(body.stop))
@@ -66,7 +66,7 @@ async def completions(body: CompletionRequest, request: Request, server: ServerS
 @api.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            server: ServerState = Depends(server_state)):
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     ids = server.encode(server.chat_prompt(body.messages), param="messages")
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, server.engine.max_positions - len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -75,7 +75,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     for i, seed in enumerate(choice_seeds(body.seed, body.n)):
         params = body.params(max_tokens, seed, logprobs)
         server.check_request(ids, params)
-        choices.append(Choice(i, 0, ids, params, f"{rid}-{i}"))
+        choices.append(Choice(i, 0, ids, params, f"{rid}-{i}", lora))
     fmt = ChatFormat(server.tokens, choices, body.logprobs, hold(body.stop))
     return await server.runner.respond(request, rid, choices, fmt, body.stream, len(ids))
 
@@ -84,7 +84,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 async def models(server: ServerState = Depends(server_state)):
     return JSON({"object": "list", "data": [{"id": server.options.model_name, "object": "model", "created": 0,
                                              "owned_by": "invariant-infer",
-                                             "max_model_len": server.engine.max_positions}]})
+                                             "max_model_len": server.engine.max_positions}] + server.adapter_cards()})
 
 
 @api.get("/tokenizer_info")

@@ -3,7 +3,7 @@ the weight updater,
 and the checks that need them (the model name, the chat template, the context length)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine import AsyncEngine, SamplingParams
 from .choices import ChoiceRunner
@@ -37,6 +37,10 @@ class ServerOptions:
     enable_prefix_caching: bool = True
     kernels: str = "invariant"
     speculative_config: dict | None = None  # vLLM's speculative_config (``Engine(speculative=...)``)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, loaded at start
+    enable_lora: bool = False            # adapter slots even without lora_modules (for /v1/load_lora_adapter)
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # The socket and uvicorn.
     host: str = "127.0.0.1"
     port: int = 8000
@@ -54,10 +58,20 @@ class ServerState:
                                    stream_write_timeout=options.stream_write_timeout)
         self.weights = WeightUpdater(async_engine, self.runner, self.metrics)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.options.model_name:
-            raise APIError(404, f"the model '{model}' does not exist (this server serves "
-                           f"'{self.options.model_name}')", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter the ``model`` field names (None: the base model's served name, or no name)."""
+        if model is None or model == self.options.model_name:
+            return None
+        if any(a.name == model for a in self.engine.list_loras()):
+            return model
+        raise APIError(404, f"the model '{model}' does not exist (this server serves "
+                       f"'{self.options.model_name}' and its adapters)", param="model", code="model_not_found")
+
+    def adapter_cards(self) -> list[dict]:
+        """``/v1/models`` entries of the loaded adapters (vLLM's ``parent``; the sha256 tells what arrived)."""
+        return [{"id": a.name, "object": "model", "created": 0, "owned_by": "invariant-infer",
+                 "parent": self.options.model_name, "max_model_len": self.engine.max_positions, "rank": a.rank,
+                 "sha256": a.sha256} for a in self.engine.list_loras()]
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = False, param: str = "prompt") -> list[int]:
         """Token ids as given, or the text's; text the tokenizer refuses gets a 400 naming ``param``."""

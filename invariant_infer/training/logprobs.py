@@ -17,6 +17,7 @@ import torch
 
 from ..errors import NonInvariantInputError
 from ..model.logits import token_logprobs_from_hidden_autograd
+from ..model.lora import unwrap_peft
 from ..model.padding import positions_from_mask
 from ..model.patch import is_invariant
 
@@ -42,8 +43,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                    position_ids: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
     """fp32 [B, L-1] logprobs of each next token at ``temperature``; 0 where nothing is scored
     (``scored_positions``). Differentiable when grad is enabled. ``model`` must be patched by
-    ``make_invariant``; padded rows (either side) and packed rows (``position_ids`` restarting at 0)
-    both work."""
+    ``make_invariant`` (a ``PeftModel`` too: its LoRA adapters run unmerged); padded rows (either side) and
+    packed rows (``position_ids`` restarting at 0) both work."""
+    model = unwrap_peft(model)  # a PeftModel: the model inside, its LoRA layers unmerged
     if not is_invariant(model):
         raise ValueError("token_logprobs needs a batch-invariant model: call make_invariant(model) first")
     if not temperature > 0:

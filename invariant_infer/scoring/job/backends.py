@@ -4,6 +4,7 @@ holding it. All score every row with the same bits; the job does not know which 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator
 
 from transformers import AutoConfig
@@ -14,6 +15,8 @@ from ...checkpoints.loading import load_model
 from ..core import ScoreResult, score_planned
 from .run import JobError, Request
 from ...model.executor import Executor, executor_for
+from ...model.lora import unwrap_peft
+from ...model.patch import make_invariant, restore
 from ...parallel import TensorParallelRanks
 from ...parallel.forced_exit import exit_later
 
@@ -30,21 +33,31 @@ def _exit_if_stuck(message: str) -> None:
 class LocalBackend:
     """The model in this process, batches packed by ``plan_batches``; with ``executor`` (e.g.
     ``TensorParallelRanks``, whose ``model`` this is), each batch runs through it, and ``close``
-    stops it."""
+    stops it. ``loras`` (name -> PEFT adapter folder) wraps the model in a ``PeftModel`` holding them
+    all, unmerged; each request runs the adapter its ``lora`` names (rows grouped by adapter)."""
 
-    def __init__(self, model, *, executor: Executor | None = None):
-        self.model, self.config = model, model.config
-        self.executor = executor_for(model, executor)
+    def __init__(self, model, *, executor: Executor | None = None, loras: dict[str, str] | None = None):
+        self.loras, self.peft_model = dict(loras or {}), None
+        if self.loras:
+            if executor is not None:
+                raise JobError("--lora runs at --tensor-parallel-size 1 only")
+            model = self.peft_model = _with_adapters(model, self.loras)
+        self.model, self.config = unwrap_peft(model), model.config
+        self.executor = executor_for(self.model, executor)
 
     @classmethod
     def load(cls, path: str, *, dtype: str | None = None, device: str | None = None,
-             tensor_parallel_size: int = 1) -> LocalBackend:
+             tensor_parallel_size: int = 1, loras: dict[str, str] | None = None) -> LocalBackend:
         try:
             if tensor_parallel_size == 1:
-                return cls(load_model(path, dtype=dtype, device=device))
+                return cls(load_model(path, dtype=dtype, device=device), loras=loras)
+            if loras:
+                raise JobError("--lora runs at --tensor-parallel-size 1 only")
             ranks = TensorParallelRanks(path, tensor_parallel_size, dtype=dtype, device=device,
                                         on_failure=_exit_if_stuck)
             return cls(ranks.model, executor=ranks)
+        except JobError:
+            raise
         except UnsupportedModelError as exc:
             where = f"--tensor-parallel-size {tensor_parallel_size}" if tensor_parallel_size > 1 else f"cannot load {path}"
             raise JobError(f"{where}: {exc}") from None
@@ -53,14 +66,48 @@ class LocalBackend:
 
     def score(self, requests: list[Request], max_batch_tokens: int) -> Scored:
         try:
-            for batch in score_planned(self.model, [r.ids for r in requests], [r.prompt_length for r in requests],
-                                       max_batch_tokens, executor=self.executor):
-                yield [(requests[i], result) for i, result in batch]
+            for lora in dict.fromkeys(r.lora for r in requests):  # each adapter's rows, then the next's
+                group = [r for r in requests if r.lora == lora]
+                with self._adapter(lora):
+                    for batch in score_planned(self.model, [r.ids for r in group], [r.prompt_length for r in group],
+                                               max_batch_tokens, executor=self.executor):
+                        yield [(group[i], result) for i, result in batch]
         except (TensorParallelError, DeviceError) as exc:  # no row's fault: the job ends, its rows kept
             raise JobError(f"{exc}; the rows written so far are kept: re-run to resume") from None
 
+    def _adapter(self, lora: str | None):
+        if self.peft_model is None:
+            return contextlib.nullcontext()
+        if lora is None:
+            return self.peft_model.disable_adapter()
+        self.peft_model.set_adapter(lora)
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         self.executor.close()
+
+
+def _with_adapters(model, loras: dict[str, str]):
+    """A ``PeftModel`` over ``model`` holding every adapter of ``loras``, patched by ``make_invariant``
+    after they are in (each LoRA layer must be patched)."""
+    try:
+        from peft import PeftModel
+    except ImportError as exc:
+        raise JobError(f"--lora needs PEFT (pip install \"invariant-infer[lora]\"): {exc}") from None
+    restore(model)
+    peft_model = None
+    for name, path in loras.items():
+        try:
+            if peft_model is None:
+                peft_model = PeftModel.from_pretrained(model, path, adapter_name=name)
+            else:
+                peft_model.load_adapter(path, adapter_name=name)
+        except Exception as exc:
+            raise JobError(f"--lora {name}={path}: cannot load the adapter: {exc}") from None
+    try:
+        return make_invariant(peft_model.eval())
+    except UnsupportedModelError as exc:
+        raise JobError(f"--lora: {exc}") from None
 
 
 class RayBackend:

@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Protocol
 from tqdm import tqdm
 
 from ...checkpoints.loading import LazyTokenizer
-from ..requests import ScoringRequestError, parse_request
+from ..requests import ScoringRequestError, parse_request, request_lora
 from ..core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence
 
 
@@ -35,6 +35,7 @@ class Request:
     id: object
     ids: list[int]
     prompt_length: int  # tokens before the first scored one
+    lora: str | None = None  # the LoRA adapter it is scored with (None: the base model)
 
 
 class JobError(Exception):
@@ -115,7 +116,7 @@ def _record(raw: bytes, n: int) -> dict:
     return record
 
 
-def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, str], write_error):
+def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, str], write_error, loras=()):
     """All valid requests (including ids already done), and the count of non-blank lines. Each
     invalid line whose id has no result yet goes to ``write_error(line, id or None, message)``."""
     requests, first_line, lines = [], {}, 0
@@ -133,11 +134,12 @@ def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, s
                 first_line[key] = n
                 row_id = record["id"]
                 ids, prompt_length = parse_request(record, tokenizer)
+                lora = request_lora(record, loras)
                 try:
                     check_sequence(ids, prompt_length, config.vocab_size, config.max_position_embeddings)
                 except ValueError as exc:
                     raise ScoringRequestError(str(exc)) from None
-                requests.append(Request(n, row_id, ids, prompt_length))
+                requests.append(Request(n, row_id, ids, prompt_length, lora))
             except ScoringRequestError as exc:
                 if id_key(row_id) not in done:
                     write_error(n, row_id, str(exc))
@@ -160,8 +162,9 @@ def canonical_order(path: Path, requests: list[Request]) -> None:
 
 
 def result_row(request: Request, result: ScoreResult) -> dict:
-    return {"id": request.id, "token_logprobs": result.token_logprobs.tolist(), "logprob": result.logprob,
-            "num_tokens": result.num_tokens, "greedy": result.greedy, "digest": result.digest}
+    row = {"id": request.id, "token_logprobs": result.token_logprobs.tolist(), "logprob": result.logprob,
+           "num_tokens": result.num_tokens, "greedy": result.greedy, "digest": result.digest}
+    return row if request.lora is None else {**row, "lora": request.lora}
 
 
 @dataclass
@@ -227,7 +230,7 @@ def run_job(options: JobOptions, backend: Backend) -> JobSummary:
 
     with out:
         requests, lines = read_requests(options.input, LazyTokenizer(options.tokenizer), backend.config,
-                                        digests, write_error)
+                                        digests, write_error, getattr(backend, "loras", {}))
         os.fsync(out.fileno())
         pending = [r for r in requests if id_key(r.id) not in digests]
         tokens = sum(len(r.ids) for r in pending)

@@ -14,6 +14,10 @@ at ``args.temperature``) to TRL as the rollout logprobs, and computes every trai
 vLLM path, so the trainer takes that path with the engine in vLLM's place (anything that would reach
 vLLM raises instead): the comparison, the importance-sampling ratio (exactly 1) and the logged
 ``sampling/*`` metrics are TRL's own code, unmodified.
+
+With a ``peft_config`` (LoRA), TRL wraps the model in a ``PeftModel`` and the engine runs the model
+inside it with the adapter unmerged (``invariant_infer.model.lora``): the optimizer updates only the
+adapter, in place, and the next rollouts read it there; nothing is merged or copied.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from ...engine import Engine, SamplingParams
 from ...errors import InvariantInferError
+from ...model.lora import unwrap_peft
 from ...model.patch import make_invariant
 from ..logprobs import scored_positions, token_logprobs
 
@@ -88,8 +93,10 @@ def unsupported_options(args: GRPOConfig, *, peft_config=None, tools=None, rollo
     refuse(args.top_entropy_quantile < 1.0, "top_entropy_quantile < 1: entropies are a metric here, not a mask")
     refuse(bool(args.deepspeed) or bool(args.fsdp), "DeepSpeed / FSDP: the engine samples from the unsharded model")
     refuse(args.world_size > 1, f"{args.world_size} processes: the integration is tested in one process")
-    refuse(peft_config is not None, "peft_config: adapters are not plain nn.Linear layers, "
-           "which make_invariant needs")
+    tuner = getattr(getattr(peft_config, "peft_type", None), "value", None)
+    refuse(peft_config is not None and tuner != "LORA", f"peft_config: a PEFT {tuner} adapter (LoRA only)")
+    refuse(bool(getattr(peft_config, "lora_dropout", 0.0)), "peft_config.lora_dropout > 0: its random mask is "
+           "drawn for the whole batch (use lora_dropout=0.0)")
     for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
         refuse(bool(value), f"{name}: rollouts come from the engine alone")
     return problems
@@ -169,7 +176,8 @@ class InvariantGRPOTrainer(GRPOTrainer):
 
     @property
     def engine(self) -> Engine:
-        """The rollout engine, on ``self.model`` itself (built on first use)."""
+        """The rollout engine, on ``self.model`` itself (built on first use; a ``PeftModel``'s inner model,
+        its adapter unmerged)."""
         if self._engine is None:
             training = self.model.training
             kwargs = {"max_num_seqs": self.args.generation_batch_size, **self._engine_kwargs}
@@ -177,7 +185,7 @@ class InvariantGRPOTrainer(GRPOTrainer):
                 # The share TRL gives a colocated vLLM, of the memory free before the optimizer allocates.
                 free = torch.cuda.mem_get_info(self.model.device)[0]
                 kwargs["kv_cache_memory"] = int(free * self.args.vllm_gpu_memory_utilization)
-            self._engine = Engine(self.model, self._tokenizer, **kwargs)
+            self._engine = Engine(unwrap_peft(self.model), self._tokenizer, **kwargs)
             self.model.train(training)  # the engine puts the model in eval mode
         return self._engine
 

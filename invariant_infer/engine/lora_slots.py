@@ -1,0 +1,260 @@
+"""Multi-LoRA serving: the engine's adapter registry, its device slots and each step's rows per adapter.
+
+    engine = Engine(model, tokenizer, max_loras=4, max_lora_rank=16)
+    engine.add_lora("sql", "path/to/peft-adapter")          # a PEFT adapter folder, a PeftModel,
+    engine.generate(prompts, params, lora=["sql", None])    # or a (LoraConfig, state_dict) pair
+
+Every projection of the model gets ``max_loras`` slots (``invariant_infer.model.lora.SlotWeights``),
+allocated once. An adapter is kept on the host and copied into a slot when a request that uses it is
+admitted; a slot whose adapter no running request uses is reused, least recently used first, and a
+request whose adapter finds no slot waits (first come, first served). Each step's rows are grouped by
+adapter and each group runs its adapter at its own rank, through the same kernels and operations as
+a ``PeftModel`` under ``make_invariant``: a row's logits are bitwise those of its request alone with
+its adapter (and of ``score_sequences`` on the ``PeftModel``), whatever its neighbours, its slot, the
+load order, ``max_loras`` or ``max_lora_rank``. Base rows run the base model's bits.
+
+Adapters are held as PEFT holds them by default: in fp32 for a bf16/fp16 model, else in its dtype.
+The prefix cache is keyed by the adapter's sha256 (weights and scaling), so no hit crosses adapters.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..model.families import family_of
+from ..model.lora import REFUSED_OPTIONS, LoraRows, attach_slots, is_peft_model
+from .sampling_params import RequestError
+
+
+class LoraAdapterError(ValueError):
+    """An adapter that cannot be loaded or removed (bad shapes, rank, target; unknown; in use)."""
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    rank: int                 # the largest rank of its layers
+    sha256: str               # of its weights (names, shapes, bytes) and scalings
+    slot: int | None = None   # the device slot holding it, if any
+    weights: dict = field(default_factory=dict, repr=False)  # projection -> (A [r, K], B [N, r], scaling)
+
+
+def _read_source(source):
+    """(LoraConfig, PEFT state dict) of a PEFT adapter folder, a PeftModel, or a (config, state) pair."""
+    import peft  # the engine needs PEFT only to read adapters
+    if is_peft_model(source):
+        name = source.active_adapter
+        return source.peft_config[name], peft.get_peft_model_state_dict(source, adapter_name=name)
+    if isinstance(source, (str, Path)):
+        if not (Path(source) / "adapter_config.json").is_file():
+            raise LoraAdapterError(f"{source} is not a PEFT adapter folder (no adapter_config.json)")
+        try:
+            return peft.PeftConfig.from_pretrained(str(source)), peft.utils.load_peft_weights(str(source), device="cpu")
+        except Exception as exc:  # noqa: BLE001  (a corrupt config or weights file)
+            raise LoraAdapterError(f"cannot read the adapter at {source}: {type(exc).__name__}: {exc}") from None
+    if isinstance(source, tuple) and len(source) == 2:
+        return source
+    raise LoraAdapterError("an adapter is a PEFT adapter folder, a PeftModel, or a (LoraConfig, state_dict) pair")
+
+
+def _check_config(config) -> None:
+    tuner = getattr(getattr(config, "peft_type", None), "value", None)
+    if tuner != "LORA":
+        raise LoraAdapterError(f"a PEFT {tuner} adapter; only LoRA adapters are served")
+    for option, why in REFUSED_OPTIONS.items():
+        if getattr(config, option, None):
+            raise LoraAdapterError(why)
+    if config.modules_to_save:
+        raise LoraAdapterError(f"modules_to_save ({config.modules_to_save}) are not served (every row shares the "
+                               "base modules); merge them or run the PeftModel itself")
+    if config.alpha_pattern:
+        raise LoraAdapterError("alpha_pattern is not supported here")
+
+
+class LoraSlots:
+    """The registry and slots of one engine (see the module's docstring)."""
+
+    def __init__(self, model, max_loras: int, max_lora_rank: int):
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        family = family_of(model.config)
+        dtype = model.get_output_embeddings().weight.dtype
+        self.dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        self.rows = LoraRows()
+        projections = {proj for layer in model.model.layers for proj in family.projections(layer).values()}
+        self.layers = {name: attach_slots(module, self.rows, max_loras, max_lora_rank, self.dtype)
+                       for name, module in model.named_modules() if module in projections}
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.owners: list[str | None] = [None] * max_loras
+        self._last_use = [0] * max_loras
+        self._uses = itertools.count(1)
+        self.running = lambda: ()  # the running sequences (the engine wires its scheduler's list)
+
+    # ---- the registry --------------------------------------------------------------------------------
+
+    def add(self, name: str, source) -> LoraAdapter:
+        if not isinstance(name, str) or not name:
+            raise LoraAdapterError("an adapter needs a non-empty name")
+        if name in self.adapters:
+            raise LoraAdapterError(f"an adapter named {name!r} is already loaded (remove it first)")
+        config, state = _read_source(source)
+        _check_config(config)
+        adapter = self._parse(name, config, state)
+        self.adapters = {**self.adapters, name: adapter}  # a new dict: readers on other threads see one or the other
+        return adapter
+
+    def _parse(self, name: str, config, state: dict) -> LoraAdapter:
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in state.items():
+            module, _, part = key.removeprefix("base_model.model.").rpartition(".lora_")
+            if part not in ("A.weight", "B.weight") or module not in self.layers:
+                raise LoraAdapterError(f"adapter {name!r}: {key} is not a LoRA A/B weight of a projection of this "
+                                       f"model (targets: attention and MLP projections)")
+            pairs.setdefault(module, {})[part[0]] = tensor
+        if not pairs:
+            raise LoraAdapterError(f"adapter {name!r} has no LoRA weights")
+        digest, weights = hashlib.sha256(), {}
+        for module in sorted(pairs):
+            missing = {"A", "B"} - pairs[module].keys()
+            if missing:
+                raise LoraAdapterError(f"adapter {name!r}: {module} lacks its lora_{missing.pop()}")
+            a, b = pairs[module]["A"], pairs[module]["B"]
+            slots = self.layers[module]
+            n, k = slots.b.shape[1], slots.a.shape[2]
+            rank = a.shape[0]
+            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != k or b.shape != (n, rank):
+                raise LoraAdapterError(f"adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
+                                       f"this model needs A [r, {k}] and B [{n}, r]")
+            if rank > self.max_lora_rank:
+                raise LoraAdapterError(f"adapter {name!r}: {module} has rank {rank}, over max_lora_rank "
+                                       f"{self.max_lora_rank}")
+            scaling = config.lora_alpha / (math.sqrt(rank) if config.use_rslora else rank)
+            for tensor in (a, b):
+                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(f"{module}:{tuple(a.shape)}:{tuple(b.shape)}:{a.dtype}:{scaling!r};".encode())
+            weights[module] = (a.detach().to("cpu", self.dtype).contiguous(),
+                               b.detach().to("cpu", self.dtype).contiguous(), scaling)
+        rank = max(a.shape[0] for a, _, _ in weights.values())
+        return LoraAdapter(name, rank, digest.hexdigest(), weights=weights)
+
+    def get(self, name: str) -> LoraAdapter:
+        if name not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise RequestError(f"unknown LoRA adapter {name!r} (loaded: {known})", param="lora")
+        return self.adapters[name]
+
+    def remove(self, name: str, in_use: int) -> None:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise LoraAdapterError(f"no adapter named {name!r} is loaded")
+        if in_use:
+            raise LoraAdapterError(f"adapter {name!r} is in use by {in_use} unfinished requests; finish or abort "
+                                   "them first")
+        if adapter.slot is not None:
+            self.owners[adapter.slot] = None
+        self.adapters = {key: value for key, value in self.adapters.items() if key != name}
+
+    # ---- slots and rows ------------------------------------------------------------------------------
+
+    def can_admit(self, seq) -> bool:
+        """Whether the sequence's adapter is in a slot, copying it into one if one is free or holds an
+        adapter no running sequence uses (the least recently used)."""
+        if seq.lora is None:
+            return True
+        adapter = self.adapters[seq.lora]
+        if adapter.slot is None:
+            pinned = {s.lora for s in self.running()}
+            free = [s for s, owner in enumerate(self.owners) if owner is None or owner not in pinned]
+            if not free:
+                return False
+            slot = min(free, key=lambda s: (self.owners[s] is not None, self._last_use[s]))
+            if self.owners[slot] is not None:
+                self.adapters[self.owners[slot]].slot = None
+            for module, layer in self.layers.items():
+                a, b, scaling = adapter.weights.get(module, (None, None, 0.0))
+                layer.load(slot, a, b, scaling)
+            self.owners[slot], adapter.slot = adapter.name, slot
+        self._last_use[adapter.slot] = next(self._uses)
+        return True
+
+    def rows_for(self, chunks) -> list[tuple[int, torch.Tensor]]:
+        """(slot, packed row indices) of each adapter among the step's chunks."""
+        rows: dict[int, list[int]] = {}
+        offset = 0
+        for chunk in chunks:
+            if chunk.seq.lora is not None:
+                rows.setdefault(self.adapters[chunk.seq.lora].slot, []).extend(
+                    range(offset, offset + chunk.num_tokens))
+            offset += chunk.num_tokens
+        device = next(iter(self.layers.values())).a.device
+        return [(slot, torch.tensor(r, dtype=torch.long, device=device)) for slot, r in sorted(rows.items())]
+
+    @contextlib.contextmanager
+    def selecting(self, groups):
+        self.rows.groups = groups
+        try:
+            yield
+        finally:
+            self.rows.groups = []
+
+
+class LoraRequests:
+    """The engine's adapter methods (``Engine`` derives from it; ``max_loras=0`` serves none)."""
+
+    def _init_loras(self, max_loras: int, max_lora_rank: int) -> None:
+        self.loras = None
+        if is_peft_model(self.model):
+            raise ValueError("the engine runs a base model: pass the PeftModel's base and "
+                             "engine.add_lora(name, peft_model) with max_loras >= 1")
+        if not max_loras:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters run at tensor-parallel size 1 only")
+        self.loras = self.runner.loras = LoraSlots(self.model, max_loras, max_lora_rank)
+        self.loras.running = lambda: self.scheduler.running
+        self.scheduler.can_admit = self.loras.can_admit
+
+    def _slots(self) -> LoraSlots:
+        if self.loras is None:
+            raise LoraAdapterError("this engine serves no adapters: build it with Engine(..., max_loras=N)")
+        return self.loras
+
+    def add_lora(self, name: str, source) -> LoraAdapter:
+        """Load an adapter under ``name``: a PEFT adapter folder, a ``PeftModel`` (its active adapter),
+        or a ``(LoraConfig, state_dict)`` pair. Raises ``LoraAdapterError`` and changes nothing if it
+        does not fit (targets, shapes, rank over ``max_lora_rank``, options not supported)."""
+        return self._slots().add(name, source)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; refused while unfinished requests use it."""
+        self._slots().remove(name, sum(seq.lora == name for seq in self.sequences.values() if not seq.finished))
+
+    def list_loras(self) -> list[LoraAdapter]:
+        return list(self.loras.adapters.values()) if self.loras is not None else []
+
+    def _lora_fields(self, name: str | None) -> dict:
+        """The Sequence fields of a request for adapter ``name`` (None: the base model)."""
+        if name is None:
+            return {}
+        return {"lora": name, "hash_seed": bytes.fromhex(self._slots_for_request().get(name).sha256)}
+
+    def _slots_for_request(self) -> LoraSlots:
+        if self.loras is None:
+            raise RequestError("this engine serves no adapters (Engine(..., max_loras=N))", param="lora")
+        return self.loras
+
+    def _loras_for(self, lora, count: int) -> list:
+        """One adapter name (or None) per prompt, checked before any request is added."""
+        names = list(lora) if isinstance(lora, (list, tuple)) else [lora] * count
+        if len(names) != count:
+            raise ValueError(f"{len(names)} adapter names for {count} prompts")
+        for name in names:
+            self._lora_fields(name)
+        return names
