@@ -181,9 +181,8 @@ def speculative_decoder(engine, value, kernels: str) -> SpeculativeDecoder | Non
     from .proposers import DraftModelProposer, NgramProposer  # noqa: PLC0415  (it imports the runner)
     if config.method == "ngram":
         return SpeculativeDecoder(config, NgramProposer(*config.lookup_range), engine.max_positions)
-    if engine.tensor_parallel_size > 1:
-        raise ValueError("method 'draft_model' runs in one process: it is not supported under tensor "
-                         "parallelism (method 'ngram' is)")
+    # Under tensor parallelism the draft runs unsharded in the lead rank's process (vLLM's
+    # draft_tensor_parallel_size=1): a small model, whose numerics only decide acceptance.
     draft = load_draft(config.model, engine)
     blocks = engine.blocks
     proposer = DraftModelProposer(draft, invariant=True, num_positions=blocks.num_pages * blocks.page_size,

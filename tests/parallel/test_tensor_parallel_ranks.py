@@ -138,7 +138,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
     """Each engine's runner has its own pages on every rank: the first engine's prefix hits after a
     second engine ran read the first one's KV, as in one process. The second engine speculates
-    (n-gram proposals, accepted and rejected): its verify chunks run on the ranks as in one process."""
+    (n-gram proposals, accepted and rejected): its verify chunks run on the ranks as in one process.
+    A third speculates with a draft model (the checkpoint itself, loaded unsharded in the lead
+    process) while the target verifies on the ranks: plain decoding's outputs in one process."""
     params = SamplingParams(max_tokens=8, logprobs=1)  # no prompt logprobs: a repeated prompt hits the cache
     prompts = [list(range(5, 85)), list(range(100, 180))]  # pages of 64 on CPU
     other = [list(range(200, 280)), list(range(200, 216)) * 4]
@@ -155,8 +157,16 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
     model = load_model(checkpoint, dtype="fp32", device="cpu")
     single = run(model)
     assert single[2] == [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, params)]
+    draft_params = [SamplingParams(max_tokens=7, logprobs=1),
+                    SamplingParams(max_tokens=7, temperature=0.9, seed=4, logprobs=1)]
+    plain = [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, draft_params)]
     with TensorParallelRanks(checkpoint, 2, dtype="fp32", device="cpu") as ranks:
         assert run(ranks.model, ranks) == single
+        drafted = Engine(ranks.model, executor=ranks,
+                         speculative={"method": "draft_model", "model": checkpoint, "num_speculative_tokens": 3})
+        assert [(o.token_ids, o.logprobs) for o in drafted.generate(other, draft_params)] == plain
+        stats = drafted.speculative.stats
+        assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
 
 
 def test_control_allreduce_exchange_at_tp2_differs(checkpoint, monkeypatch):
