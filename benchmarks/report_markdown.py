@@ -82,6 +82,7 @@ def markdown(results: dict) -> str:
     out.append(train_markdown(results))
     out.append(moe_markdown(results))
     out.append(tensor_parallel_markdown(results))
+    out.append(spec_markdown(results))
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
@@ -275,6 +276,21 @@ def tensor_parallel_markdown(results: dict) -> str:
         ("prefill step ms", "prefill_step_ms"), ("decode step ms", "decode_step_ms"),
         ("prefill ratio", "prefill_ratio_to_tp1"), ("decode ratio", "decode_ratio_to_tp1"),
         ("bitwise = TP 1", "bitwise_equal_to_tp1"), ("dtype", "dtype")]))
+    return "\n".join(out)
+
+
+def spec_markdown(results: dict) -> str:
+    if not results.get("spec"):
+        return ""
+    out = ["\n## Speculative decoding: target forwards and time with and without speculation\n\n"
+           "Same weights, prompts and greedy requests; acceptance = 1 + accepted / verify steps; speedup = "
+           "tokens/s with speculation / without; bitwise = every token and logprob equal to plain decoding's.\n"]
+    rows = [dict(row, speculative="on" if row["speculative"] else "off") for row in results["spec"]]
+    out.append(table(rows, [
+        ("workload", "workload"), ("method", "method"), ("batch", "batch"), ("k", "k"), ("speculation", "speculative"),
+        ("target forwards", "target_forwards"), ("forwards / token", "forwards_per_token"),
+        ("acceptance", "acceptance_length"), ("draft forwards", "draft_forwards"), ("tok/s", "tokens_per_s"),
+        ("speedup", "speedup"), ("bitwise", "bitwise_equal")]))
     return "\n".join(out)
 
 
