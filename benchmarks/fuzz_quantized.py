@@ -58,14 +58,14 @@ def write_and_load(path: Path, config: PretrainedConfig, fmt: str, seed: int, dt
     """A random ``config`` model saved in ``fmt`` (in ``dtype``) under ``path``, loaded as users load it."""
     from invariant_infer.testing.quantized_checkpoints import save_fp8_checkpoint, save_quantized_checkpoint
 
-    if not path.exists():
-        with contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars
+    with contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars
+        if not path.exists():
             if fmt == "fp8":
                 save_fp8_checkpoint(path, config, seed=seed, dtype=dtype)
             else:
                 save_quantized_checkpoint(path, config, fmt, seed=seed, dtype=dtype)
-    with quantized_loading():
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        with quantized_loading():
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def per_tensor_activations(x2: torch.Tensor, dtype: torch.dtype, group_size: int | None = None):
