@@ -267,3 +267,13 @@ def test_formats_keep_the_dense_draws_and_refuse_fp32():
     assert "qwen3_moe" in args.models and "qwen2:W4A16" in args.models and "qwen3_moe:W4A16" not in args.models
     with pytest.raises(SystemExit):
         fuzz.parse(["--formats", "W4A16", "--dtypes", "fp32"])
+
+
+def test_negative_control_patches_the_quantized_layers_too():
+    from benchmarks import fuzz_quantized
+    from invariant_infer.model import quantization
+    originals = quantization.quantize_activations, quantization.quantized_linear
+    with fuzz.batch_variant_linear():
+        assert quantization.quantize_activations is fuzz_quantized.per_tensor_activations
+        assert quantization.quantized_linear is fuzz_quantized.m_dependent_quantized_linear
+    assert (quantization.quantize_activations, quantization.quantized_linear) == originals
