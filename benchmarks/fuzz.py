@@ -24,8 +24,9 @@ every draw of a seed, are those of the dense families as before.
 
 Every draw is a pure function of (seed, batching index, families, formats, dtypes, pool options), so
 ``--replay I`` with the same options runs batching I again. Exit status 1 if any row differs;
-with ``--negative-control`` (the linear picks BLOCK_K by M, as batch-size-keyed heuristics do, and
-the MoE experts' grouped GEMM by its most crowded expert),
+with ``--negative-control`` (the linear picks BLOCK_K by M, as batch-size-keyed heuristics do,
+the MoE experts' grouped GEMM by its most crowded expert, and quantized layers take a per-tensor
+activation scale or, weight-only, a BLOCK_K picked by M),
 exit status 1 if NO row differs, i.e. the fuzzer failed to catch a batch-variant path.
 ``--workers N`` runs the batchings in N processes (worker k takes every N-th index); the
 summary is the same as one process's.
