@@ -18,10 +18,15 @@ model per (family, dtype) and SAMPLES_PER_POOL samples per family, the same for 
 (lengths 1, MAX_LEN, LONG_LEN, then uniform in 1..MAX_LEN); a sample's alone logits are
 computed on its first use and cached.
 
-Every draw is a pure function of (seed, batching index, families, dtypes, pool options), so
+``--formats`` adds quantized checkpoints (``benchmarks.fuzz_quantized``): each family in each format
+is one model, ``family:FORMAT``, drawn like a family (bf16 and fp16); without it the models, and so
+every draw of a seed, are those of the dense families as before.
+
+Every draw is a pure function of (seed, batching index, families, formats, dtypes, pool options), so
 ``--replay I`` with the same options runs batching I again. Exit status 1 if any row differs;
-with ``--negative-control`` (the linear picks BLOCK_K by M, as batch-size-keyed heuristics do, and
-the MoE experts' grouped GEMM by its most crowded expert),
+with ``--negative-control`` (the linear picks BLOCK_K by M, as batch-size-keyed heuristics do,
+the MoE experts' grouped GEMM by its most crowded expert, and quantized layers take a per-tensor
+activation scale or, weight-only, a BLOCK_K picked by M),
 exit status 1 if NO row differs, i.e. the fuzzer failed to catch a batch-variant path.
 ``--workers N`` runs the batchings in N processes (worker k takes every N-th index); the
 summary is the same as one process's.
@@ -55,6 +60,7 @@ from .fuzz_draws import (LONG_LEN, MAX_BATCH, MAX_EXTRA_PAD, MAX_LEN, SAMPLES_PE
                          batch_variant_linear, draw, fuzz_overrides, m_dependent_grouped_linear, m_dependent_linear,
                          pool_lengths)
 from .fuzz_parallel import exit_status, outcomes, run_or_stop
+from .fuzz_quantized import FORMATS, QUANT_DTYPES, model_names
 from .report import git_commit
 
 __all__ = ["Batching", "DTYPES", "draw", "m_dependent_grouped_linear", "m_dependent_linear", "pool_lengths", "main",
@@ -92,7 +98,7 @@ def batchings(args, indices):
     started, cpu_started = time.monotonic(), time.process_time()
     batch_s = 0.0
     with tempfile.TemporaryDirectory(prefix="fuzz-ckpt-") as workdir:
-        pools = Pools(args.families, args.seed, args.device, Path(workdir), args.pool_size, args.max_len,
+        pools = Pools(args.models, args.seed, args.device, Path(workdir), args.pool_size, args.max_len,
                       args.long_len)
         lengths = pools.lengths()
 
@@ -105,7 +111,7 @@ def batchings(args, indices):
                 if args.time_limit_s is not None and time.monotonic() - started > args.time_limit_s:
                     yield {"stopped": True, "stats": stats()}
                     return
-                b = draw(args.seed, index, args.families, args.dtypes, lengths, args.max_batch, args.max_extra_pad)
+                b = draw(args.seed, index, args.models, args.dtypes, lengths, args.max_batch, args.max_extra_pad)
                 model = pools.model(b.family, b.dtype)
                 alone = pools.alone_logits(b.family, b.dtype, b.members)
                 samples = [pools.samples[b.family][m] for m in b.members]
@@ -128,13 +134,14 @@ def run(args) -> dict:
         **versions(),
         "device": device_name(args),
         "negative_control": args.negative_control, "seed": args.seed, "families": args.families,
-        "dtypes": args.dtypes, "model_overrides": {f: fuzz_overrides(f) for f in args.families},
+        **({"formats": args.formats, "models": args.models} if args.formats else {}),
+        "dtypes": args.dtypes, "model_overrides": {f: fuzz_overrides(f) for f in args.models},
         "pool_size": args.pool_size, "max_len": args.max_len, "long_len": args.long_len, "max_batch": args.max_batch,
         "max_extra_pad": args.max_extra_pad,
         "members_drawn": "with replacement", "start": indices[0], "batchings_requested": len(indices),
         "time_limit_s": args.time_limit_s, "workers": args.workers,
     }
-    table = {f"{f}/{d}": _new_cell() for f in args.families for d in args.dtypes}
+    table = {f"{f}/{d}": _new_cell() for f in args.models for d in args.dtypes}
     coverage: dict[str, int] = {}
     failures = []
     totals = _new_cell()
@@ -220,6 +227,8 @@ def device_name(args) -> str:
 def replay_command(args, index: int) -> str:
     parts = ["python -m benchmarks.fuzz", "--seed", str(args.seed), "--families", ",".join(args.families),
              "--dtypes", ",".join(args.dtypes), "--replay", str(index)]
+    if args.formats:
+        parts[-2:-2] = ["--formats", ",".join(args.formats)]
     for flag, value, default in (("--pool-size", args.pool_size, SAMPLES_PER_POOL),
                                  ("--max-len", args.max_len, MAX_LEN), ("--long-len", args.long_len, LONG_LEN),
                                  ("--max-batch", args.max_batch, MAX_BATCH),
@@ -268,8 +277,11 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--families", type=lambda v: csv_choices(v, FAMILIES, "families"), default=sorted(FAMILIES),
                    help=f"comma list (default all: {','.join(sorted(FAMILIES))})")
-    p.add_argument("--dtypes", type=lambda v: csv_choices(v, DTYPES, "dtypes"), default=list(DTYPES),
-                   help="comma list of bf16,fp16,fp32 (default all)")
+    p.add_argument("--dtypes", type=lambda v: csv_choices(v, DTYPES, "dtypes"), default=None,
+                   help="comma list of bf16,fp16,fp32 (default all; bf16,fp16 with quantized --formats)")
+    p.add_argument("--formats", type=lambda v: csv_choices(v, FORMATS, "formats"), default=None,
+                   help=f"checkpoint formats, each family in each (models named family:FORMAT; none: the "
+                   f"dense family); comma list of {','.join(FORMATS)} (default: dense only, as before)")
     p.add_argument("--device", default="cpu", help="cpu (default; kernels in the Triton interpreter) or cuda")
     p.add_argument("--out", type=Path, default=None, help="JSON summary, rewritten every --save-every batchings")
     p.add_argument("--negative-control", action="store_true",
@@ -295,6 +307,15 @@ def parse(argv=None):
         p.error("--workers must be >= 1, and 1 with --replay")
     if args.workers > 1 and args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.workers)
+    quantized = [f for f in args.formats or () if f != "none"]
+    if args.dtypes is None:
+        args.dtypes = list(QUANT_DTYPES) if quantized else list(DTYPES)
+    elif quantized and "fp32" in args.dtypes:
+        p.error(f"--formats {','.join(quantized)}: quantized checkpoints run in bf16 or fp16, not fp32; "
+                "pass --dtypes bf16,fp16")
+    args.models = model_names(args.families, args.formats) if args.formats else list(args.families)
+    if not args.models:
+        p.error(f"--formats {','.join(args.formats)}: no model; quantized formats apply to the dense families")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
     args.argv = argv

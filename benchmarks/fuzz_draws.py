@@ -21,6 +21,8 @@ from invariant_infer.kernels.configs import linear_config
 from invariant_infer.checkpoints.loading import DTYPES
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
+from .fuzz_quantized import batch_variant_quantized_layers, quant_overrides, split, write_and_load
+
 # Speed: the interpreter pays per kernel launch and per program (attention runs B x heads programs),
 # so the fuzz models are each family's "tiny" preset with 1 layer (every kernel still runs and any
 # batch dependence reaches the logits), 2 query heads sharing 1 KV head (still GQA) and a 128-token
@@ -123,36 +125,46 @@ def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None):
 @contextlib.contextmanager
 def batch_variant_linear():
     """Every patched projection (the MoE routers too) goes through ``m_dependent_linear`` for the
-    block, and the MoE experts' gate/up projection through ``m_dependent_grouped_linear``."""
+    block, the MoE experts' gate/up projection through ``m_dependent_grouped_linear``, and the
+    quantized layers through ``batch_variant_quantized_layers``."""
     originals = patch.linear, hf_experts.linear, hf_experts.grouped_linear
     patch.linear = hf_experts.linear = m_dependent_linear
     hf_experts.grouped_linear = m_dependent_grouped_linear
     try:
-        yield
+        with batch_variant_quantized_layers():
+            yield
     finally:
         patch.linear, hf_experts.linear, hf_experts.grouped_linear = originals
 
 
-def fuzz_overrides(family: str) -> dict:
-    return {**FUZZ_OVERRIDES, **FAMILY_OVERRIDES.get(family, {})}
+def fuzz_overrides(model: str) -> dict:
+    """The config overrides of a fuzz model: a family, or ``family:FORMAT`` at the quantized widths."""
+    family, fmt = split(model)
+    return {**FUZZ_OVERRIDES, **FAMILY_OVERRIDES.get(family, {}), **(quant_overrides(family) if fmt else {})}
 
 
 class Models:
     """One patched model per (family, dtype), from a random checkpoint saved once per family under
-    ``workdir`` and loaded with ``from_pretrained(dtype=...)``, on first use."""
+    ``workdir`` and loaded with ``from_pretrained(dtype=...)``, on first use. A ``family:FORMAT``
+    model is saved quantized once per dtype (``fuzz_quantized``)."""
 
     def __init__(self, families, seed: int, device: str, workdir: Path):
         self.seed, self.device, self.workdir = seed, device, workdir
-        self.configs = {f: random_config(f, "tiny", **fuzz_overrides(f)) for f in families}
+        self.configs = {f: random_config(split(f)[0], "tiny", **fuzz_overrides(f)) for f in families}
         self.loaded: dict[tuple, torch.nn.Module] = {}
 
     def __call__(self, family: str, dtype: str):
         key = (family, dtype)
         if key not in self.loaded:
-            path = self.workdir / family
-            if not path.exists():
-                save_random_checkpoint(path, self.configs[family], seed=self.seed)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(self.device).eval()
+            fmt = split(family)[1]
+            if fmt:
+                path = self.workdir / f"{family.replace(':', '-')}-{dtype}"
+                model = write_and_load(path, self.configs[family], fmt, self.seed, DTYPES[dtype], self.device)
+            else:
+                path = self.workdir / family
+                if not path.exists():
+                    save_random_checkpoint(path, self.configs[family], seed=self.seed)
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(self.device).eval()
             self.loaded[key] = make_invariant(model)
         return self.loaded[key]
 

@@ -3,7 +3,8 @@
 # more GPUs (the tensor_parallel benchmark section: TP 1, 2, 4, 8 as the GPUs allow, each checked bitwise against
 # TP 1, into tensor-parallel/), then the full benchmark suite (Qwen2.5-1.5B; every section of
 # benchmarks.SECTIONS, the serving engine, the HTTP server and speculative decoding (spec: speedup, acceptance,
-# bits; its rows printed in the summary) last, each with its share of the budget) under a time
+# bits; its rows printed in the summary) and quantized GEMMs (quant: time ratios to stock FP8 / int4, weight
+# bytes, bits; its rows printed in the summary) last, each with its share of the budget) under a time
 # budget, then the matmul section at other families' shapes (Qwen3-8B, Llama-3.1-8B).
 # Everything lands in one folder: $OUT if set, else benchmarks/results/<date>-<gpu>/; the extra
 # presets in sub-folders of it, one per preset (qwen3-8b/, llama-3.1-8b/).
@@ -170,6 +171,8 @@ for D in "$DEST" ${EXTRA_DIRS[@]+"${EXTRA_DIRS[@]}"}; do
     $PY -m benchmarks.report --summary "$D/results.json"
     # speculative decoding (the suite's spec section): speedup and bits per workload and batch
     $PY -c "import json,sys; [print('[spec] %(workload)s batch=%(batch)s: %(speedup).2fx, acceptance %(acceptance_length).2f, forwards/token %(forwards_per_token).3f, bitwise_equal=%(bitwise_equal)s' % r) for r in json.load(open(sys.argv[1])).get('spec', []) if r['speculative']]" "$D/results.json"
+    # quantized GEMMs (the suite's quant section): invariant / stock time, weight bytes and bits per shape, format and M
+    $PY -c "import json,sys; [print('[quant] %(model)s %(shape)s %(format)s M=%(M)s: %(ratio).3fx %(stock)s, %(ratio_to_bf16).3fx bf16, bytes %(bytes_ratio).3f of bf16, alone bitwise invariant=%(invariant_alone_bitwise_equal)s stock=%(stock_alone_bitwise_equal)s' % r) for r in json.load(open(sys.argv[1])).get('quant', []) if r['ratio'] is not None]" "$D/results.json"
   else
     echo "no results.json in $D; see $D/suite.log"
   fi

@@ -81,6 +81,7 @@ def markdown(results: dict) -> str:
     out.append(server_markdown(results))
     out.append(train_markdown(results))
     out.append(moe_markdown(results))
+    out.append(quant_markdown(results))
     out.append(tensor_parallel_markdown(results))
     out.append(spec_markdown(results))
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
@@ -255,6 +256,23 @@ def moe_markdown(results: dict) -> str:
         ("T", "tokens"), ("implementation", "implementation"), ("ms", "ms"), ("tok/s", "tokens_per_s"),
         ("time ratio", "invariant_time_ratio"), ("alone bitwise", "alone_bitwise_equal"),
         ("alone max abs Δ", "alone_max_abs_diff"), ("Δ eager", "max_abs_diff_to_eager"), ("skipped", "skipped")]))
+    return "\n".join(out)
+
+
+def quant_markdown(results: dict) -> str:
+    rows = results.get("quant") or []
+    if not rows and "quant" not in (results.get("sections") or []):
+        return ""
+    out = ["\n## Quantized GEMMs: invariant vs stock FP8 / int4\n\n"
+           "Weights compressed by compressed-tensors (FP8_BLOCK, FP8_DYNAMIC per channel, W4A16). ratio = invariant "
+           "ms / stock ms (above 1 = invariant slower); bytes = the compressed weight and scales / bf16's; alone "
+           "bitwise: rows 0, M/2 and M-1 alone vs in the batch (`torch.equal`).\n"]
+    out.append(table(rows, [
+        ("model", "model"), ("shape", "shape"), ("format", "format"), ("M", "M"), ("N", "N"), ("K", "K"),
+        ("stock", "stock"), ("invariant ms", "invariant_ms"), ("stock ms", "stock_ms"), ("ratio", "ratio"),
+        ("÷ bf16", "ratio_to_bf16"), ("bytes / bf16", "bytes_ratio"),
+        ("alone bitwise (invariant)", "invariant_alone_bitwise_equal"),
+        ("alone bitwise (stock)", "stock_alone_bitwise_equal")]))
     return "\n".join(out)
 
 

@@ -40,6 +40,9 @@ REQUIRED = {
                     "ratio"),
     "spec": ("workload", "method", "batch", "k", "speculative", "output_tokens", "target_forwards",
              "forwards_per_token", "acceptance_length", "elapsed_s", "tokens_per_s", "speedup", "bitwise_equal"),
+    "quant": ("model", "shape", "format", "M", "N", "K", "stock", "invariant_ms", "stock_ms", "bf16_ms", "ratio",
+              "ratio_to_bf16", "weight_bytes", "bf16_weight_bytes", "bytes_ratio", "invariant_max_abs_diff_to_stock",
+              "invariant_alone_bitwise_equal", "stock_alone_bitwise_equal"),
     "tp_steps": ("tp", "requests", "prompt_tokens", "decode_tokens", "prefill_step_ms", "decode_step_ms",
                  "prefill_ratio_to_tp1", "decode_ratio_to_tp1", "bitwise_equal_to_tp1"),
 }
@@ -99,7 +102,7 @@ def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
     for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
-                    "server", "train", "moe", "tp_exchange", "tp_steps", "spec"):
+                    "server", "train", "moe", "tp_exchange", "tp_steps", "spec", "quant"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing

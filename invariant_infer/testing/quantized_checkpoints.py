@@ -101,8 +101,11 @@ def save_fp8_model(model: torch.nn.Module, path: str | Path, scale_dtype: torch.
 
     path = Path(path)
     state = {}
+    tied = getattr(model.config, "tie_word_embeddings", False)
     for name, tensor in model.state_dict().items():
         module = name.rsplit(".", 1)[0]
+        if tied and name == "lm_head.weight":  # the embedding's own tensor, tied again at load
+            continue
         if not name.endswith(".weight") or not isinstance(model.get_submodule(module), torch.nn.Linear) \
                 or module == "lm_head":
             state[name] = tensor.contiguous()

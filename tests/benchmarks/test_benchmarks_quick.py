@@ -18,8 +18,8 @@ import torch
 # benchmarks/ is a folder of the repository, not part of the installed package.
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks import (SECTIONS, divergence, e2e, host_overhead, matmul, moe, norm_attention, scoring,  # noqa: E402
-                        train)
+from benchmarks import (SECTIONS, divergence, e2e, host_overhead, matmul, moe, norm_attention, quant,  # noqa: E402
+                        scoring, train)
 from benchmarks import tensor_parallel as tp_bench  # noqa: E402
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
@@ -282,12 +282,41 @@ def test_moe_alone_check_catches_an_m_dependent_expert_gemm(monkeypatch):
     assert equal is False and diff > 0
 
 
+def test_quant_rows(results):
+    """Quick quant rows: every (shape, format, M), bytes against bf16, invariant rows bitwise alone; no timings."""
+    rows = results["quant"]
+    shapes = quant.QUICK_SHAPES["tiny"]
+    assert [(r["shape"], r["format"], r["M"]) for r in rows] == [
+        (name, fmt, m) for name in shapes for fmt in quant.FORMATS for m in quant.QUICK_MS]
+    ratios = {"fp8_block": 0.5, "fp8_channel": 0.5, "int4_w4a16": 0.25}  # plus the scales
+    for row in rows:
+        assert (row["N"], row["K"]) == shapes[row["shape"]] and row["bf16_weight_bytes"] == row["N"] * row["K"] * 2
+        assert ratios[row["format"]] < row["bytes_ratio"] < ratios[row["format"]] + 0.01
+        assert row["invariant_alone_bitwise_equal"] is True and isinstance(row["stock_alone_bitwise_equal"], bool)
+        assert row["stock"] == quant.DECOMPRESS  # CPU: no torch._scaled_mm
+        assert row["invariant_ms"] is row["stock_ms"] is row["ratio"] is None  # interpreter times: not recorded
+        # fp8 quantizes activations (3 mantissa bits), the stock decompression path does not; int4 is weight-only
+        assert row["invariant_max_abs_diff_to_stock"] < (0.01 if row["format"] == "int4_w4a16" else 0.25)
+
+
+def test_quant_alone_check_catches_a_per_tensor_activation_scale(monkeypatch):
+    """The section's alone check fails on fp8 rows when the activation scale is the max over the batch."""
+    from benchmarks.fuzz_quantized import per_tensor_activations
+    monkeypatch.setattr(quant, "quantize_activations", per_tensor_activations)
+    monkeypatch.setattr(quant, "FORMATS", {"fp8_channel": "FP8_DYNAMIC"})
+    ctx = Run(device=torch.device("cpu"), quick=True)
+    ctx.section = "quant"
+    rows = quant.run(ctx, ms=(1, 8))["quant"]
+    assert ctx.skipped == [] and [r["M"] for r in rows] == [1, 8, 1, 8]
+    assert [r["invariant_alone_bitwise_equal"] for r in rows] == [True, False, True, False]
+
+
 def test_report_and_plots(quick_run):
     results, text, out, _ = quick_run
     assert "NOT meaningful" in text and "left-pad B=4 lens 7/5/3/1" in text
     for heading in ("## Divergence", "## Matmul", "## Scoring", "## Serving engine (qwen2:tiny",
                     "## Engine host overhead (qwen2:tiny", "## HTTP server (qwen2:tiny", "## Training step (qwen2:tiny",
-                    "## One MoE layer (hidden 64, 8 experts, top-2", "## RMSNorm"):
+                    "## One MoE layer (hidden 64, 8 experts, top-2", "## Quantized GEMMs", "## RMSNorm"):
         assert heading in text
     assert "analytic estimates, not measurements" in text and "÷ stock engine" in text and "| 2/2 |" in text
     assert "Host phases are meaningful on CPU" in text

@@ -233,3 +233,47 @@ def test_engine_schedules_are_reproducible():
     speculating = [s for s in first if s.speculative]
     assert {dict(s.speculative)["method"] for s in speculating} == {"ngram", "draft_model"} and len(speculating) < 40
     assert all(dict(s.speculative)["num_speculative_tokens"] < s.max_num_batched_tokens for s in speculating)
+
+
+QUANT = ["--batchings", "3", "--families", "qwen2", "--formats", "FP8_BLOCK,W8A8,W4A16", *SMALL]
+
+
+def test_fuzz_covers_the_quantized_formats(tmp_path, monkeypatch):
+    """qwen2 in three checkpoint formats (models qwen2:FORMAT, bf16 and fp16): every row bitwise alone.
+    The same batchings with a per-tensor dynamic activation scale (the max over the batch) differ."""
+    pytest.importorskip("compressed_tensors")
+    from benchmarks import fuzz_quantized
+    from invariant_infer.model import quantization
+
+    models = ["qwen2:FP8_BLOCK", "qwen2:W8A8", "qwen2:W4A16"]
+    out = tmp_path / "quant.json"
+    assert fuzz.main([*QUANT, "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["models"] == models and summary["dtypes"] == ["bf16", "fp16"]
+    assert summary["rows"] == expected_rows(3, models, ["bf16", "fp16"]) > 3 and summary["rows_unequal"] == 0
+    assert summary["model_overrides"]["qwen2:W8A8"]["hidden_size"] == 128
+    drawn = {key.split("/")[0] for key, cell in summary["per_model"].items() if cell["batchings"]}
+    assert drawn & {"qwen2:FP8_BLOCK", "qwen2:W8A8"}  # an activation-quantized format ran
+    monkeypatch.setattr(quantization, "quantize_activations", fuzz_quantized.per_tensor_activations)
+    assert fuzz.main([*QUANT, "--out", str(out)]) == 1  # a mismatch: exit status 1
+    summary = json.loads(out.read_text())
+    assert summary["rows_unequal"] > 0 and "--formats FP8_BLOCK,W8A8,W4A16" in summary["failures"][0]["replay"]
+
+
+def test_formats_keep_the_dense_draws_and_refuse_fp32():
+    """Without --formats the models, hence every draw of a seed, are the families'; fp32 is refused."""
+    assert fuzz.parse([]).models == sorted(FAMILIES) and fuzz.parse([]).dtypes == list(fuzz.DTYPES)
+    args = fuzz.parse(["--formats", "none,W4A16"])
+    assert "qwen3_moe" in args.models and "qwen2:W4A16" in args.models and "qwen3_moe:W4A16" not in args.models
+    with pytest.raises(SystemExit):
+        fuzz.parse(["--formats", "W4A16", "--dtypes", "fp32"])
+
+
+def test_negative_control_patches_the_quantized_layers_too():
+    from benchmarks import fuzz_quantized
+    from invariant_infer.model import quantization
+    originals = quantization.quantize_activations, quantization.quantized_linear
+    with fuzz.batch_variant_linear():
+        assert quantization.quantize_activations is fuzz_quantized.per_tensor_activations
+        assert quantization.quantized_linear is fuzz_quantized.m_dependent_quantized_linear
+    assert (quantization.quantize_activations, quantization.quantized_linear) == originals
