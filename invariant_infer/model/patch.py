@@ -102,7 +102,8 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _quantized_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # Compressed projections cannot take the fused prologue: silu(gate) * up is written, then down runs.
-    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(silu_mul_autograd(gate, up) if _records_grad(gate, up) else silu_mul(gate, up))
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
