@@ -26,6 +26,7 @@ bits differ from the unmerged adapter's, as they do in PEFT.
 from __future__ import annotations
 
 import sys
+import types
 
 import torch
 from torch import nn
@@ -119,6 +120,18 @@ def lora_layers(model: nn.Module, head: nn.Module | None, quantized, sharded: bo
             raise UnsupportedModelError("LoRA adapters run at tensor-parallel size 1 only")
         found.append(module)
     return found
+
+
+def refuse_quantized_merge(layer, quantized) -> None:
+    """Merging into a compressed base weight is refused by name (PEFT would fail on it, or its
+    merged weight would not be the one the quantized GEMM reads). ``restore`` removes the refusal."""
+    if layer.base_layer in quantized:
+        layer.merge = types.MethodType(_refused_merge, layer)
+
+
+def _refused_merge(self, *args, **kwargs):
+    raise UnsupportedModelError("merging a LoRA adapter into a quantized base layer is not supported (its weight "
+                                "stays compressed): keep the adapter unmerged, or merge on a dense base")
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ FORMATS = ["W4A16_ASYM", "FP8_BLOCK"]
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
               num_hidden_layers=1, vocab_size=512)
 TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
-LENGTHS = (6, 1, 8, 3)  # samples for BATCHINGS[1:3]
+LENGTHS = (5, 1, 7, 3)  # samples for BATCHINGS[1:3]
 # the module (the package exports its function under the same name)
 autograd_module = importlib.import_module("invariant_infer.kernels.quantized_linear_autograd")
 
@@ -58,14 +58,16 @@ def _shifts_logits(model, samples):
     return not torch.equal(on, off)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_qlora_logits_bitwise_batch_invariant(checkpoints, fmt):
+# left padding with extra pads in reversed order, and right padding (the fp8 interpreter is slower: one)
+@pytest.mark.parametrize(("fmt", "batchings"), [("W4A16_ASYM", BATCHINGS[1:3]), ("FP8_BLOCK", BATCHINGS[1:2])],
+                         ids=FORMATS)
+def test_qlora_logits_bitwise_batch_invariant(checkpoints, fmt, batchings):
     model = qlora_model(checkpoints[fmt])
     lora_a = model.get_base_model().model.layers[0].self_attn.q_proj.lora_A["default"].weight
     assert lora_a.dtype == torch.float32 and not torch.equal(lora_a, lora_a.to(torch.float8_e4m3fn).float())
     samples = make_samples(model.config.vocab_size, lengths=LENGTHS)
     assert _shifts_logits(model, samples)  # the adapter is live
-    assert batch_mismatches(model, samples, BATCHINGS[1:3]) == []
+    assert batch_mismatches(model, samples, batchings) == []
 
 
 def _per_tensor_forward(self, x):
@@ -104,7 +106,7 @@ def test_train_mode_input_grads_batch_invariant_and_adapter_grads_deterministic(
     model = qlora_model(checkpoints[fmt]).train()
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
-    samples = make_samples(model.config.vocab_size, lengths=(5, 3))
+    samples = make_samples(model.config.vocab_size, lengths=(4, 2))
     g = torch.Generator().manual_seed(1)
     cotangents = [torch.randn(len(s), model.config.vocab_size, generator=g) for s in samples]
     alone = [_embeds_grads(model, samples, (i,), cotangents)[0][0] for i in range(len(samples))]
@@ -155,11 +157,13 @@ def test_negative_control_rows_dependent_input_grad_is_caught(checkpoints, monke
     assert not all(torch.equal(_layer_grad(layer, x[i:i + 1], dy[i:i + 1])[0], batched[i]) for i in range(6))
 
 
-def test_trainable_quantized_weight_refused(checkpoints):
+def test_trainable_quantized_weight_and_merging_refused(checkpoints):
     model = qlora_model(checkpoints["FP8_BLOCK"]).train()
     model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight_scale.requires_grad_(True)
     with pytest.raises(UnsupportedModelError, match="quantized weights are frozen.*weight_scale"):
         model(input_ids=torch.tensor([[1, 2, 3]]))
+    with pytest.raises(UnsupportedModelError, match="merging a LoRA adapter into a quantized base"):
+        model.merge_and_unload()
 
 
 # ---- the engine -------------------------------------------------------------------------------------
