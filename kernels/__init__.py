@@ -16,6 +16,7 @@ from .moe_routing import moe_routing
 from .paged_attention import paged_attention, write_kv
 from .quantize_activations import quantize_activations
 from .quantized_linear import QuantizedLinearConfig, QuantizedWeight, dequantize_weight, quantized_linear
+from .quantized_linear_autograd import QuantizedLinearFunction, quantized_linear_autograd
 from .rms_norm import rms_norm
 from .rms_norm_autograd import RMSNormFunction, rms_norm_autograd
 from .silu_mul import silu_mul
@@ -30,6 +31,7 @@ __all__ = [
     "grouped_linear", "grouped_silu_mul_linear", "moe_routing",
     "paged_attention", "write_kv",
     "QuantizedLinearConfig", "QuantizedWeight", "dequantize_weight", "quantize_activations", "quantized_linear",
+    "QuantizedLinearFunction", "quantized_linear_autograd",
     "rms_norm", "silu_mul", "token_logprobs",
     "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",
     "SiluMulLinearFunction", "silu_mul_linear_autograd", "TokenLogprobsFunction", "token_logprobs_autograd",

@@ -14,9 +14,11 @@ Two holders of adapter weights run the same arithmetic (``add_lora_delta``), so 
 The linear kernel's reduction order depends on the weight shape alone, never on M, so a row's LoRA
 output does not depend on how many rows share its adapter (``shrink_config`` is where a
 rows-dependent split would enter; the tests replace it to show that the invariance checks catch one).
+QLoRA: a base layer may be a compressed-tensors quantized layer; it runs its quantized GEMM and,
+in training, passes the input gradient through its frozen weight (``kernels.quantized_linear_autograd``).
 
 Refused with the reason: other PEFT tuners, DoRA and the other LoRA variants, LoRA biases, LoRA on the
-lm_head or embeddings, LoRA on a quantized or tensor-parallel base, and ``lora_dropout > 0`` in train mode
+lm_head or embeddings, LoRA on a tensor-parallel base, and ``lora_dropout > 0`` in train mode
 (its random mask is drawn for the whole batch). ``merge_and_unload()`` still works: it folds
 ``scaling * B @ A`` into each base weight (rounded to the weight's dtype), so the merged model's
 bits differ from the unmerged adapter's, as they do in PEFT.
@@ -24,6 +26,7 @@ bits differ from the unmerged adapter's, as they do in PEFT.
 from __future__ import annotations
 
 import sys
+import types
 
 import torch
 from torch import nn
@@ -113,12 +116,22 @@ def lora_layers(model: nn.Module, head: nn.Module | None, quantized, sharded: bo
         if module.lora_variant:
             raise UnsupportedModelError(f"{name}: LoRA variants ({', '.join(module.lora_variant)}: "
                                         f"{type(next(iter(module.lora_variant.values()))).__name__}) are not supported")
-        if module.base_layer in quantized:
-            raise UnsupportedModelError(f"{name}: LoRA on a quantized base layer is not supported")
         if sharded:
             raise UnsupportedModelError("LoRA adapters run at tensor-parallel size 1 only")
         found.append(module)
     return found
+
+
+def refuse_quantized_merge(layer, quantized) -> None:
+    """Merging into a compressed base weight is refused by name (PEFT would fail on it, or its
+    merged weight would not be the one the quantized GEMM reads). ``restore`` removes the refusal."""
+    if layer.base_layer in quantized:
+        layer.merge = types.MethodType(_refused_merge, layer)
+
+
+def _refused_merge(self, *args, **kwargs):
+    raise UnsupportedModelError("merging a LoRA adapter into a quantized base layer is not supported (its weight "
+                                "stays compressed): keep the adapter unmerged, or merge on a dense base")
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------------
@@ -188,8 +201,8 @@ class SlotWeights:
     once; slot s holds an adapter of rank r (0: none) in ``A[s, :r]`` and ``B[s, :, :r]``."""
 
     def __init__(self, layer: nn.Linear, rows: LoraRows, slots: int, max_rank: int, dtype: torch.dtype):
-        n, k = layer.weight.shape
-        device = layer.weight.device
+        n, k = layer.out_features, layer.in_features  # a quantized layer's weight is compressed
+        device = layer.weight_scale.device if hasattr(layer, "weight_scale") else layer.weight.device
         self.rows, self.base_forward = rows, layer.__dict__["forward"]
         self.a = torch.zeros((slots, max_rank, k), dtype=dtype, device=device)
         self.b = torch.zeros((slots, n, max_rank), dtype=dtype, device=device)

@@ -46,7 +46,7 @@ from ..kernels import (linear, linear_autograd, rms_norm, rms_norm_autograd, sil
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
 from .lora import (LORA_ATTR, base_linear, check_peft, has_unpatched_lora, lora_layers, peft_lora_forward,
-                   unwrap_peft)
+                   refuse_quantized_merge, unwrap_peft)
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, quantized_forward, quantized_layers
@@ -102,7 +102,8 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _quantized_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # Compressed projections cannot take the fused prologue: silu(gate) * up is written, then down runs.
-    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(silu_mul_autograd(gate, up) if _records_grad(gate, up) else silu_mul(gate, up))
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
@@ -317,6 +318,7 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
         elif module in adapters:
             setattr(module, LORA_ATTR, True)
             _set_forward(module, peft_lora_forward, patched)
+            refuse_quantized_merge(module, quantized)
         elif type(module) is nn.Linear:
             _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward, patched)
         elif type(module) is adapter.rms_norm:
@@ -365,6 +367,7 @@ def restore(model: nn.Module) -> nn.Module:
         module.__dict__.pop("_invariant_tp", None)
         module.__dict__.pop("_invariant_quantized", None)
         module.__dict__.pop(LORA_ATTR, None)
+        module.__dict__.pop("merge", None)  # refuse_quantized_merge's
         if previous is not None:
             module.forward = previous
     state["hook"].remove()

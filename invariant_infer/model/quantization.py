@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..kernels import QuantizedWeight, quantize_activations, quantized_linear
+from ..kernels import QuantizedWeight, quantize_activations, quantized_linear, quantized_linear_autograd
 
 SUPPORTED_SCHEMES = ("FP8_DYNAMIC (fp8 weights per channel, fp8 per-token activations)",
                      "FP8_BLOCK (fp8 128x128 weight blocks, fp8 activations per 128-group)",
@@ -243,20 +243,36 @@ def _fp8_layers(model: nn.Module, config: dict) -> dict[nn.Module, QuantizedLine
     return plans
 
 
+_COMPRESSED = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "input_scale")
+
+
 def quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The layer on its compressed weight: quantize x per token (or by its static scale), then
-    the invariant quantized GEMM; weight-only layers multiply in x's dtype."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        raise UnsupportedModelError("quantized layers run inference only (no autograd through quantized weights)")
+    the invariant quantized GEMM; weight-only layers multiply in x's dtype. With autograd
+    recording, x (and a trainable bias) get gradients; the compressed weight stays frozen."""
+    if torch.is_grad_enabled():
+        trainable = [name for name in _COMPRESSED if getattr(getattr(self, name, None), "requires_grad", False)]
+        if trainable:
+            raise UnsupportedModelError(
+                f"quantized weights are frozen (no gradient for {', '.join(trainable)}): train LoRA adapters on "
+                "them (QLoRA), freeze the base (PEFT does), or run under torch.no_grad()")
+        if x.requires_grad or self.bias is not None and self.bias.requires_grad:
+            plan = self._invariant_quantized
+            return quantized_linear_autograd(x, plan.weight, self.bias, lambda x: _quantized_forward(self, x))
+    return _quantized_forward(self, x)
+
+
+def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: QuantizedLinearPlan = self._invariant_quantized
+    bias = None if self.bias is None else self.bias.detach()
     if plan.activation_dtype is None:
-        return quantized_linear(x, plan.weight, self.bias)
+        return quantized_linear(x, plan.weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if plan.static_scale:
         q, scale = _static_fp8(x2, self.input_scale)
     else:
         q, scale = quantize_activations(x2, plan.activation_dtype, plan.activation_group)
-    y = quantized_linear(q, plan.weight, self.bias, x_scale=scale, out_dtype=x.dtype)
+    y = quantized_linear(q, plan.weight, bias, x_scale=scale, out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -287,3 +303,21 @@ def weight_bytes(model: nn.Module) -> int:
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
     return total
+
+
+def prepare_for_peft(model: nn.Module) -> nn.Module:
+    """Let ``peft.get_peft_model`` wrap compressed layers (QLoRA) as it wraps a dense model's. PEFT
+    reads a base layer's ``weight`` (a packed layer has ``weight_packed`` instead), and gives the
+    adapters the device of ``weight`` or GPTQ's ``qweight`` and the dtype of ``compute_dtype`` or
+    ``weight`` (fp8 weights would round the initial adapters to fp8). Each compressed layer gets
+    ``compute_dtype``, the model's float dtype, and a packed one also ``weight = None`` and
+    ``qweight``, the packed tensor: plain attributes, not parameters, not saved. Returns the model."""
+    dtype = model.get_input_embeddings().weight.dtype
+    for module in model.modules():
+        if not isinstance(module, nn.Linear) or getattr(module, "quantization_scheme", None) is None:
+            continue
+        module.__dict__["compute_dtype"] = dtype
+        packed = module._parameters.get("weight_packed")
+        if packed is not None and "weight" not in module._parameters:
+            module.__dict__["weight"], module.__dict__["qweight"] = None, packed
+    return model
