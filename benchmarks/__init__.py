@@ -8,3 +8,4 @@ See benchmarks/README.md for the output schema and how to read the plots.
 """
 SECTIONS = ("matmul", "norm_attention", "e2e", "scoring", "divergence", "engine", "host_overhead", "server", "train", "moe",
             "tensor_parallel", "spec")
+SECTIONS += ("lora",)  # multi-LoRA engine and PEFT forward vs the base model
