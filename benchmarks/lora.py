@@ -5,7 +5,8 @@ Rows (``lora``), one per mode, phase and adapter count (0: the base model, no ad
 
 * ``engine``: ``Engine(model)`` for the base model (built first: slots stay on a model's projections),
   then ``Engine(model, max_loras=16, max_lora_rank=16)`` holding all the adapters. ``requests`` prompts are
-  added at once and assigned to the adapters round-robin (request i: adapter i mod n). The first step
+  added at once and assigned to the adapters round-robin (request i: adapter i mod n); prefix caching is
+  off, so that the same prompts run again are prefilled again. The first step
   prefills every prompt (``prefill``: prompt tokens / that step's time); the remaining steps decode
   (``decode``: the tokens they produce / their time). ``time_ratio_to_base`` = the base row's tokens/s ÷
   this row's (the goal on a GPU: at most 1.10 at 4 adapters). Bits: the batch runs once more, untimed,
@@ -117,7 +118,7 @@ def run(ctx: Run, config=None, dtype=torch.bfloat16, family: str = DEFAULT_FAMIL
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     kv_bytes = kv_cache_bytes(config, ctx.device, dtype, requests, prompt_tokens + max_tokens)
     options = {"max_num_seqs": requests, "max_num_batched_tokens": max(2048, requests * prompt_tokens),
-               "kv_cache_memory": kv_bytes}
+               "kv_cache_memory": kv_bytes, "enable_prefix_caching": False}  # every run prefills every prompt
     shared = {"preset": name, "dtype": str(dtype)[6:], "rank": rank, "requests": requests,
               "prompt_tokens": prompt_tokens, "max_tokens": max_tokens}
     rows, base = [], {}
