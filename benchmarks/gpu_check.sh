@@ -173,6 +173,8 @@ for D in "$DEST" ${EXTRA_DIRS[@]+"${EXTRA_DIRS[@]}"}; do
     $PY -c "import json,sys; [print('[spec] %(workload)s batch=%(batch)s: %(speedup).2fx, acceptance %(acceptance_length).2f, forwards/token %(forwards_per_token).3f, bitwise_equal=%(bitwise_equal)s' % r) for r in json.load(open(sys.argv[1])).get('spec', []) if r['speculative']]" "$D/results.json"
     # quantized GEMMs (the suite's quant section): invariant / stock time, weight bytes and bits per shape, format and M
     $PY -c "import json,sys; [print('[quant] %(model)s %(shape)s %(format)s M=%(M)s: %(ratio).3fx %(stock)s, %(ratio_to_bf16).3fx bf16, bytes %(bytes_ratio).3f of bf16, alone bitwise invariant=%(invariant_alone_bitwise_equal)s stock=%(stock_alone_bitwise_equal)s' % r) for r in json.load(open(sys.argv[1])).get('quant', []) if r['ratio'] is not None]" "$D/results.json"
+    # LoRA (the suite's lora section): tokens/s relative to the base model per phase and adapter count (goal: <= 1.10 at 4)
+    $PY -c "import json,sys; [print('[lora] %(mode)s %(phase)s adapters=%(adapters)s: %(tokens_per_s).0f tok/s, %(time_ratio_to_base).3fx base, bitwise %(bitwise_rows_equal)s/%(bitwise_rows_checked)s' % r) for r in json.load(open(sys.argv[1])).get('lora', []) if r['time_ratio_to_base'] is not None]" "$D/results.json"
   else
     echo "no results.json in $D; see $D/suite.log"
   fi

@@ -389,3 +389,50 @@ def test_spec_rows(results):
         assert spec["forwards_per_token"] == spec["target_forwards"] / spec["output_tokens"]
     draft = [r for r in rows if r["workload"] == "free_text" and r["speculative"]]
     assert all(r["draft_forwards"] > 0 and r["acceptance_length"] >= 1 for r in draft)
+
+
+def test_lora_rows(results):
+    from benchmarks import lora as lora_bench
+    rows = results["lora"]  # the base model, then 1 and 2 adapters; engine prefill and decode, then PEFT's forward
+    assert [(r["mode"], r["phase"], r["adapters"]) for r in rows] == [
+        ("engine", p, n) for n in (0, *lora_bench.QUICK_ADAPTERS) for p in ("prefill", "decode")] + [
+        ("peft_forward", "prefill", n) for n in (0, *lora_bench.QUICK_ADAPTERS)]
+    requests, prompt, new = lora_bench.QUICK_REQUESTS, lora_bench.QUICK_PROMPT_TOKENS, lora_bench.QUICK_MAX_TOKENS
+    for row in rows:
+        assert (row["preset"], row["rank"], row["requests"]) == ("qwen2:tiny", lora_bench.QUICK_RANK, requests)
+        assert row["tokens"] == (requests * (new - 1) if row["phase"] == "decode" else requests * prompt)
+        assert row["tokens_per_s"] > 0 and row["time_ratio_to_base"] > 0
+        if row["adapters"] == 0:
+            assert row["time_ratio_to_base"] == 1.0
+        if row["mode"] == "engine" and row["adapters"]:
+            assert row["bitwise_rows_checked"] == requests == row["bitwise_rows_equal"]
+        else:
+            assert row["bitwise_rows_checked"] is None is row["bitwise_rows_equal"]
+
+
+def test_lora_bits_catch_a_rows_dependent_shrink(monkeypatch):
+    """The section's alone check fails when the LoRA shrink splits K by the rows sharing the adapter (vLLM's
+    ``split_k``): the batch's prefill has 16 rows of adapter a0, a request alone 8. fp32, so that no bf16
+    rounding hides a changed sum."""
+    from benchmarks import lora as lora_bench
+    from invariant_infer.engine import Engine
+    from invariant_infer.kernels import LinearConfig, linear_config
+    from invariant_infer.model import lora as lora_module
+    ctx = Run(device=torch.device("cpu"), quick=True)
+    config, _ = e2e.preset_config("qwen2", "tiny")
+    _, sources = lora_bench.peft_adapters(ctx, config, torch.float32, 1, lora_bench.QUICK_RANK)
+    engine = Engine(e2e.build_model(ctx, config, torch.float32), max_loras=1, max_lora_rank=lora_bench.QUICK_RANK,
+                    enable_prefix_caching=False)  # as in the section: every run prefills every prompt
+    engine.add_lora("a0", sources["a0"])
+    prompts = engine_bench.random_prompts(2, (8, 8), config.vocab_size, lora_bench.PROMPT_SEED)
+
+    def equal_rows():
+        return lora_bench.bitwise_rows(engine, prompts, ["a0", "a0"], 1, [0, 1], {}, ctx.device)
+
+    assert equal_rows() == 2
+
+    def rows_dependent(device_type, dtype, rows, rank, k):
+        base = linear_config(device_type, dtype, rank, k)
+        return LinearConfig(base.block_m, base.block_n, 16, k_chunks=4 if rows < 12 else 1)
+    monkeypatch.setattr(lora_module, "shrink_config", rows_dependent)
+    assert equal_rows() < 2
