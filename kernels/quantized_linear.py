@@ -150,7 +150,7 @@ def _quantized_linear_kernel(
         if ACT_QUANT:
             w = _weight_tile(w_ptr, offs_n, ks, N, K, stride_wn, FORMAT, BITS)
             if FORMAT == 1:  # int8: exact int32 sums over all of K
-                iacc = tl.dot(x, w, iacc)
+                iacc = tl.dot(x, w, iacc, out_dtype=tl.int32)  # stated: Triton < 3.7 defaults to fp32
             else:  # fp8: the tile's partial sum from zero, promoted once per K tile
                 part = tl.dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
                 if grouped:

@@ -81,6 +81,10 @@ def run(args) -> int:
         if not (sep and name and path) or name in loras:
             print(f"invariant-infer serve: --lora-modules takes distinct NAME=PATH, got {value!r}", file=sys.stderr)
             return 2
+        if name == (args.served_model_name or args.model):
+            print(f"invariant-infer serve: --lora-modules: {name!r} is the base model's name; name the adapter "
+                  "otherwise", file=sys.stderr)
+            return 2
         loras[name] = path
     return serve(ServerOptions(
         model_name=args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,

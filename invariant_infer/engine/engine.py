@@ -159,6 +159,7 @@ class Engine(LoraRequests):
         if seq is None:
             return None
         self.scheduler.remove(seq)
+        self._release_draft(seq)
         if not seq.finished:
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
         return self._output(seq)
@@ -337,6 +338,11 @@ class Engine(LoraRequests):
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
         self.scheduler.remove(seq)
+        self._release_draft(seq)
+
+    def _release_draft(self, seq: Sequence) -> None:
+        if self.speculative is not None:  # a draft model's copy of the sequence frees its pages now
+            self.speculative.proposer.release(seq.request_id)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, with_text=self.tokenizer is not None)

@@ -47,7 +47,10 @@ class LoraAdapter:
 
 def _read_source(source):
     """(LoraConfig, PEFT state dict) of a PEFT adapter folder, a PeftModel, or a (config, state) pair."""
-    import peft  # the engine needs PEFT only to read adapters
+    try:
+        import peft  # the engine needs PEFT only to read adapters
+    except ImportError:
+        raise LoraAdapterError("reading LoRA adapters needs PEFT: pip install peft") from None
     if is_peft_model(source):
         name = source.active_adapter
         return source.peft_config[name], peft.get_peft_model_state_dict(source, adapter_name=name)

@@ -71,6 +71,23 @@ class Scheduler:
         self.num_preemptions += 1
         return victim
 
+    def _add_proposals(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        """Extend each running sequence's decode chunk by the proposals the budget and the free pages
+        still hold (arrival order), after every running sequence has its own token: proposals never
+        preempt a sequence or take another's token. Returns the budget left."""
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if budget == 0 or not seq.draft_ids or not chunk.completes:
+                continue
+            extra = min(len(seq.draft_ids), budget)
+            while extra and not self.blocks.can_allocate(seq, chunk.num_tokens + extra):
+                extra -= 1  # verify fewer proposals
+            if extra:
+                self.blocks.allocate(seq, chunk.num_tokens + extra)
+                chunks[i] = ScheduledChunk(seq, chunk.start, chunk.num_tokens + extra, seq.draft_ids[:extra])
+                budget -= extra
+        return budget
+
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -79,19 +96,16 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted below to make room for an earlier one
                 continue
-            pending = seq.num_tokens - seq.num_computed
-            count = min(pending + len(seq.draft_ids), budget)
-            if not self.blocks.can_allocate(seq, count):  # verify fewer proposals rather than preempt
-                count = min(pending, budget)
+            count = min(seq.num_tokens - seq.num_computed, budget)
             while not self.blocks.can_allocate(seq, count):
                 if self.preempt_latest() is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
             self.blocks.allocate(seq, count)
-            draft = seq.draft_ids[:max(0, count - pending)]
-            chunks.append(ScheduledChunk(seq, seq.num_computed, count, draft))
+            chunks.append(ScheduledChunk(seq, seq.num_computed, count))
             budget -= count
+        budget = self._add_proposals(chunks, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.can_admit(seq):

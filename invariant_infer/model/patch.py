@@ -49,7 +49,7 @@ from .lora import (LORA_ATTR, base_linear, check_peft, has_unpatched_lora, lora_
                    refuse_quantized_merge, unwrap_peft)
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
-from .quantization import detach_decompression, quantized_forward, quantized_layers
+from .quantization import detach_decompression, freeze_compressed, is_quantized, quantized_forward, quantized_layers
 from .tensor_parallel import moe_refusal, tp_forwards, tp_layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -231,7 +231,7 @@ def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
     quantized = quantized_layers(model, strict)
     if quantized and sharded:
         raise UnsupportedModelError("quantized models run at tensor-parallel size 1 only")
-    if quantized and adapter.moe is not None:
+    if (quantized or is_quantized(model)) and adapter.moe is not None:
         raise UnsupportedModelError(f"{config.model_type}: quantized mixture-of-experts models are not supported")
     compressed = {f"{name}.{p}" for name, module in model.named_modules() if module in quantized
                   for p, _ in module.named_parameters(recurse=False)}
@@ -314,6 +314,7 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
             _set_forward(module, sharded[module], patched)
         elif module in quantized:
             module._invariant_quantized = quantized[module]
+            freeze_compressed(module)
             _set_forward(module, quantized_forward, patched)
         elif module in adapters:
             setattr(module, LORA_ATTR, True)

@@ -243,7 +243,16 @@ def _fp8_layers(model: nn.Module, config: dict) -> dict[nn.Module, QuantizedLine
     return plans
 
 
-_COMPRESSED = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "input_scale")
+_COMPRESSED = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "input_scale")
+
+
+def freeze_compressed(module: nn.Module) -> None:
+    """Loaders mark every parameter trainable; a compressed weight has no gradient, so a plain
+    forward with autograd on must not look like training it (one set trainable later is refused)."""
+    for name in _COMPRESSED:
+        param = getattr(module, name, None)
+        if isinstance(param, torch.Tensor) and param.requires_grad:
+            param.requires_grad_(False)
 
 
 def quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -53,11 +53,17 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, server: ServerState = 
 @lora_api.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoraAdapterRequest, server: ServerState = Depends(server_state)):
     _serving_adapters(server)
-    if body.lora_name not in {a.name for a in server.engine.list_loras()}:
-        raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is loaded", param="lora_name",
-                       code="lora_not_found")
+
+    def remove(engine) -> bool:  # under the engine's lock: the check and the removal see one state
+        if body.lora_name not in {a.name for a in engine.list_loras()}:
+            return False
+        engine.remove_lora(body.lora_name)
+        return True
     try:
-        await run_in_threadpool(server.async_engine.locked, lambda engine: engine.remove_lora(body.lora_name))
+        removed = await run_in_threadpool(server.async_engine.locked, remove)
     except LoraAdapterError as exc:
         raise APIError(409, str(exc), param="lora_name", code="lora_in_use") from None
+    if not removed:
+        raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is loaded", param="lora_name",
+                       code="lora_not_found")
     return JSON({"success": True, "message": f"LoRA adapter {body.lora_name!r} removed"})

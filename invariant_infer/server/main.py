@@ -88,11 +88,7 @@ def serve(options: ServerOptions) -> int:
         raise ValueError("ServerOptions.model: the checkpoint to serve")
     size = options.tensor_parallel_size
     if size == 1:
-        try:
-            return _serve(options, None, None)
-        except LoraAdapterError as exc:  # a --lora-modules adapter that does not fit
-            print(f"invariant-infer serve: --lora-modules: {exc}", file=sys.stderr)
-            return 2
+        return _serve(options, None, None)
     if options.enable_lora or options.lora_modules:
         print("invariant-infer serve: LoRA adapters run at --tensor-parallel-size 1 only", file=sys.stderr)
         return 2
@@ -114,7 +110,14 @@ def serve(options: ServerOptions) -> int:
 
 
 def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: RankFailure | None) -> int:
-    app = build(options, ranks)
+    try:
+        app = build(options, ranks)
+    except LoraAdapterError as exc:  # a --lora-modules adapter that does not fit
+        print(f"invariant-infer serve: --lora-modules: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # settings the engine refuses (--speculative-config, --max-loras, ...)
+        print(f"invariant-infer serve: {exc}", file=sys.stderr)
+        return 2
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

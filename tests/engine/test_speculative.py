@@ -182,8 +182,8 @@ def test_abort_mid_speculation_frees_every_page(models):
         engine.step()
     assert engine.speculative.stats.num_drafts > 0 and engine.speculative.proposer.blocks.num_used > 0
     assert engine.abort(rid).finish_reason == "abort"
-    assert engine.blocks.num_used == 0 and engine.step() == []
-    assert engine.speculative.proposer.blocks.num_used == 0
+    assert engine.blocks.num_used == 0 and engine.speculative.proposer.blocks.num_used == 0  # at once
+    assert engine.step() == []
 
 
 def test_negative_control_a_row_count_dependent_verify_changes_the_output(monkeypatch):

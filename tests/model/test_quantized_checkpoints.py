@@ -19,7 +19,7 @@ from invariant_infer.model.quantization import quantized_layers, weight_bytes
 from invariant_infer.testing.quantized_checkpoints import save_quantized_checkpoint
 from invariant_infer.testing.random_checkpoints import qwen2_config
 
-pytest.importorskip("compressed_tensors")
+import compressed_tensors  # noqa: E402,F401  (the test extra pins it: a missing install fails, never skips)
 
 # FP8: a static activation scale; *_ASYM: asymmetric packed weights (zero points per group)
 SCHEMES = ["FP8_DYNAMIC", "W8A8", "W4A16", "W8A16", "W4A16_ASYM", "W8A16_ASYM", "FP8_BLOCK", "FP8"]
@@ -71,6 +71,22 @@ def test_weights_stay_compressed(checkpoints, scheme):
     for module in quantized_layers(model):
         assert module.__dict__["forward"].__func__.__name__ == "quantized_forward"
         assert getattr(module, "weight", None) is None or module.weight.dtype in (torch.float8_e4m3fn, torch.int8)
+
+
+@pytest.mark.parametrize("scheme", ["FP8_BLOCK", "W4A16_ASYM"])
+def test_a_forward_with_autograd_on_needs_no_no_grad(checkpoints, scheme):
+    """from_pretrained marks every tensor trainable; make_invariant freezes the compressed ones, so a
+    plain forward (no torch.no_grad) runs and gives the no_grad logits; one made trainable again is
+    refused by name."""
+    model = make_invariant(_load(checkpoints[scheme, torch.bfloat16]))
+    ids = torch.arange(5)[None]
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert torch.equal(model(ids).logits.detach(), expected)
+    layer = next(iter(quantized_layers(model)))
+    layer.weight_scale.requires_grad_(True)
+    with pytest.raises(UnsupportedModelError, match="quantized weights are frozen.*weight_scale"):
+        model(ids)
 
 
 def _decompressed(path, dtype):

@@ -49,7 +49,7 @@ def test_rows_bitwise_equal_alone_and_in_any_batch(checkpoints, dtype):
 
 
 def _per_tensor_forward(self, x):
-    """The vLLM #57016 bug on the same GEMM: one activation scale, the max over the whole batch."""
+    """A dynamic per-tensor activation scale on the same GEMM: one scale, the max over the whole batch."""
     plan = self._invariant_quantized
     x2 = x.reshape(-1, x.shape[-1])
     scale = (x2.float().abs().amax() / 448).clamp(min=1e-12)

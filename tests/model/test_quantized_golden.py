@@ -1,12 +1,10 @@
 """The quantized formats' golden digests (``benchmarks.golden_digests.quantized_digests``, checked with the others by
 ``test_golden_digests.py``): a batch-variant activation scale moves them, and the check names them."""
-import pytest
+import compressed_tensors  # noqa: F401  (the test extra pins it: a missing install fails, never skips)
 import torch
 
 import invariant_infer.model.quantization as quantization
 from benchmarks import golden_digests as golden
-
-pytest.importorskip("compressed_tensors")
 
 
 def _per_tensor(x2, dtype, group=None):

@@ -49,3 +49,11 @@ def test_speculative_config_must_be_a_json_object(capsys):
         with pytest.raises(SystemExit) as exit_info:
             serve_main(["--model", "unused", "--speculative-config", text])
         assert exit_info.value.code == 2 and "--speculative-config" in capsys.readouterr().err
+
+
+def test_a_speculative_config_the_engine_refuses_stops_the_start_with_its_reason(checkpoint, capsys):
+    """Refused before the server listens: exit status 2 and the engine's reason, no traceback."""
+    bad = json.dumps({"method": "eagle", "num_speculative_tokens": 2})
+    assert serve_main(["--model", str(checkpoint), "--dtype", "fp32", "--port", "0", "--speculative-config", bad]) == 2
+    err = capsys.readouterr().err
+    assert "speculative method must be one of" in err and "Traceback" not in err
