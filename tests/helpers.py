@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 from invariant_infer.testing.drift import batch_drift, logits_alone, logits_in_batch
 from invariant_infer.model.families import FAMILIES
-from invariant_infer.kernels import LinearConfig, grouped_linear, linear, linear_config
+from invariant_infer.kernels import LinearConfig, grouped_linear, linear, linear_config, quantized_linear
 from invariant_infer.kernels import launch as launch_mod
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -107,6 +107,17 @@ def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None):
     most = int((expert_offsets[1:] - expert_offsets[:-1]).max())
     cfg = LinearConfig(base.block_m, base.block_n, 16 if most <= 4 else 64)
     return grouped_linear(x, weight, expert_offsets, bias, config=cfg)
+
+
+def per_tensor_scaled_quantized_forward(self, x):
+    """Negative control for a patched fp8 layer: a dynamic per-tensor activation scale, the max over
+    every token of the call (the batch), on the layer's own quantized GEMM."""
+    x2 = x.reshape(-1, x.shape[-1])
+    scale = (x2.float().abs().amax() / 448).clamp(min=1e-12)
+    q = (x2.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = scale.reshape(1, 1).expand(x2.shape[0], x2.shape[1] // 128).contiguous()
+    y = quantized_linear(q, self._invariant_quantized.weight, self.bias, x_scale=scales, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 BPE_WORDS = "the a model token batch score sequence invariant logits prompt completion cat dog runs fast".split()

@@ -9,12 +9,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from helpers import BATCHINGS, batch_mismatches, make_samples
+from helpers import BATCHINGS, batch_mismatches, make_samples, per_tensor_scaled_quantized_forward
 from invariant_infer import make_invariant, pad_sequences, score_sequences
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.engine import Engine
 from invariant_infer.errors import UnsupportedModelError
-from invariant_infer.kernels import LinearConfig, dequantize_weight, linear, linear_config, quantized_linear
+from invariant_infer.kernels import LinearConfig, dequantize_weight, linear, linear_config
 from invariant_infer.model import quantization
 from invariant_infer.model.quantization import prepare_for_peft
 from invariant_infer.testing.quantized_checkpoints import save_quantized_checkpoint
@@ -70,20 +70,12 @@ def test_qlora_logits_bitwise_batch_invariant(checkpoints, fmt, batchings):
     assert batch_mismatches(model, samples, batchings) == []
 
 
-def _per_tensor_forward(self, x):
-    """A dynamic per-tensor activation scale (the max over every token in the batch) on the same GEMM."""
-    x2 = x.reshape(-1, x.shape[-1])
-    scale = (x2.float().abs().amax() / 448).clamp(min=1e-12)
-    q = (x2.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scales = scale.reshape(1, 1).expand(x2.shape[0], x2.shape[1] // 128).contiguous()
-    y = quantized_linear(q, self._invariant_quantized.weight, self.bias, x_scale=scales, out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def test_negative_control_per_tensor_activation_scale_is_caught(checkpoints, monkeypatch):
     """The base layers under the adapter with a per-tensor dynamic scale: the same check catches it."""
     model = qlora_model(checkpoints["FP8_BLOCK"])
-    monkeypatch.setattr(quantization, "_quantized_forward", _per_tensor_forward)
+    monkeypatch.setattr(quantization, "_quantized_forward", per_tensor_scaled_quantized_forward)
     assert batch_mismatches(model, make_samples(model.config.vocab_size, lengths=LENGTHS), BATCHINGS[1:2])
 
 

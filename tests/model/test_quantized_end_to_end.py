@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import MODEL, ServerProcess, completion, choices_of, read_rows, save_tokenizer, write_jsonl
+from helpers import MODEL, ServerProcess, choices_of, completion, per_tensor_scaled_quantized_forward, read_rows
+from helpers import save_tokenizer, write_jsonl
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.cli import demo as demo_cli, score as scoring_cli
@@ -69,21 +70,12 @@ def test_engine_schedules_with_prefix_hits_equal_each_request_alone(checkpoints,
     assert all(_schedule_vs_alone(_model(checkpoints[fmt])))
 
 
-def _per_tensor_forward(self, x):
-    """A dynamic per-tensor activation scale (the max over every token in the step) on the same GEMM."""
-    from invariant_infer.kernels import quantized_linear
-    x2 = x.reshape(-1, x.shape[-1])
-    scale = (x2.float().abs().amax() / 448).clamp(min=1e-12)
-    q = (x2.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scales = scale.reshape(1, 1).expand(x2.shape[0], x2.shape[1] // 128).contiguous()
-    y = quantized_linear(q, self._invariant_quantized.weight, self.bias, x_scale=scales, out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def test_negative_control_per_tensor_activation_scale_changes_engine_outputs(checkpoints):
     model = _model(checkpoints["fp8"])
     for module in quantized_layers(model):
-        module.forward = types.MethodType(_per_tensor_forward, module)
+        module.forward = types.MethodType(per_tensor_scaled_quantized_forward, module)
     assert not all(_schedule_vs_alone(model))
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import batch_mismatches, make_samples
+from helpers import batch_mismatches, make_samples, per_tensor_scaled_quantized_forward
 from invariant_infer import make_invariant
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.errors import UnsupportedModelError
-from invariant_infer.kernels import dequantize_weight, quantized_linear
+from invariant_infer.kernels import dequantize_weight
 from invariant_infer.model.quantization import quantized_layers, weight_bytes
 from invariant_infer.testing.quantized_checkpoints import save_fp8_checkpoint
 from invariant_infer.testing.random_checkpoints import qwen2_config
@@ -48,22 +48,13 @@ def test_rows_bitwise_equal_alone_and_in_any_batch(checkpoints, dtype):
         assert batch_mismatches(model, make_samples(model.config.vocab_size)) == []
 
 
-def _per_tensor_forward(self, x):
-    """A dynamic per-tensor activation scale on the same GEMM: one scale, the max over the whole batch."""
-    plan = self._invariant_quantized
-    x2 = x.reshape(-1, x.shape[-1])
-    scale = (x2.float().abs().amax() / 448).clamp(min=1e-12)
-    q = (x2.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scales = scale.reshape(1, 1).expand(x2.shape[0], x2.shape[1] // 128).contiguous()
-    y = quantized_linear(q, plan.weight, self.bias, x_scale=scales, out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def test_negative_control_per_tensor_activation_scale_is_caught(checkpoints):
     samples = make_samples(512)
     model = make_invariant(_load(checkpoints[torch.bfloat16]))
     for module in quantized_layers(model):
-        module.forward = types.MethodType(_per_tensor_forward, module)
+        module.forward = types.MethodType(per_tensor_scaled_quantized_forward, module)
     with torch.no_grad():
         assert batch_mismatches(model, samples)
 
