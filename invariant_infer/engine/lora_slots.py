@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..model.executor import RankState, worker_command
 from ..model.families import family_of
 from ..model.lora import REFUSED_OPTIONS, LoraRows, attach_slots, is_peft_model
 from .sampling_params import RequestError
@@ -43,6 +45,13 @@ class LoraAdapter:
     sha256: str               # of its weights (names, shapes, bytes) and scalings
     slot: int | None = None   # the device slot holding it, if any
     weights: dict = field(default_factory=dict, repr=False)  # projection -> (A [r, K], B [N, r], scaling)
+
+    def weights_bytes(self) -> bytes:
+        """``weights`` as torch.save bytes, for the other ranks (their socket pickles tensors as
+        shared-memory handles, which another process's authkey cannot open)."""
+        buffer = io.BytesIO()
+        torch.save(self.weights, buffer)
+        return buffer.getvalue()
 
 
 def _read_source(source):
@@ -83,17 +92,18 @@ def _check_config(config) -> None:
 class LoraSlots:
     """The registry and slots of one engine (see the module's docstring)."""
 
-    def __init__(self, model, max_loras: int, max_lora_rank: int):
+    def __init__(self, runner, max_loras: int, max_lora_rank: int):
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be at least 1")
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
-        family = family_of(model.config)
-        dtype = model.get_output_embeddings().weight.dtype
+        dtype = runner.model.get_output_embeddings().weight.dtype
         self.dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-        self.rows = LoraRows()
-        projections = {proj for layer in model.model.layers for proj in family.projections(layer).values()}
-        self.layers = {name: attach_slots(module, self.rows, max_loras, max_lora_rank, self.dtype)
-                       for name, module in model.named_modules() if module in projections}
+        # Under tensor parallelism every rank's runner gets the same slots over its shard.
+        self.runner = runner
+        self.slots = ModelSlots(runner.model, max_loras, max_lora_rank, self.dtype)
+        runner.executor.collective_rpc(_attach_slots_on_rank, (runner.runner_id, max_loras, max_lora_rank, self.dtype),
+                                       lambda: None)
+        self.layers = self.slots.layers
         self.adapters: dict[str, LoraAdapter] = {}
         self.owners: list[str | None] = [None] * max_loras
         self._last_use = [0] * max_loras
@@ -130,7 +140,7 @@ class LoraSlots:
                 raise LoraAdapterError(f"adapter {name!r}: {module} lacks its lora_{missing.pop()}")
             a, b = pairs[module]["A"], pairs[module]["B"]
             slots = self.layers[module]
-            n, k = slots.b.shape[1], slots.a.shape[2]
+            n, k = slots.n, slots.k
             rank = a.shape[0]
             if a.dim() != 2 or b.dim() != 2 or a.shape[1] != k or b.shape != (n, rank):
                 raise LoraAdapterError(f"adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
@@ -180,14 +190,13 @@ class LoraSlots:
             slot = min(free, key=lambda s: (self.owners[s] is not None, self._last_use[s]))
             if self.owners[slot] is not None:
                 self.adapters[self.owners[slot]].slot = None
-            for module, layer in self.layers.items():
-                a, b, scaling = adapter.weights.get(module, (None, None, 0.0))
-                layer.load(slot, a, b, scaling)
+            self.runner.executor.collective_rpc(_load_slot_on_rank, (self.runner.runner_id, slot, adapter.weights_bytes()),
+                                                lambda: self.slots.load(slot, adapter.weights))
             self.owners[slot], adapter.slot = adapter.name, slot
         self._last_use[adapter.slot] = next(self._uses)
         return True
 
-    def rows_for(self, chunks) -> list[tuple[int, torch.Tensor]]:
+    def groups_for(self, chunks) -> list[tuple[int, list[int]]]:
         """(slot, packed row indices) of each adapter among the step's chunks."""
         rows: dict[int, list[int]] = {}
         offset = 0
@@ -196,8 +205,28 @@ class LoraSlots:
                 rows.setdefault(self.adapters[chunk.seq.lora].slot, []).extend(
                     range(offset, offset + chunk.num_tokens))
             offset += chunk.num_tokens
-        device = next(iter(self.layers.values())).a.device
-        return [(slot, torch.tensor(r, dtype=torch.long, device=device)) for slot, r in sorted(rows.items())]
+        return sorted(rows.items())
+
+    def selecting(self, groups):
+        return self.slots.selecting(groups)
+
+
+class ModelSlots:
+    """A model's adapter slots (on every rank): one ``SlotWeights`` per projection, and the rows of
+    the next forward that run each slot."""
+
+    def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype):
+        self.rows = LoraRows()
+        projections = {proj for layer in model.model.layers for proj in family_of(model.config).projections(layer).values()}
+        self.layers = {name: attach_slots(module, self.rows, max_loras, max_lora_rank, dtype)
+                       for name, module in model.named_modules() if module in projections}
+
+    def load(self, slot: int, weights: dict) -> None:
+        """Copy an adapter's weights (projection -> (A, B, scaling)) into ``slot``; projections it
+        does not adapt get rank 0 there."""
+        for module, layer in self.layers.items():
+            a, b, scaling = weights.get(module, (None, None, 0.0))
+            layer.load(slot, a, b, scaling)
 
     @contextlib.contextmanager
     def selecting(self, groups):
@@ -206,6 +235,19 @@ class LoraSlots:
             yield
         finally:
             self.rows.groups = []
+
+
+@worker_command
+def _attach_slots_on_rank(rank: RankState, payload) -> None:
+    runner_id, max_loras, max_lora_rank, dtype = payload
+    runner = rank.held[runner_id][0]
+    runner.loras = ModelSlots(runner.model, max_loras, max_lora_rank, dtype)
+
+
+@worker_command
+def _load_slot_on_rank(rank: RankState, payload) -> None:
+    runner_id, slot, weights = payload
+    rank.held[runner_id][0].loras.load(slot, torch.load(io.BytesIO(weights), weights_only=True))
 
 
 class LoraRequests:
@@ -218,9 +260,7 @@ class LoraRequests:
                              "engine.add_lora(name, peft_model) with max_loras >= 1")
         if not max_loras:
             return
-        if self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters run at tensor-parallel size 1 only")
-        self.loras = self.runner.loras = LoraSlots(self.model, max_loras, max_lora_rank)
+        self.loras = self.runner.loras = LoraSlots(self.runner, max_loras, max_lora_rank)
         self.loras.running = lambda: self.scheduler.running
         self.scheduler.can_admit = self.loras.can_admit
 

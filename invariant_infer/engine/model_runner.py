@@ -105,6 +105,7 @@ class StepMetadata:
     seq_lens: list[int]
     block_tables: list[list[int]]
     num_real_tokens: int
+    lora_groups: list = field(default_factory=list)  # (slot, packed rows) per LoRA adapter (engine.lora_slots)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class StepInputs:
     batch: PagedBatch
     num_real_tokens: int           # the first rows; padding rows follow
     metadata: StepMetadata | None = field(default=None, repr=False)
-    lora_rows: list = field(default_factory=list)  # (slot, packed rows) per LoRA adapter (engine.lora_slots)
+    lora_rows: list = field(default_factory=list)  # metadata.lora_groups' rows as long tensors
 
 
 class ModelRunner:
@@ -163,7 +164,7 @@ class ModelRunner:
             model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
         # Every other rank builds the same runner over its shard, held there under runner_id.
         self.runner_id = next(_RUNNER_IDS)
-        self.loras = None  # the engine's LoraSlots, when it serves adapters
+        self.loras = None  # the engine's LoraSlots (rank 0) or ModelSlots (other ranks), when it serves adapters
         options = dict(num_pages=num_pages, page_size=page_size, invariant=invariant, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, decode_buckets=tuple(decode_buckets))
         self.executor.collective_rpc(_start_runner, (self.runner_id, options), lambda: None)
@@ -190,10 +191,10 @@ class ModelRunner:
         return len(chunks)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        inputs = self.load(self.step_metadata(chunks))
+        metadata = self.step_metadata(chunks)
         if self.loras is not None:
-            inputs.lora_rows = self.loras.rows_for(chunks)
-        return inputs
+            metadata.lora_groups = self.loras.groups_for(chunks)
+        return self.load(metadata)
 
     def step_metadata(self, chunks: list[ScheduledChunk]) -> StepMetadata:
         """The chunks' packed tokens and pages. Padding rows (one token each, at position
@@ -234,8 +235,10 @@ class ModelRunner:
         batch = PagedBatch(self.k_caches, self.v_caches, self.slot_mapping[:tokens], self.query_starts[:seqs + 1],
                            self.seq_lens[:seqs], self.block_tables[:seqs, :width],
                            max(starts[s + 1] - starts[s] for s in range(seqs)), starts, lens, self.invariant)
+        lora_rows = [(slot, torch.tensor(rows, dtype=torch.long, device=self.device))
+                     for slot, rows in metadata.lora_groups]
         return StepInputs(self.input_ids[:tokens][None], self.positions[:tokens][None], batch,
-                          metadata.num_real_tokens, metadata)
+                          metadata.num_real_tokens, metadata, lora_rows)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states [T, H] of the step's real packed tokens (on every rank, in step)."""

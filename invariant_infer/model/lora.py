@@ -18,7 +18,7 @@ QLoRA: a base layer may be a compressed-tensors quantized layer; it runs its qua
 in training, passes the input gradient through its frozen weight (``kernels.quantized_linear_autograd``).
 
 Refused with the reason: other PEFT tuners, DoRA and the other LoRA variants, LoRA biases, LoRA on the
-lm_head or embeddings, LoRA on a tensor-parallel base, and ``lora_dropout > 0`` in train mode
+lm_head or embeddings, a ``PeftModel`` on a tensor-parallel base (the engine's slots serve one), and ``lora_dropout > 0`` in train mode
 (its random mask is drawn for the whole batch). ``merge_and_unload()`` still works: it folds
 ``scaling * B @ A`` into each base weight (rounded to the weight's dtype), so the merged model's
 bits differ from the unmerged adapter's, as they do in PEFT.
@@ -33,6 +33,8 @@ from torch import nn
 
 from ..errors import NonInvariantInputError, UnsupportedModelError
 from ..kernels import linear, linear_autograd
+from ..kernels.configs import linear_config
+from .tensor_parallel import gather_columns, lora_layout
 
 LORA_ATTR = "_invariant_lora"  # on a projection that adds a LoRA delta (its MLP then runs unfused)
 REFUSED_OPTIONS = {  # LoraConfig field -> why
@@ -117,7 +119,8 @@ def lora_layers(model: nn.Module, head: nn.Module | None, quantized, sharded: bo
             raise UnsupportedModelError(f"{name}: LoRA variants ({', '.join(module.lora_variant)}: "
                                         f"{type(next(iter(module.lora_variant.values()))).__name__}) are not supported")
         if sharded:
-            raise UnsupportedModelError("LoRA adapters run at tensor-parallel size 1 only")
+            raise UnsupportedModelError("a PeftModel runs at tensor-parallel size 1 only; serve adapters on a "
+                                        "tensor-parallel model through Engine(..., max_loras=N).add_lora")
         found.append(module)
     return found
 
@@ -148,13 +151,14 @@ def _lora_linear(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Te
 
 
 def add_lora_delta(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   scaling: float) -> torch.Tensor:
+                   scaling: float, expand_config=None) -> torch.Tensor:
     """``out + B(A(x)) * scaling``, as PEFT writes it: x cast to the adapter's dtype, the sum in the
-    promoted dtype (the caller casts back). Every op is per row, so a row's result is its own."""
+    promoted dtype (the caller casts back). Every op is per row, so a row's result is its own.
+    ``expand_config``: the tile config of the whole B, for a rank that holds some of its rows."""
     x = x if x.dtype == a.dtype else x.to(a.dtype)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     shrunk = _lora_linear(x, a, shrink_config(x.device.type, x.dtype, rows, a.shape[0], a.shape[1]))
-    return out + _lora_linear(shrunk, b) * scaling
+    return out + _lora_linear(shrunk, b, expand_config) * scaling
 
 
 def _refuse_train_dropout(layer, adapter: str) -> None:
@@ -198,13 +202,20 @@ class LoraRows:
 
 class SlotWeights:
     """One projection's adapter slots: A [slots, max_rank, K] and B [slots, N, max_rank] allocated
-    once; slot s holds an adapter of rank r (0: none) in ``A[s, :r]`` and ``B[s, :, :r]``."""
+    once; slot s holds an adapter of rank r (0: none) in ``A[s, :r]`` and ``B[s, :, :r]``.
+
+    On a tensor-parallel projection (``tensor_parallel.lora_layout``) each rank runs the arithmetic
+    of one process: a column-parallel one keeps its rows of B (its output shard) and expands with the
+    full B's tile config; a row-parallel one keeps A and B whole and gathers its input's K shards
+    (copies) before the shrink, so every rank adds the one-process delta to the exchanged output."""
 
     def __init__(self, layer: nn.Linear, rows: LoraRows, slots: int, max_rank: int, dtype: torch.dtype):
-        n, k = layer.out_features, layer.in_features  # a quantized layer's weight is compressed
+        self.n, self.k = layer.out_features, layer.in_features  # a quantized layer's weight is compressed
         device = layer.weight_scale.device if hasattr(layer, "weight_scale") else layer.weight.device
         self.rows, self.base_forward = rows, layer.__dict__["forward"]
-        self.a = torch.zeros((slots, max_rank, k), dtype=dtype, device=device)
+        self.layout, self.columns_sharded = lora_layout(layer)
+        n = self.n // self.layout.size if self.columns_sharded else self.n
+        self.a = torch.zeros((slots, max_rank, self.k), dtype=dtype, device=device)
         self.b = torch.zeros((slots, n, max_rank), dtype=dtype, device=device)
         self.ranks, self.scalings = [0] * slots, [0.0] * slots
 
@@ -213,17 +224,24 @@ class SlotWeights:
             self.ranks[slot] = 0
             return
         rank = a.shape[0]
+        if self.columns_sharded:  # DTensor's Shard(0): torch.chunk's rows
+            b = b.chunk(self.layout.size)[self.layout.rank]
         self.a[slot, :rank].copy_(a)
         self.b[slot, :, :rank].copy_(b)
         self.ranks[slot], self.scalings[slot] = rank, scaling
 
     def apply(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if not self.rows.groups:
+            return out
         x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+        if self.layout is not None and not self.columns_sharded:
+            x2 = gather_columns(x2, self.layout)  # the whole K: the shrink reduces it as one process does
         for slot, rows in self.rows.groups:
             rank = self.ranks[slot]
             if rank:
+                expand = linear_config(x.device.type, self.a.dtype, self.n, rank) if self.columns_sharded else None
                 delta = add_lora_delta(out2[rows], x2[rows], self.a[slot, :rank], self.b[slot, :, :rank],
-                                       self.scalings[slot])
+                                       self.scalings[slot], expand)
                 out2.index_copy_(0, rows, delta.to(out2.dtype))
         return out
 

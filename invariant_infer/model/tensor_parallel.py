@@ -35,6 +35,7 @@ from ..errors import NonInvariantInputError, UnsupportedModelError
 from ..kernels.configs import TREE_LEAVES, linear_config, row_parallel_config, tree_leaves
 from ..kernels.fused_linear import silu_mul_linear_partials
 from ..kernels.linear import combine_partials, linear, linear_partials
+from ..kernels.silu_mul import silu_mul
 
 # The styles a module may carry, by role (the families' ``tp_plan="auto"``); any other is refused.
 COLWISE, ROWWISE, GATHER, VOCAB_EMBEDDING, REPLICATED_NORM = (
@@ -204,6 +205,22 @@ def _gathered_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def lora_layout(layer: nn.Linear) -> tuple[TPLayout | None, bool]:
+    """(the TP layout of a projection ``tp_forwards`` serves, or None; whether its output columns
+    are sharded, i.e. column-parallel) for the adapter slots on it (``lora.SlotWeights``)."""
+    layout = getattr(layer, "_invariant_tp", None)
+    if layout is None:
+        return None, False
+    return layout, tuple(layer.weight.placements) == (Shard(0),)
+
+
+def gather_columns(x: torch.Tensor, layout: TPLayout) -> torch.Tensor:
+    """[M, K] from each rank's [M, K / t] (rank order is K order): copies."""
+    gathered = x.new_empty((layout.size * x.shape[0], x.shape[1]))
+    _all_gather(gathered, x.contiguous(), group=layout.group)
+    return gathered.view(layout.size, *x.shape).permute(1, 0, 2).reshape(x.shape[0], -1)
+
+
 def exchange_partials(parts: torch.Tensor, bias, dtype: torch.dtype, layout: TPLayout) -> torch.Tensor:
     """All-gather the ranks' fp32 leaf sums [leaves / t, M, N] into [leaves, M, N] (rank order is
     leaf order) and add them in leaf order, then the bias: the single-process tree's bits."""
@@ -231,6 +248,8 @@ def _rowwise_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     down = self.down_proj
     gate, up = self.gate_proj(x), self.up_proj(x)  # this rank's shards of the intermediate width
     _refuse_grad(down, gate)
+    if getattr(down.forward, "__func__", None) is not _rowwise_forward:  # adapter slots need the product itself
+        return down(silu_mul(gate, up))
     layout = self._invariant_tp
     weight = _local(down.weight)
     parts = silu_mul_linear_partials(gate, up, weight, _rank_config(down, gate, layout))

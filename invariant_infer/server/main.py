@@ -89,9 +89,6 @@ def serve(options: ServerOptions) -> int:
     size = options.tensor_parallel_size
     if size == 1:
         return _serve(options, None, None)
-    if options.enable_lora or options.lora_modules:
-        print("invariant-infer serve: LoRA adapters run at --tensor-parallel-size 1 only", file=sys.stderr)
-        return 2
     if options.kernels != "invariant":
         print("invariant-infer serve: --tensor-parallel-size runs the invariant kernels only", file=sys.stderr)
         return 2
