@@ -41,6 +41,22 @@ MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
+# The family x dtype matrix. Through Triton's interpreter (2 CPU cores in CI) a test runs a cover of
+# it: every family once, the dtypes in turn, so every dtype meets a family; the families meet every
+# dtype in the tests that run them all in bf16 or fp32 (engine, speculation, training, digests).
+# INVARIANT_FULL_MATRIX=1, or a CUDA machine, runs every cell.
+FULL_MATRIX = os.environ.get("INVARIANT_FULL_MATRIX") == "1" or torch.cuda.is_available()
+
+
+def family_dtype_cells(families: list[str], dtypes: list[torch.dtype]) -> list:
+    """(family, dtype) parameters: the whole product under FULL_MATRIX, else the cover above."""
+    if FULL_MATRIX:
+        cells = list(product(families, dtypes))
+    else:
+        cells = [(families[i % len(families)], dtypes[i % len(dtypes)])
+                 for i in range(max(len(families), len(dtypes)))]
+    return [pytest.param(f, d, id=f"{f}-{str(d).removeprefix('torch.')}") for f, d in cells]
+
 def load_model(path, dtype: torch.dtype, device: str = "cpu"):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 

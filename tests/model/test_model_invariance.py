@@ -6,7 +6,7 @@ import torch
 
 import invariant_infer.model.patch
 from helpers import BATCHINGS, DEVICES, DTYPES, FAMILY_NAMES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model
-from helpers import make_samples
+from helpers import family_dtype_cells, make_samples
 from helpers import m_dependent_linear
 from invariant_infer import make_invariant, pad_sequences
 from invariant_infer.testing.drift import logits_alone, logits_in_batch
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.file_minutes(4)  # measured on 2 cores: start it early
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_logits_alone_equal_logits_in_any_batch(family_checkpoint, dtype, device):
-    model = make_invariant(load_model(family_checkpoint, dtype, device))
+@pytest.mark.parametrize("family, dtype", family_dtype_cells(FAMILY_NAMES, DTYPES))
+def test_logits_alone_equal_logits_in_any_batch(family_checkpoints, family, dtype, device):
+    model = make_invariant(load_model(family_checkpoints(family), dtype, device))
     samples = make_samples(model.config.vocab_size)
     assert batch_mismatches(model, samples) == []
 
@@ -59,9 +59,9 @@ def inputs_embeds_script(model):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_inputs_embeds_script(family_checkpoint, dtype, device):
-    batch0, single0 = inputs_embeds_script(make_invariant(load_model(family_checkpoint, dtype, device)))
+@pytest.mark.parametrize("family, dtype", family_dtype_cells(FAMILY_NAMES, DTYPES))
+def test_inputs_embeds_script(family_checkpoints, family, dtype, device):
+    batch0, single0 = inputs_embeds_script(make_invariant(load_model(family_checkpoints(family), dtype, device)))
     assert torch.equal(batch0, single0)
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import invariant_infer.model.experts as hf_experts
 from helpers import BATCHINGS, DEVICES, DTYPES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model, logits_batched
-from helpers import MODEL, ServerProcess, m_dependent_grouped_linear, make_samples, save_tokenizer
+from helpers import MODEL, ServerProcess, family_dtype_cells, m_dependent_grouped_linear, make_samples, save_tokenizer
 from invariant_infer import NonInvariantInputError, UnsupportedModelError, make_invariant, restore
 from invariant_infer.testing.drift import logits_alone
 from invariant_infer.kernels import linear
@@ -57,7 +57,7 @@ def expert_loads(model, run) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family, dtype", family_dtype_cells(MOE_FAMILY_NAMES, DTYPES))
 def test_logits_alone_equal_logits_in_any_batch(family_checkpoints, family, dtype, device):
     model = make_invariant(load_model(family_checkpoints(family), dtype, device))
     assert batch_mismatches(model, make_samples(model.config.vocab_size)) == []
@@ -80,7 +80,7 @@ def test_invariant_at_real_widths_and_control(family, monkeypatch):
     assert batch_mismatches(model, samples, batchings) != []
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family, dtype", family_dtype_cells(MOE_FAMILY_NAMES, DTYPES))
 def test_crowded_and_empty_experts(family_checkpoints, family, dtype):
     """Every token on a few experts (many rows each), the last experts with none."""
     model = crowd(make_invariant(load_model(family_checkpoints(family), dtype)))
@@ -181,7 +181,7 @@ def _relative_error(got, ref):
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-6}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family, dtype", family_dtype_cells(MOE_FAMILY_NAMES, DTYPES))
 def test_accuracy_against_float64(family_checkpoints, family, dtype):
     path, batching = family_checkpoints(family), Batching((0, 1, 2, 3), extra_pad=2)
     samples = make_samples(512)

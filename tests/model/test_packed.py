@@ -6,7 +6,8 @@ from transformers import DataCollatorWithFlattening
 
 import invariant_infer.model.attention
 import invariant_infer.model.patch
-from helpers import DEVICES, FAMILY_NAMES, MOE_FAMILY_NAMES, load_model, m_dependent_linear, make_samples
+from helpers import DEVICES, FAMILY_NAMES, MOE_FAMILY_NAMES, family_dtype_cells, load_model, m_dependent_linear
+from helpers import make_samples
 from invariant_infer import NonInvariantInputError, make_invariant
 from invariant_infer.kernels import attention
 from invariant_infer.kernels.configs import AttentionConfig
@@ -49,9 +50,9 @@ def unequal(got, want) -> list[int]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", PACKED_DTYPES)
-def test_packed_sequences_equal_alone(family_checkpoint, dtype, device):
-    model = make_invariant(load_model(family_checkpoint, dtype, device))
+@pytest.mark.parametrize("family, dtype", family_dtype_cells(FAMILY_NAMES, PACKED_DTYPES))
+def test_packed_sequences_equal_alone(family_checkpoints, family, dtype, device):
+    model = make_invariant(load_model(family_checkpoints(family), dtype, device))
     samples = [s.to(device) for s in make_samples(model.config.vocab_size, LENGTHS)]
     expected = alone(model, samples)
     for flash_kwargs in (False, True):
