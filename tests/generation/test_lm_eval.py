@@ -3,7 +3,8 @@ gives bitwise the same per-sample results at batch size 1 and 8, for a multiple-
 right-padded batches, no attention mask) and a generate_until task (left-padded ``generate`` with
 ``max_length`` and stop strings). Everything is local: a random checkpoint, a word-level tokenizer
 saved next to it, and JSON-lines tasks registered with ``TaskManager(include_path=...)``; sockets are
-blocked while lm-eval runs. Every comparison is exact ``==``."""
+blocked while lm-eval runs. Every comparison is exact ``==``. One cell is a compressed-tensors FP8_BLOCK
+checkpoint, whose control gives its quantized layers a per-tensor activation scale."""
 from __future__ import annotations
 
 import random
@@ -16,15 +17,18 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import invariant_infer.model.patch
-from helpers import LM_EVAL_WORDS, write_local_tasks
+from helpers import LM_EVAL_WORDS, per_tensor_scaled_quantized_forward, write_local_tasks
 import lm_eval  # the test extra: lm-eval[hf]
 from invariant_infer import make_invariant
 from invariant_infer.kernels import linear
 from invariant_infer.kernels.configs import linear_config
+from invariant_infer.model import quantization
+from invariant_infer.testing.quantized_checkpoints import save_quantized_checkpoint
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 from lm_eval.models.huggingface import HFLM
 
 MC_TASK, GEN_TASK = "invariant_mc", "invariant_gen"
+FP8_BLOCK = "qwen2-fp8-block"  # a quantized checkpoint, in place of a family name
 DOCS = 8
 CHOICES = 3
 MAX_GEN_TOKS = 4
@@ -63,8 +67,15 @@ def checkpoints(tmp_path_factory):
         if family not in paths:
             # One layer: lm-eval runs each request alone at batch size 1, dozens of forwards through
             # Triton's interpreter; the model-level tests cover depth.
-            config = random_config(family, "tiny", num_hidden_layers=1, eos_token_id=0, pad_token_id=1)
-            path = save_random_checkpoint(tmp_path_factory.mktemp(f"lm-eval-{family}"), config, seed=0)
+            folder = tmp_path_factory.mktemp(f"lm-eval-{family}")
+            if family == FP8_BLOCK:  # every K a multiple of the 128-wide blocks
+                config = random_config("qwen2", "tiny", num_hidden_layers=1, eos_token_id=0, pad_token_id=1,
+                                       hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                       num_key_value_heads=2)
+                path = save_quantized_checkpoint(folder, config, "FP8_BLOCK")
+            else:
+                config = random_config(family, "tiny", num_hidden_layers=1, eos_token_id=0, pad_token_id=1)
+                path = save_random_checkpoint(folder, config, seed=0)
             _tokenizer().save_pretrained(path)
             paths[family] = path
         return paths[family]
@@ -126,11 +137,13 @@ def reference_store():
     return {}
 
 
-# One dense and one mixture-of-experts family: lm-eval has no family-specific path; every family and
-# dtype is checked at model level (tests/model/test_model_invariance.py, tests/model/test_moe.py), including
+# One dense and one mixture-of-experts family, and a compressed-tensors FP8_BLOCK checkpoint (fp8
+# weights in 128x128 blocks, fp8 activations scaled per token and group of 128): lm-eval has no
+# family-specific path; every family and dtype is checked at model level (tests/model/), including
 # right-padded batches without a mask.
-@pytest.mark.parametrize("family, dtype", [("qwen2", torch.float32), ("mixtral", torch.bfloat16)],
-                         ids=["qwen2-fp32", "mixtral-bf16"])
+@pytest.mark.parametrize("family, dtype", [("qwen2", torch.float32), ("mixtral", torch.bfloat16),
+                                           (FP8_BLOCK, torch.bfloat16)],
+                         ids=["qwen2-fp32", "mixtral-bf16", "qwen2-fp8-block-bf16"])
 def test_lm_eval_results_do_not_depend_on_batch_size(family, dtype, checkpoints, task_manager, offline,
                                                      reference_store):
     model, tokenizer = load(checkpoints(family), dtype)
@@ -168,3 +181,16 @@ def test_negative_control_batch_dependent_linear_is_caught(checkpoints, tasks, o
     batched = evaluate(model, tokenizer, task_manager, 8, (MC_TASK,))
     differ = [doc for doc in range(DOCS) if batched[MC_TASK][doc] != alone[MC_TASK][doc]]
     assert differ, "a batch-dependent linear should change some loglikelihood at batch size 8"
+
+
+def test_negative_control_per_tensor_activation_scale_is_caught(checkpoints, task_manager, offline, reference_store,
+                                                                monkeypatch):
+    """The quantized layers with a dynamic per-tensor activation scale (the max over every token of
+    the batch): lm-eval's batch-size-8 loglikelihoods change."""
+    model, tokenizer = load(checkpoints(FP8_BLOCK), torch.bfloat16)
+    alone = reference_store.get((FP8_BLOCK, torch.bfloat16))
+    if alone is None:  # run on its own
+        alone = evaluate(model, tokenizer, task_manager, 1, (MC_TASK,))
+    monkeypatch.setattr(quantization, "_quantized_forward", per_tensor_scaled_quantized_forward)
+    batched = evaluate(model, tokenizer, task_manager, 8, (MC_TASK,))
+    assert [doc for doc in range(DOCS) if batched[MC_TASK][doc] != alone[MC_TASK][doc]]
