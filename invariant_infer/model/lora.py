@@ -14,7 +14,8 @@ Two holders of adapter weights run the same arithmetic (``add_lora_delta``), so 
 The linear kernel's reduction order depends on the weight shape alone, never on M, so a row's LoRA
 output does not depend on how many rows share its adapter (``shrink_config`` is where a
 rows-dependent split would enter; the tests replace it to show that the invariance checks catch one).
-QLoRA: a base layer may be a compressed-tensors quantized layer; it runs its quantized GEMM and,
+QLoRA: a base layer may be a compressed-tensors quantized layer or transformers' ``FP8Linear`` (its
+``fp8`` format); it runs its quantized GEMM and,
 in training, passes the input gradient through its frozen weight (``kernels.quantized_linear_autograd``).
 
 Refused with the reason: other PEFT tuners, DoRA and the other LoRA variants, LoRA biases, LoRA on the
@@ -109,7 +110,8 @@ def lora_layers(model: nn.Module, head: nn.Module | None, quantized, sharded: bo
     for name, module in model.named_modules():
         if not isinstance(module, peft.tuners.lora.LoraLayer):
             continue
-        if type(module) is not peft.tuners.lora.Linear or type(module.base_layer) is not nn.Linear:
+        if type(module) is not peft.tuners.lora.Linear or (type(module.base_layer) is not nn.Linear
+                                                          and module.base_layer not in quantized):
             raise UnsupportedModelError(f"{name}: LoRA on a {type(module.base_layer).__name__} is not supported "
                                         "(LoRA on the linear projections only)")
         if module is head or module.base_layer is head:
@@ -253,8 +255,8 @@ def _slot_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def attach_slots(layer: nn.Linear, rows: LoraRows, slots: int, max_rank: int, dtype: torch.dtype) -> SlotWeights:
     """Give a patched projection adapter slots (its forward: the patched one, then each row's adapter)."""
-    if "forward" not in layer.__dict__ or type(layer) is not nn.Linear:
-        raise UnsupportedModelError("adapter slots go on the plain nn.Linear projections of a make_invariant model")
+    if "forward" not in layer.__dict__ or not isinstance(layer, nn.Linear):
+        raise UnsupportedModelError("adapter slots go on the nn.Linear projections of a make_invariant model")
     weights = SlotWeights(layer, rows, slots, max_rank, dtype)
     setattr(layer, LORA_ATTR, weights)
     layer.forward = _slot_linear_forward.__get__(layer)

@@ -237,7 +237,7 @@ def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
                   for p, _ in module.named_parameters(recurse=False)}
     for index, layer in enumerate(base.layers):
         for name, proj in adapter.projections(layer).items():
-            if type(base_linear(proj)) is not nn.Linear and proj not in quantized:
+            if type(base_linear(proj)) is not nn.Linear and base_linear(proj) not in quantized:
                 raise _not_plain_linear(f"layers.{index}.{name}", proj)
         if adapter.is_sparse(layer):
             experts_interface.check_sparse_block(adapter, layer.mlp, f"layers.{index}.mlp")

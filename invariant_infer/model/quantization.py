@@ -323,7 +323,9 @@ def prepare_for_peft(model: nn.Module) -> nn.Module:
     ``qweight``, the packed tensor: plain attributes, not parameters, not saved. Returns the model."""
     dtype = model.get_input_embeddings().weight.dtype
     for module in model.modules():
-        if not isinstance(module, nn.Linear) or getattr(module, "quantization_scheme", None) is None:
+        fp8_format = type(module).__name__ == "FP8Linear"  # transformers' fp8 format
+        if not isinstance(module, nn.Linear) or (getattr(module, "quantization_scheme", None) is None
+                                                 and not fp8_format):
             continue
         module.__dict__["compute_dtype"] = dtype
         packed = module._parameters.get("weight_packed")

@@ -1,7 +1,7 @@
 """QLoRA: PEFT LoRA adapters, unmerged, on a quantized base (compressed-tensors W4A16_ASYM and FP8_BLOCK,
-written with compressed-tensors' own compressors). Bitwise batch invariance of the logits and of the
-input gradients, deterministic adapter gradients, the input gradient of the frozen quantized linear
-against float64, the engine's adapter slots on a quantized base, refusals, and negative controls."""
+written with compressed-tensors' own compressors, and transformers' own ``fp8`` format, FP8Linear
+layers). Bitwise batch invariance of the logits and of the input gradients, deterministic adapter
+gradients, the input gradient of the frozen quantized linear against float64, the engine's adapter slots on a quantized base, refusals, and negative controls."""
 import importlib
 
 import pytest
@@ -17,7 +17,7 @@ from invariant_infer.errors import UnsupportedModelError
 from invariant_infer.kernels import LinearConfig, dequantize_weight, linear, linear_config
 from invariant_infer.model import quantization
 from invariant_infer.model.quantization import prepare_for_peft
-from invariant_infer.testing.quantized_checkpoints import save_quantized_checkpoint
+from invariant_infer.testing.quantized_checkpoints import save_fp8_checkpoint, save_quantized_checkpoint
 from invariant_infer.testing.random_checkpoints import qwen2_config
 
 import compressed_tensors  # noqa: E402,F401  (the test extra pins it: a missing install fails, never skips)
@@ -34,7 +34,9 @@ autograd_module = importlib.import_module("invariant_infer.kernels.quantized_lin
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora")
-    return {fmt: save_quantized_checkpoint(root / fmt, qwen2_config("tiny", **CONFIG), fmt, seed=3) for fmt in FORMATS}
+    paths = {fmt: save_quantized_checkpoint(root / fmt, qwen2_config("tiny", **CONFIG), fmt, seed=3) for fmt in FORMATS}
+    paths["fp8"] = save_fp8_checkpoint(root / "fp8", qwen2_config("tiny", **CONFIG), seed=3)
+    return paths
 
 
 def base_model(path):
@@ -59,8 +61,8 @@ def _shifts_logits(model, samples):
 
 
 # left padding with extra pads in reversed order, and right padding (the fp8 interpreter is slower: one)
-@pytest.mark.parametrize(("fmt", "batchings"), [("W4A16_ASYM", BATCHINGS[1:3]), ("FP8_BLOCK", BATCHINGS[1:2])],
-                         ids=FORMATS)
+@pytest.mark.parametrize(("fmt", "batchings"), [("W4A16_ASYM", BATCHINGS[1:3]), ("FP8_BLOCK", BATCHINGS[1:2]),
+                                               ("fp8", BATCHINGS[1:2])], ids=[*FORMATS, "fp8"])
 def test_qlora_logits_bitwise_batch_invariant(checkpoints, fmt, batchings):
     model = qlora_model(checkpoints[fmt])
     lora_a = model.get_base_model().model.layers[0].self_attn.q_proj.lora_A["default"].weight
@@ -72,9 +74,10 @@ def test_qlora_logits_bitwise_batch_invariant(checkpoints, fmt, batchings):
 
 
 
-def test_negative_control_per_tensor_activation_scale_is_caught(checkpoints, monkeypatch):
+@pytest.mark.parametrize("fmt", ["FP8_BLOCK", "fp8"])
+def test_negative_control_per_tensor_activation_scale_is_caught(checkpoints, fmt, monkeypatch):
     """The base layers under the adapter with a per-tensor dynamic scale: the same check catches it."""
-    model = qlora_model(checkpoints["FP8_BLOCK"])
+    model = qlora_model(checkpoints[fmt])
     monkeypatch.setattr(quantization, "_quantized_forward", per_tensor_scaled_quantized_forward)
     assert batch_mismatches(model, make_samples(model.config.vocab_size, lengths=LENGTHS), BATCHINGS[1:2])
 
@@ -93,7 +96,7 @@ def _embeds_grads(model, samples, members, cotangents):
     return [embeds.grad[row][mask[row].bool()] for row in range(len(members))], grads
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "fp8"])
 def test_train_mode_input_grads_batch_invariant_and_adapter_grads_deterministic(checkpoints, fmt):
     model = qlora_model(checkpoints[fmt]).train()
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -116,7 +119,7 @@ def _layer_grad(layer, x, cotangent):
     return x.grad
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "fp8"])
 def test_quantized_linear_input_grad_rows_alone_and_float64(checkpoints, fmt):
     """dX of one frozen quantized layer: each row alone equals its row in the batch, and
     dX = dY @ dequant(W) within bf16 rounding of a float64 reference."""
@@ -160,8 +163,9 @@ def test_trainable_quantized_weight_and_merging_refused(checkpoints):
 
 # ---- the engine -------------------------------------------------------------------------------------
 
-def test_engine_adapter_on_quantized_base_equals_peft_scoring(checkpoints):
-    path = checkpoints["W4A16_ASYM"]
+@pytest.mark.parametrize("fmt", ["W4A16_ASYM", "fp8"])
+def test_engine_adapter_on_quantized_base_equals_peft_scoring(checkpoints, fmt):
+    path = checkpoints[fmt]
     peft_model = qlora_model(path)
     engine = Engine(make_invariant(base_model(path).eval()), max_loras=2, max_lora_rank=8)
     engine.add_lora("a", peft_model)
