@@ -20,7 +20,7 @@ from benchmarks import fuzz, fuzz_engine
 from benchmarks.fuzz_parallel import WorkerFailed, outcomes
 from invariant_infer.model.families import FAMILIES
 
-pytestmark = pytest.mark.file_minutes(2.5)  # measured on 2 cores: start it early
+pytestmark = pytest.mark.file_minutes(1.3)  # measured on 2 cores: start it early
 
 # Small draws so that CI stays fast: 4 samples of up to 12 tokens per family, batches of 1-4.
 SMALL = ["--pool-size", "4", "--max-len", "12", "--long-len", "0", "--max-batch", "4", "--quiet"]

@@ -15,7 +15,7 @@ from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.generation.generate import seeded_sampling
 from invariant_infer.model.padding import left_pad
 
-pytestmark = pytest.mark.file_minutes(5)  # measured on 2 cores: start it early
+pytestmark = pytest.mark.file_minutes(1.8)  # measured on 2 cores: start it early
 
 NEW_TOKENS = 3
 

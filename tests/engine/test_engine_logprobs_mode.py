@@ -13,7 +13,7 @@ from invariant_infer import make_invariant
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.kernels import linear, token_logprobs
 
-pytestmark = pytest.mark.file_minutes(2)  # measured on 2 cores: start it early
+pytestmark = pytest.mark.file_minutes(0.6)  # measured on 2 cores: start it early
 
 T = 0.7
 

@@ -18,6 +18,8 @@ from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.engine.proposers import prompt_lookup
 from invariant_infer.testing.random_checkpoints import qwen2_config, random_model
 
+pytestmark = pytest.mark.file_minutes(1.7)  # measured on 2 cores: start it early
+
 NEW_TOKENS = 12
 
 

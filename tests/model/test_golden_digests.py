@@ -10,6 +10,8 @@ import invariant_infer.model.patch
 from benchmarks import golden_digests as golden
 from helpers import m_dependent_linear
 
+pytestmark = pytest.mark.file_minutes(1.1)  # measured on 2 cores: start it early
+
 
 def _check(device: str) -> None:
     key = golden.backend_key(device)

@@ -13,7 +13,7 @@ from invariant_infer.testing.drift import logits_alone, logits_in_batch
 from invariant_infer.kernels import linear, linear_config
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
-pytestmark = pytest.mark.file_minutes(4)  # measured on 2 cores: start it early
+pytestmark = pytest.mark.file_minutes(1)  # measured on 2 cores: start it early
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,7 +13,7 @@ from invariant_infer.kernels import attention
 from invariant_infer.kernels.configs import AttentionConfig
 from invariant_infer.model.packing import resolve_packed
 
-pytestmark = pytest.mark.file_minutes(3.5)  # measured on 2 cores: start it early
+pytestmark = pytest.mark.file_minutes(0.7)  # measured on 2 cores: start it early
 
 PACKED_DTYPES = [torch.bfloat16, torch.float32]
 # Lengths 1 and 70 (> the CPU kernel's 64-key block and 32-query block) next to short ones.

@@ -25,8 +25,9 @@ from invariant_infer.model import lora as lora_module
 from invariant_infer.parallel import TensorParallelRanks
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor-parallel ranks need a machine "
-                                                                  "without CUDA GPUs")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor-parallel ranks need a machine "
+                                                                   "without CUDA GPUs"),
+              pytest.mark.file_minutes(2.1)]  # measured on 2 cores: start it early
 # 8 query / 4 KV heads of 16, intermediate 256: TP 2 divides every shard and K tree.
 TP_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
                 num_hidden_layers=2)

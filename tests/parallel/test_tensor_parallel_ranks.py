@@ -37,7 +37,7 @@ from invariant_infer.parallel import TensorParallelRanks
 # tensor_parallel benchmark section on machines with two or more).
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor-parallel ranks need a machine "
                                                                    "without CUDA GPUs"),
-              pytest.mark.file_minutes(6)]  # measured on 2 cores: start it early
+              pytest.mark.file_minutes(6.7)]  # measured on 2 cores: start it early
 # 8 query / 4 KV heads of 16, intermediate 256: TP 1, 2 and 4 divide; 3 does not.
 TP_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
 FAILS_WITHIN_S = 10.0  # a rank's death ends the call or the command this soon
