@@ -101,8 +101,8 @@ class LoraSlots:
         # Under tensor parallelism every rank's runner gets the same slots over its shard.
         self.runner = runner
         self.slots = ModelSlots(runner.model, max_loras, max_lora_rank, self.dtype)
-        runner.executor.collective_rpc(_attach_slots_on_rank, (runner.runner_id, max_loras, max_lora_rank, self.dtype),
-                                       lambda: None)
+        runner.executor.collective_rpc(_attach_slots_on_rank,
+                                       (runner.runner_id, max_loras, max_lora_rank, self.dtype), lambda: None)
         self.layers = self.slots.layers
         self.adapters: dict[str, LoraAdapter] = {}
         self.owners: list[str | None] = [None] * max_loras
@@ -190,7 +190,8 @@ class LoraSlots:
             slot = min(free, key=lambda s: (self.owners[s] is not None, self._last_use[s]))
             if self.owners[slot] is not None:
                 self.adapters[self.owners[slot]].slot = None
-            self.runner.executor.collective_rpc(_load_slot_on_rank, (self.runner.runner_id, slot, adapter.weights_bytes()),
+            self.runner.executor.collective_rpc(_load_slot_on_rank,
+                                                (self.runner.runner_id, slot, adapter.weights_bytes()),
                                                 lambda: self.slots.load(slot, adapter.weights))
             self.owners[slot], adapter.slot = adapter.name, slot
         self._last_use[adapter.slot] = next(self._uses)
@@ -217,7 +218,8 @@ class ModelSlots:
 
     def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype):
         self.rows = LoraRows()
-        projections = {proj for layer in model.model.layers for proj in family_of(model.config).projections(layer).values()}
+        family = family_of(model.config)
+        projections = {proj for layer in model.model.layers for proj in family.projections(layer).values()}
         self.layers = {name: attach_slots(module, self.rows, max_loras, max_lora_rank, dtype)
                        for name, module in model.named_modules() if module in projections}
 

@@ -15,14 +15,14 @@ The linear kernel's reduction order depends on the weight shape alone, never on 
 output does not depend on how many rows share its adapter (``shrink_config`` is where a
 rows-dependent split would enter; the tests replace it to show that the invariance checks catch one).
 QLoRA: a base layer may be a compressed-tensors quantized layer or transformers' ``FP8Linear`` (its
-``fp8`` format); it runs its quantized GEMM and,
-in training, passes the input gradient through its frozen weight (``kernels.quantized_linear_autograd``).
+``fp8`` format); it runs its quantized GEMM and, in training, passes the input gradient through its
+frozen weight (``kernels.quantized_linear_autograd``).
 
 Refused with the reason: other PEFT tuners, DoRA and the other LoRA variants, LoRA biases, LoRA on the
-lm_head or embeddings, a ``PeftModel`` on a tensor-parallel base (the engine's slots serve one), and ``lora_dropout > 0`` in train mode
-(its random mask is drawn for the whole batch). ``merge_and_unload()`` still works: it folds
-``scaling * B @ A`` into each base weight (rounded to the weight's dtype), so the merged model's
-bits differ from the unmerged adapter's, as they do in PEFT.
+lm_head or embeddings, a ``PeftModel`` on a tensor-parallel base (the engine's slots serve one), and
+``lora_dropout > 0`` in train mode (its random mask is drawn for the whole batch).
+``merge_and_unload()`` still works: it folds ``scaling * B @ A`` into each base weight (rounded to the
+weight's dtype), so the merged model's bits differ from the unmerged adapter's, as they do in PEFT.
 """
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ class SlotWeights:
         device = layer.weight_scale.device if hasattr(layer, "weight_scale") else layer.weight.device
         self.rows, self.base_forward = rows, layer.__dict__["forward"]
         self.layout, self.columns_sharded = lora_layout(layer)
-        n = self.n // self.layout.size if self.columns_sharded else self.n
+        n = layer.weight.to_local().shape[0] if self.columns_sharded else self.n  # this rank's output shard
         self.a = torch.zeros((slots, max_rank, self.k), dtype=dtype, device=device)
         self.b = torch.zeros((slots, n, max_rank), dtype=dtype, device=device)
         self.ranks, self.scalings = [0] * slots, [0.0] * slots

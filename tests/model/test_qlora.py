@@ -1,7 +1,8 @@
 """QLoRA: PEFT LoRA adapters, unmerged, on a quantized base (compressed-tensors W4A16_ASYM and FP8_BLOCK,
-written with compressed-tensors' own compressors, and transformers' own ``fp8`` format, FP8Linear
-layers). Bitwise batch invariance of the logits and of the input gradients, deterministic adapter
-gradients, the input gradient of the frozen quantized linear against float64, the engine's adapter slots on a quantized base, refusals, and negative controls."""
+written with compressed-tensors' own compressors, and transformers' own ``fp8`` format, FP8Linear layers).
+Bitwise batch invariance of the logits and of the input gradients, deterministic adapter gradients, the
+input gradient of the frozen quantized linear against float64, the engine's adapter slots on a quantized
+base, refusals, and negative controls."""
 import importlib
 
 import pytest
