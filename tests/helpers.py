@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -271,6 +272,13 @@ def save_tokenizer(path) -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
+
+def run_concurrently(function, items, timeout: float = 120) -> list:
+    """``function(item)`` for every item at once, each on its own thread; the results in order (an
+    exception, or a call still running after ``timeout`` seconds, raises here)."""
+    with ThreadPoolExecutor(max(1, len(items))) as pool:
+        return list(pool.map(function, items, timeout=timeout))
+
 
 class ServerProcess:
     def __init__(self, args: list[str], log: Path):

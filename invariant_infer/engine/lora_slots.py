@@ -190,9 +190,10 @@ class LoraSlots:
             slot = min(free, key=lambda s: (self.owners[s] is not None, self._last_use[s]))
             if self.owners[slot] is not None:
                 self.adapters[self.owners[slot]].slot = None
-            self.runner.executor.collective_rpc(_load_slot_on_rank,
-                                                (self.runner.runner_id, slot, adapter.weights_bytes()),
-                                                lambda: self.slots.load(slot, adapter.weights))
+            executor = self.runner.executor
+            weights = adapter.weights_bytes() if executor.tensor_parallel_size > 1 else None  # for the other ranks
+            executor.collective_rpc(_load_slot_on_rank, (self.runner.runner_id, slot, weights),
+                                    lambda: self.slots.load(slot, adapter.weights))
             self.owners[slot], adapter.slot = adapter.name, slot
         self._last_use[adapter.slot] = next(self._uses)
         return True

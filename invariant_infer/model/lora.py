@@ -233,7 +233,7 @@ class SlotWeights:
         self.ranks[slot], self.scalings[slot] = rank, scaling
 
     def apply(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if not self.rows.groups:
+        if not any(self.ranks[slot] for slot, _ in self.rows.groups):  # the same on every rank
             return out
         x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
         if self.layout is not None and not self.columns_sharded:

@@ -9,7 +9,6 @@ one loaded through ``/v1/load_lora_adapter``, as the one-process server does."""
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import requests
@@ -18,7 +17,7 @@ from openai import OpenAI
 from peft import LoraConfig, get_peft_model
 
 import tp_controls
-from helpers import ServerProcess, save_tokenizer
+from helpers import ServerProcess, run_concurrently, save_tokenizer
 from invariant_infer.checkpoints.loading import load_model
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.model import lora as lora_module
@@ -117,17 +116,11 @@ def served_completions(server: ServerProcess, adapters) -> list[dict]:
                            json={"lora_name": "cols", "lora_path": str(adapters["cols"])})
     assert loaded.status_code == 200, loaded.text
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    results = [None] * len(SERVER_REQUESTS)
 
-    def one(i):
-        model, body = SERVER_REQUESTS[i]
-        results[i] = client.completions.create(model=model, **body).model_dump(include={"choices"})
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(SERVER_REQUESTS))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return results
+    def one(request):
+        model, body = request
+        return client.completions.create(model=model, **body).model_dump(include={"choices"})
+    return run_concurrently(one, SERVER_REQUESTS)
 
 
 def test_serve_at_tp2_with_adapters_answers_as_one_process(checkpoint, tmp_path):

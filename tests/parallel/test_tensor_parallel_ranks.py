@@ -23,7 +23,7 @@ import torch
 from openai import OpenAI
 
 import tp_controls
-from helpers import ServerProcess, run_bounded, save_tokenizer
+from helpers import ServerProcess, run_bounded, run_concurrently, save_tokenizer
 from invariant_infer.model import tensor_parallel
 from invariant_infer.model.tensor_parallel import tp_size_of
 from invariant_infer.engine import Engine, SamplingParams
@@ -339,14 +339,7 @@ def completions(server: ServerProcess, checkpoint: str, concurrently: bool) -> l
         return client.completions.create(model=checkpoint, **body).model_dump(include={"choices"})
     if not concurrently:
         return [one(body) for body in REQUESTS]
-    results = [None] * len(REQUESTS)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, one(REQUESTS[i])))
-               for i in range(len(REQUESTS))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return results
+    return run_concurrently(one, REQUESTS)
 
 
 def test_serve_at_tp2_answers_as_tp1_and_sigterm_stops_every_rank(checkpoint, tmp_path):
