@@ -36,26 +36,21 @@ import types
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from . import attention as attention_interface, experts as experts_interface
-from ..errors import NonInvariantInputError, UnsupportedModelError
-from .families import FamilyAdapter, family_of, sliding_window_refusal
+from ..errors import NonInvariantInputError
+from .checks import check_model
 from ..kernels import (linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul, silu_mul_autograd,
                        silu_mul_linear_autograd)
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
-from .lora import (LORA_ATTR, base_linear, check_peft, has_unpatched_lora, lora_layers, peft_lora_forward,
-                   refuse_quantized_merge, unwrap_peft)
+from .lora import (LORA_ATTR, base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge,
+                   unwrap_peft)
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
-from .quantization import detach_decompression, freeze_compressed, is_quantized, quantized_forward, quantized_layers
-from .tensor_parallel import moe_refusal, tp_forwards, tp_layout
+from .quantization import detach_decompression, freeze_compressed, quantized_forward
+from .tensor_parallel import tp_forwards, tp_layout
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SUPPORTED_DEVICES = ("cpu", "cuda")
-# RoPE types whose frequencies do not depend on the sequence length (dynamic/longrope do).
-STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 _STATE_ATTR = "_invariant_infer_state"
 
 
@@ -198,76 +193,6 @@ def _refuse_dropout(base: nn.Module) -> None:
                 "random per token, not batch-invariant. Call model.eval() or load with router_jitter_noise=0.0.")
 
 
-# ---- checks ----------------------------------------------------------------------------------------
-
-def _base_model(model: nn.Module) -> nn.Module:
-    base = getattr(model, "model", model)
-    if not (hasattr(base, "layers") and hasattr(base, "rotary_emb") and hasattr(base, "norm")):
-        raise UnsupportedModelError(f"{type(model).__name__} does not have the decoder layout (model.layers, "
-                                    "model.norm, model.rotary_emb)")
-    return base
-
-
-def _not_plain_linear(name: str, module) -> UnsupportedModelError:
-    kind = "missing" if module is None else f"{type(module).__module__}.{type(module).__name__}"
-    return UnsupportedModelError(f"{name} is {kind}; only plain torch.nn.Linear layers, compressed-tensors layers "
-                                 "and PEFT LoRA layers are supported")
-
-
-def _check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
-    """(adapter, base model, {quantized layer: plan}, [PEFT LoRA layers])."""
-    config = getattr(model, "config", None)
-    adapter = family_of(config)
-    base = _base_model(model)
-    problem = (sharded and moe_refusal(adapter)) or adapter.refuse_config(config) or sliding_window_refusal(config)
-    if problem:
-        raise UnsupportedModelError(f"{config.model_type}: {problem}")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"only the silu MLP is supported, config.hidden_act={config.hidden_act!r}")
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise UnsupportedModelError(f"rope_type {rope_type!r} rescales with sequence length, which depends on "
-                                    f"the batch; supported: {STATIC_ROPE_TYPES}")
-    quantized = quantized_layers(model, strict)
-    if quantized and sharded:
-        raise UnsupportedModelError("quantized models run at tensor-parallel size 1 only")
-    if (quantized or is_quantized(model)) and adapter.moe is not None:
-        raise UnsupportedModelError(f"{config.model_type}: quantized mixture-of-experts models are not supported")
-    compressed = {f"{name}.{p}" for name, module in model.named_modules() if module in quantized
-                  for p, _ in module.named_parameters(recurse=False)}
-    for index, layer in enumerate(base.layers):
-        for name, proj in adapter.projections(layer).items():
-            if type(base_linear(proj)) is not nn.Linear and base_linear(proj) not in quantized:
-                raise _not_plain_linear(f"layers.{index}.{name}", proj)
-        if adapter.is_sparse(layer):
-            experts_interface.check_sparse_block(adapter, layer.mlp, f"layers.{index}.mlp")
-        elif adapter.mlp is None or type(layer.mlp) is not adapter.mlp:
-            expected = [cls.__name__ for cls in (adapter.mlp, adapter.moe and adapter.moe.block) if cls]
-            raise UnsupportedModelError(f"layers.{index}.mlp is {type(layer.mlp).__name__}, not the "
-                                        f"{' or '.join(expected)} the {adapter.model_type} adapter patches")
-        for name in adapter.head_norms:
-            if type(getattr(layer.self_attn, name, None)) is not adapter.rms_norm:
-                raise UnsupportedModelError(f"layers.{index}.self_attn.{name} is not a {adapter.rms_norm.__name__}")
-    for name, module in model.named_modules():  # lm_head, score heads, anything Linear-like
-        if isinstance(module, nn.Linear) and type(module) is not nn.Linear and module not in quantized:
-            raise _not_plain_linear(name or "model", module)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and type(base_linear(head)) is not nn.Linear:
-        raise UnsupportedModelError(f"lm_head is {type(head).__name__}; only a plain torch.nn.Linear is supported")
-    for name, param in model.named_parameters():
-        if name in compressed:
-            continue
-        if param.dtype not in SUPPORTED_DTYPES:
-            raise UnsupportedModelError(f"parameter {name} has dtype {param.dtype}; supported: {SUPPORTED_DTYPES}")
-        if param.device.type not in SUPPORTED_DEVICES:
-            raise UnsupportedModelError(f"parameter {name} is on {param.device}; supported devices: "
-                                        f"{SUPPORTED_DEVICES}")
-        if type(param.data) is not torch.Tensor and not (sharded and isinstance(param.data, DTensor)):
-            raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
-                                        "are supported")
-    return adapter, base, quantized, lora_layers(model, head, quantized, sharded)
-
-
 # ---- public API -------------------------------------------------------------------------------------
 
 # (install, remove) pairs run on every model make_invariant patches, e.g. the generate checks,
@@ -301,7 +226,7 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
         restore(model)  # LoRA layers came after the patch (get_peft_model on a patched model): patch them too
     check_peft(wrapper)
     layout = tp_layout(model)
-    adapter, base, quantized, adapters = _check_model(model, sharded=layout is not None, strict=strict)
+    adapter, base, quantized, adapters = check_model(model, sharded=layout is not None, strict=strict)
     sharded = tp_forwards(model, adapter, base, layout) if layout is not None else {}
     attention_interface.register()
 
