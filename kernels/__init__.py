@@ -10,6 +10,7 @@ from .configs import (LINEAR_CONFIGS, AttentionBackwardConfig, AttentionConfig, 
                       attention_config, linear_config)
 from .fused_linear_autograd import SiluMulLinearFunction, silu_mul_linear_autograd
 from .grouped_linear import grouped_linear, grouped_silu_mul_linear
+from .grouped_quantized_linear import grouped_quantized_linear
 from .linear import linear
 from .linear_autograd import LinearFunction, linear_autograd
 from .moe_routing import moe_routing
@@ -30,7 +31,8 @@ __all__ = [
     "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config", "LinearFunction", "linear_autograd",
     "grouped_linear", "grouped_silu_mul_linear", "moe_routing",
     "paged_attention", "write_kv",
-    "QuantizedLinearConfig", "QuantizedWeight", "dequantize_weight", "quantize_activations", "quantized_linear",
+    "QuantizedLinearConfig", "QuantizedWeight", "dequantize_weight", "grouped_quantized_linear", "quantize_activations",
+    "quantized_linear",
     "QuantizedLinearFunction", "quantized_linear_autograd",
     "rms_norm", "silu_mul", "token_logprobs",
     "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",

@@ -30,7 +30,7 @@ also sums in an order fixed per instruction: the batch-invariance holds on both.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -60,6 +60,16 @@ class QuantizedWeight:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {self.format!r}")
         if self.zero_point is not None and self.format != "packed":
             raise ValueError(f"zero points are for packed weights, not {self.format}")
+
+    @property
+    def experts(self) -> int | None:
+        """How many experts' weights the tensors stack ([E, ...]); None for one weight."""
+        return self.data.shape[0] if self.data.dim() == 3 else None
+
+    def expert(self, index: int) -> QuantizedWeight:
+        """Expert ``index``'s weight of a stacked one: views of its tensors."""
+        zero_point = None if self.zero_point is None else self.zero_point[index]
+        return replace(self, data=self.data[index], scale=self.scale[index], zero_point=zero_point)
 
     @property
     def scale_group_k(self) -> int:
@@ -125,19 +135,15 @@ def _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K, stride_wn, stride
     return (q.to(tl.float32) * s.to(tl.float32)).to(ws_ptr.dtype.element_ty)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _quantized_linear_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, b_ptr, y_ptr, M, N, K,
-    stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn, stride_ym,
-    FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
-    HAS_ZP: tl.constexpr,
-    ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K,
+                   stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
+                   FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr,
+                   SCALE_GROUP_N: tl.constexpr, HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] tile of ``x @ dequant(W)^T`` at (offs_m, offs_n), scales applied:
+    the K loop every quantized GEMM here runs, one order for any M."""
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     grouped = SCALE_GROUP_K < K
@@ -170,9 +176,29 @@ def _quantized_linear_kernel(
             xs = tl.load(xs_ptr + offs_m * stride_xsm, mask=m_mask, other=0.0)
             ws = tl.load(ws_ptr + (offs_n // SCALE_GROUP_N) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
             acc = (acc * xs[:, None]) * ws[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quantized_linear_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, b_ptr, y_ptr, M, N, K,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn, stride_ym,
+    FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K,
+                         stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
+                         FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT,
+                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    out_mask = m_mask[:, None] & (offs_n[None, :] < N)
+    out_mask = (offs_m < M)[:, None] & (offs_n[None, :] < N)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -189,13 +215,13 @@ def _dequantize_kernel(w_ptr, ws_ptr, zp_ptr, out_ptr, N, K, stride_wn, stride_s
              mask=(offs_n[None, :] < N) & (ks[:, None] < K))
 
 
-def _launch_args(weight: QuantizedWeight):
+def launch_args(weight: QuantizedWeight):
     return dict(FORMAT=_FORMAT_CODE[weight.format], BITS=weight.bits if weight.format == "packed" else 8,
                 SCALE_GROUP_K=weight.scale_group_k, SCALE_GROUP_N=BLOCK if weight.block else 1,
                 HAS_ZP=weight.zero_point is not None)
 
 
-def _zero_point_args(weight: QuantizedWeight):
+def zero_point_args(weight: QuantizedWeight):
     zp = weight.zero_point
     return (zp, zp.stride(0)) if zp is not None else (weight.scale, 0)
 
@@ -207,10 +233,31 @@ def dequantize_weight(weight: QuantizedWeight) -> torch.Tensor:
     out = torch.empty((n, k), device=weight.data.device, dtype=weight.scale.dtype)
     cfg = quantized_linear_config(weight.data.device.type, weight)
     launch(_dequantize_kernel, (triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)), weight.data.device,
-           weight.data, weight.scale, _zero_point_args(weight)[0], out, n, k, weight.data.stride(0),
-           weight.scale.stride(0), _zero_point_args(weight)[1], out.stride(0),
-           **_launch_args(weight), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+           weight.data, weight.scale, zero_point_args(weight)[0], out, n, k, weight.data.stride(0),
+           weight.scale.stride(0), zero_point_args(weight)[1], out.stride(0),
+           **launch_args(weight), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     return out
+
+
+def check_activations(name: str, x: torch.Tensor, weight: QuantizedWeight, x_scale: torch.Tensor | None,
+                      out_dtype: torch.dtype | None) -> None:
+    """Refuse activations (and their scales) that ``weight``'s format does not take."""
+    k = weight.shape[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"{name}: x has {x.shape[-1]} features, weight expects {k}")
+    if x_scale is not None:
+        expected = torch.int8 if weight.format == "int8" else torch.float8_e4m3fn
+        if x.dtype != expected or out_dtype is None:
+            raise TypeError(f"{name}: {weight.format} weights take {expected} activations and an "
+                            f"out_dtype, got {x.dtype}")
+        if weight.format == "packed" or (weight.format == "int8" and weight.scale_group_k < k):
+            raise ValueError("quantized activations take fp8 or per-channel int8 weights")
+        groups = x_scale.shape[-1]
+        if groups != (k // BLOCK if weight.scale_group_k < k else 1) or (groups > 1 and weight.scale_group_k != BLOCK):
+            raise ValueError(f"x_scale has {groups} groups per token, weight {weight.format} needs "
+                             f"{k // BLOCK if weight.scale_group_k < k else 1}")
+    elif x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{name}: weight-only activations must be bf16 or fp16, got {x.dtype}")
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
@@ -221,22 +268,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     ``x`` [..., K] is bf16/fp16 (weight-only), or fp8/int8 values from ``quantize_activations``
     with their fp32 ``x_scale`` [..., 1 or K / 128]; then ``out_dtype`` is the output's dtype."""
     n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"quantized_linear: x has {x.shape[-1]} features, weight expects {k}")
+    check_activations("quantized_linear", x, weight, x_scale, out_dtype)
     act_quant = x_scale is not None
-    if act_quant:
-        expected = torch.int8 if weight.format == "int8" else torch.float8_e4m3fn
-        if x.dtype != expected or out_dtype is None:
-            raise TypeError(f"quantized_linear: {weight.format} weights take {expected} activations and an "
-                            f"out_dtype, got {x.dtype}")
-        if weight.format == "packed" or (weight.format == "int8" and weight.scale_group_k < k):
-            raise ValueError("quantized activations take fp8 or per-channel int8 weights")
-        groups = x_scale.shape[-1]
-        if groups != (k // BLOCK if weight.scale_group_k < k else 1) or (groups > 1 and weight.scale_group_k != BLOCK):
-            raise ValueError(f"x_scale has {groups} groups per token, weight {weight.format} needs "
-                             f"{k // BLOCK if weight.scale_group_k < k else 1}")
-    elif x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"quantized_linear: weight-only activations must be bf16 or fp16, got {x.dtype}")
     out_dtype = out_dtype or x.dtype
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -247,10 +280,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     cfg = config or quantized_linear_config(x.device.type, weight)
     if m:
         launch(_quantized_linear_kernel, (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)), x.device,
-               x2, xs2, weight.data, weight.scale, _zero_point_args(weight)[0], bias if bias is not None else x2, y,
+               x2, xs2, weight.data, weight.scale, zero_point_args(weight)[0], bias if bias is not None else x2, y,
                m, n, k, x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0),
-               _zero_point_args(weight)[1], y.stride(0),
-               **_launch_args(weight), ACT_QUANT=act_quant, HAS_BIAS=bias is not None,
+               zero_point_args(weight)[1], y.stride(0),
+               **launch_args(weight), ACT_QUANT=act_quant, HAS_BIAS=bias is not None,
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=DOT_PRECISION,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*x.shape[:-1], n)

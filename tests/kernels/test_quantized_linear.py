@@ -14,7 +14,7 @@ BATCH_SIZES = [1, 2, 5, 16, 33, 70]
 TOLERANCE = {torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 
-def _weight(fmt, scale_dtype, seed=0):
+def quantized_weight(fmt, scale_dtype, seed=0):
     """(QuantizedWeight, its dense dequantized values in float64 by the format's definition)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     g = torch.Generator().manual_seed(seed)
@@ -61,7 +61,7 @@ def _run_w8a8(x, weight, target, group, bias=None):
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", WEIGHT_ONLY)
 def test_weight_only_accuracy_and_dequantization(act, fmt):
-    weight, dense = _weight(fmt, act)
+    weight, dense = quantized_weight(fmt, act)
     # The in-loop dequantization: (q * scale) rounded once to the scale dtype, exactly.
     assert torch.equal(dequantize_weight(weight), dense.to(act))
     x = torch.randn(37, K).to(act)
@@ -74,7 +74,7 @@ def test_weight_only_accuracy_and_dequantization(act, fmt):
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt,target,group", W8A8)
 def test_w8a8_accuracy(act, fmt, target, group):
-    weight, dense = _weight(fmt, act)
+    weight, dense = quantized_weight(fmt, act)
     x = torch.randn(37, K).to(act)
     q, scale = quantize_activations(x, target, group)
     x_dense = (q.double().unflatten(1, (scale.shape[1], -1)) * scale.double()[..., None]).flatten(1)
@@ -97,7 +97,7 @@ def _assert_rows_invariant(run, act):
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", ["int4", "int4_asym", "packed8", "fp8"])
 def test_weight_only_row_alone_equals_row_in_any_batch(act, fmt):
-    weight, _ = _weight(fmt, act)
+    weight, _ = quantized_weight(fmt, act)
     b = torch.randn(N).to(act)
     _assert_rows_invariant(lambda x: quantized_linear(x, weight, b), act)
 
@@ -105,14 +105,14 @@ def test_weight_only_row_alone_equals_row_in_any_batch(act, fmt):
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt,target,group", W8A8)
 def test_w8a8_row_alone_equals_row_in_any_batch(act, fmt, target, group):
-    weight, _ = _weight(fmt, act)
+    weight, _ = quantized_weight(fmt, act)
     b = torch.randn(N).to(act)
     _assert_rows_invariant(lambda x: _run_w8a8(x, weight, target, group, b), act)
 
 
 def test_negative_control_per_tensor_activation_scale_breaks_invariance():
     """The same GEMM fed a per-tensor dynamic scale (the max over the batch): rows change with their batch."""
-    weight, _ = _weight("fp8", torch.bfloat16)
+    weight, _ = quantized_weight("fp8", torch.bfloat16)
     x = torch.randn(8, K).bfloat16()
     x[3] *= 40
 
@@ -127,7 +127,7 @@ def test_negative_control_per_tensor_activation_scale_breaks_invariance():
 
 
 def test_negative_control_m_dependent_block_k_breaks_invariance():
-    weight, _ = _weight("int4", torch.float16)
+    weight, _ = quantized_weight("int4", torch.float16)
     x = torch.randn(8, K).half()
     pick = lambda x: QuantizedLinearConfig(64, 64, 16 if x.shape[0] <= 4 else 64)  # noqa: E731
     batched = quantized_linear(x, weight, config=pick(x)).float()
@@ -142,8 +142,8 @@ def test_config_never_depends_on_m():
 
 
 def test_rejects_mismatched_operands():
-    weight, _ = _weight("int4", torch.bfloat16)
+    weight, _ = quantized_weight("int4", torch.bfloat16)
     with pytest.raises(TypeError, match="bf16 or fp16"):
         quantized_linear(torch.randn(2, K), weight)
     with pytest.raises(TypeError, match="take"):
-        quantized_linear(torch.randn(2, K).bfloat16(), _weight("fp8", torch.bfloat16)[0], x_scale=torch.ones(2, 1))
+        quantized_linear(torch.randn(2, K).bfloat16(), quantized_weight("fp8", torch.bfloat16)[0], x_scale=torch.ones(2, 1))
