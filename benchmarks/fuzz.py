@@ -315,7 +315,7 @@ def parse(argv=None):
                 "pass --dtypes bf16,fp16")
     args.models = model_names(args.families, args.formats) if args.formats else list(args.families)
     if not args.models:
-        p.error(f"--formats {','.join(args.formats)}: no model; quantized formats apply to the dense families")
+        p.error(f"--formats {','.join(args.formats)}: no model; the compressed-tensors formats apply to the dense families")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
     args.argv = argv

@@ -1,13 +1,15 @@
 """The fuzz's quantized models: ``--formats`` turns each family into one model per checkpoint format,
 named ``family:FORMAT`` (``family`` alone for the unquantized model, format ``none``); the
-quantized formats apply to the dense families (the mixture-of-experts ones keep ``none`` only).
+compressed-tensors formats apply to the dense families, transformers' ``fp8`` also to the
+mixture-of-experts ones (experts included, Qwen2-MoE's one-output shared-expert gate kept dense).
 
 Each quantized model is the family's fuzz model at widths the formats need (every K and N a multiple
 of 128: hidden 128, 2 heads of 64 on 2 KV heads, intermediate 256), written per dtype with
 compressed-tensors' own compressors (or in transformers' ``fp8`` format) and loaded with
 ``from_pretrained`` in ``quantized_loading()``, as users load them. The negative control's
 batch-variant paths for these layers: a dynamic *per-tensor* activation scale (the max over the
-whole batch) and, for weight-only layers, a quantized GEMM whose BLOCK_K is picked by M.
+whole batch; in the experts, over every routed row) and, for weight-only layers, a quantized GEMM
+whose BLOCK_K is picked by M.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 import invariant_infer.model.quantization as quantization
+import invariant_infer.model.quantized_experts as quantized_experts
 from invariant_infer.model.families import FAMILIES
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.kernels import quantized_linear
@@ -42,9 +45,9 @@ def split(model: str) -> tuple[str, str | None]:
 
 def model_names(families, formats) -> list[str]:
     """The fuzz's models: each family in each format, in that order (``none``: the family itself).
-    Quantized formats only for the dense families: make_invariant refuses quantized experts."""
+    MoE families in ``none`` and ``fp8`` only: make_invariant refuses compressed-tensors MoE models."""
     return [f if fmt == "none" else f"{f}:{fmt}" for f in families for fmt in formats
-            if fmt == "none" or FAMILIES[f].moe is None]
+            if fmt in ("none", "fp8") or FAMILIES[f].moe is None]
 
 
 def quant_overrides(family: str) -> dict:
@@ -61,7 +64,9 @@ def write_and_load(path: Path, config: PretrainedConfig, fmt: str, seed: int, dt
     with contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars
         if not path.exists():
             if fmt == "fp8":
-                save_fp8_checkpoint(path, config, seed=seed, dtype=dtype)
+                moe = FAMILIES[config.model_type].moe
+                dense = ["lm_head", "shared_expert_gate"] if moe is not None and moe.shared_expert else None
+                save_fp8_checkpoint(path, config, seed=seed, dtype=dtype, modules_to_not_convert=dense)
             else:
                 save_quantized_checkpoint(path, config, fmt, seed=seed, dtype=dtype)
         with quantized_loading():
@@ -90,10 +95,11 @@ def m_dependent_quantized_linear(x, weight, bias=None, x_scale=None, out_dtype=N
 @contextlib.contextmanager
 def batch_variant_quantized_layers():
     """The quantized layers' two batch-variant paths (see the module docstring), put back on exit."""
-    originals = quantization.quantize_activations, quantization.quantized_linear
-    quantization.quantize_activations = per_tensor_activations
+    originals = quantization.quantize_activations, quantization.quantized_linear, quantized_experts.quantize_activations
+    quantization.quantize_activations = quantized_experts.quantize_activations = per_tensor_activations
     quantization.quantized_linear = m_dependent_quantized_linear
     try:
         yield
     finally:
-        quantization.quantize_activations, quantization.quantized_linear = originals
+        (quantization.quantize_activations, quantization.quantized_linear,
+         quantized_experts.quantize_activations) = originals

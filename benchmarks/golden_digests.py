@@ -195,20 +195,28 @@ def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True
 # formats); activations are bf16 (weight-only formats need 16-bit activations). Keys: quant/<format>/bf16/<case>.
 
 QUANT_FAMILY = "qwen2"
-QUANT_FORMATS = ("FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "fp8")
+QUANT_FORMATS = ("FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "fp8", "fp8-moe")
 QUANT_WIDTHS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2)
+# fp8-moe: qwen3_moe in transformers' fp8 format, experts included (128x128 blocks need widths of 128).
+QUANT_MOE_WIDTHS = dict(hidden_size=128, moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=4)
+
+
+def quant_family(fmt: str) -> str:
+    return "qwen3_moe" if fmt == "fp8-moe" else QUANT_FAMILY
 
 
 def write_quantized_checkpoint(fmt: str, path: Path) -> Path:
     from invariant_infer.testing.quantized_checkpoints import save_fp8_model, save_quantized_model
 
-    config = FAMILIES[QUANT_FAMILY].config_class(**{**CONFIGS[QUANT_FAMILY], **QUANT_WIDTHS})
+    family = quant_family(fmt)
+    widths = QUANT_MOE_WIDTHS if fmt == "fp8-moe" else QUANT_WIDTHS
+    config = FAMILIES[family].config_class(**{**CONFIGS[family], **widths})
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(parameter_values(name, tuple(param.shape)))
     model = model.to(torch.bfloat16).eval()
-    return save_fp8_model(model, path) if fmt == "fp8" else save_quantized_model(model, path, fmt)
+    return save_fp8_model(model, path) if fmt.startswith("fp8") else save_quantized_model(model, path, fmt)
 
 
 def quantized_digests(device: str, tmp: Path, formats=QUANT_FORMATS, progress=None) -> dict[str, str]:
@@ -217,7 +225,7 @@ def quantized_digests(device: str, tmp: Path, formats=QUANT_FORMATS, progress=No
         path = write_quantized_checkpoint(fmt, tmp / f"quant-{fmt}")
         with quantized_loading():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-        out.update(model_digests(make_invariant(model), QUANT_FAMILY, f"quant/{fmt}/bf16"))
+        out.update(model_digests(make_invariant(model), quant_family(fmt), f"quant/{fmt}/bf16"))
         if progress:
             progress(f"quant/{fmt}")
     return out

@@ -11,7 +11,8 @@ from . import experts as experts_interface
 from ..errors import UnsupportedModelError
 from .families import family_of, sliding_window_refusal
 from .lora import base_linear, lora_layers
-from .quantization import is_quantized, quantized_layers
+from .quantization import quantization_method, quantized_layers
+from .quantized_experts import quantized_experts
 from .tensor_parallel import moe_refusal
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -35,7 +36,7 @@ def _not_plain_linear(name: str, module) -> UnsupportedModelError:
 
 
 def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
-    """(adapter, base model, {quantized layer: plan}, [PEFT LoRA layers])."""
+    """(adapter, base model, {quantized layer: plan}, {quantized experts: plan}, [PEFT LoRA layers])."""
     config = getattr(model, "config", None)
     adapter = family_of(config)
     base = base_model(model)
@@ -51,16 +52,20 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
     quantized = quantized_layers(model, strict)
     if quantized and sharded:
         raise UnsupportedModelError("quantized models run at tensor-parallel size 1 only")
-    if (quantized or is_quantized(model)) and adapter.moe is not None:
-        raise UnsupportedModelError(f"{config.model_type}: quantized mixture-of-experts models are not supported")
-    compressed = {f"{name}.{p}" for name, module in model.named_modules() if module in quantized
+    experts = quantized_experts(model)
+    if adapter.moe is not None and quantization_method(model) == "compressed-tensors":
+        raise UnsupportedModelError(
+            f"{config.model_type}: compressed-tensors mixture-of-experts checkpoints are not supported: transformers "
+            "decompresses their experts to the float dtype at load. Quantized experts are supported in transformers' "
+            "fp8 format (weight_block_size [128, 128], as the official Qwen3 MoE FP8 checkpoints)")
+    compressed = {f"{name}.{p}" for name, module in model.named_modules() if module in quantized or module in experts
                   for p, _ in module.named_parameters(recurse=False)}
     for index, layer in enumerate(base.layers):
         for name, proj in adapter.projections(layer).items():
             if type(base_linear(proj)) is not nn.Linear and base_linear(proj) not in quantized:
                 raise _not_plain_linear(f"layers.{index}.{name}", proj)
         if adapter.is_sparse(layer):
-            experts_interface.check_sparse_block(adapter, layer.mlp, f"layers.{index}.mlp")
+            experts_interface.check_sparse_block(adapter, layer.mlp, f"layers.{index}.mlp", experts, quantized)
         elif adapter.mlp is None or type(layer.mlp) is not adapter.mlp:
             expected = [cls.__name__ for cls in (adapter.mlp, adapter.moe and adapter.moe.block) if cls]
             raise UnsupportedModelError(f"layers.{index}.mlp is {type(layer.mlp).__name__}, not the "
@@ -85,4 +90,5 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
         if type(param.data) is not torch.Tensor and not (sharded and isinstance(param.data, DTensor)):
             raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
                                         "are supported")
-    return adapter, base, quantized, lora_layers(model, head, quantized, sharded)
+    return adapter, base, quantized, experts, lora_layers(model, head, quantized, sharded)
+

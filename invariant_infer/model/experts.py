@@ -28,7 +28,7 @@ _EXPERT_LAYOUT = dict(has_gate=True, has_bias=False, is_transposed=False, is_con
                       has_post_expert_norm=False)
 
 
-def _refuse_grad(*tensors) -> None:
+def refuse_grad(*tensors) -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise UnsupportedModelError(
             "MoE training is not supported: the invariant router and experts have no backward (and the router "
@@ -60,24 +60,33 @@ def combine(pair_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                              top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``invariant`` experts implementation: [T, H], [T, k] experts, [T, k] weights -> [T, H]."""
-    _refuse_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj)
+def routed_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   num_experts: int, run_sorted) -> torch.Tensor:
+    """Sort the (token, slot) pairs by expert (stable), run ``run_sorted(token_of_pair, offsets)``
+    on them ([S] token indices in sorted order -> [S, H]), put the rows back and ``combine``."""
     tokens, top_k = top_k_index.shape
     by_expert, order = torch.sort(top_k_index.reshape(-1), stable=True)
     # offsets[e] = pairs routed to experts below e; searchsorted needs no host sync (bincount does)
-    offsets = torch.searchsorted(by_expert, torch.arange(self.num_experts + 1, device=by_expert.device))
-    sorted_out = expert_forward(hidden_states[order // top_k], self.gate_up_proj, self.down_proj, offsets)
+    offsets = torch.searchsorted(by_expert, torch.arange(num_experts + 1, device=by_expert.device))
+    sorted_out = run_sorted(order // top_k, offsets)
     pair_outputs = torch.empty_like(sorted_out)
     pair_outputs[order] = sorted_out  # a permutation: every row written once
     return combine(pair_outputs.view(tokens, top_k, -1), top_k_weights).to(hidden_states.dtype)
 
 
+def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``invariant`` experts implementation: [T, H], [T, k] experts, [T, k] weights -> [T, H]."""
+    refuse_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj)
+    return routed_forward(hidden_states, top_k_index, top_k_weights, self.num_experts,
+                          lambda tokens, offsets: expert_forward(hidden_states[tokens], self.gate_up_proj,
+                                                                 self.down_proj, offsets))
+
+
 def router_forward(layout: MoeLayout):
     """The router forward of one family: (router logits, routing weights, expert indices), as stock."""
     def forward(self, hidden_states: torch.Tensor):
-        _refuse_grad(hidden_states, self.weight)
+        refuse_grad(hidden_states, self.weight)
         logits = linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
         weights, experts = route(logits, self.top_k, layout.normalize(self))
         return logits, weights.to(logits.dtype) if layout.weights_in_logits_dtype else weights, experts
@@ -100,32 +109,46 @@ def shared_expert_block_forward(self, hidden_states: torch.Tensor) -> torch.Tens
     return (routed + gate.to(shared.dtype) * shared).reshape(batch, length, hidden)
 
 
-def _check_shared_expert(adapter: FamilyAdapter, block: nn.Module, where: str) -> None:
+def _check_shared_expert(adapter: FamilyAdapter, block: nn.Module, where: str, quantized) -> None:
     shared, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
     if type(shared) is not adapter.mlp:
         raise UnsupportedModelError(f"{where}.shared_expert is {type(shared).__name__}, not {adapter.mlp.__name__}")
     for name, proj in [(f"shared_expert.{n}", getattr(shared, n, None)) for n in adapter.mlp_projections] + \
             [("shared_expert_gate", gate)]:
-        if type(proj) is not nn.Linear:
+        if type(proj) is not nn.Linear and proj not in quantized:
             raise UnsupportedModelError(f"{where}.{name} is {type(proj).__name__}; only plain torch.nn.Linear "
-                                        "layers are supported")
+                                        "layers and quantized checkpoints' layers are supported")
     if gate.out_features != 1:
         raise UnsupportedModelError(f"{where}.shared_expert_gate has {gate.out_features} outputs; expected 1")
 
 
-def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str) -> None:
-    """Refuse a sparse MoE block the invariant forwards do not compute exactly."""
+def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str, quantized_experts=(),
+                       quantized_layers=()) -> None:
+    """Refuse a sparse MoE block the invariant forwards do not compute exactly. Experts in
+    ``quantized_experts`` (checked by ``model.quantized_experts``) and quantized shared-expert
+    layers in ``quantized_layers`` are accepted as they are."""
     layout = adapter.moe
     router, experts = getattr(block, "gate", None), getattr(block, "experts", None)
     if type(router) is not layout.router:
         raise UnsupportedModelError(f"{where}.gate is {type(router).__name__}, not the {layout.router.__name__} "
                                     "router the invariant routing replaces")
-    if type(experts) is not layout.experts:
-        raise UnsupportedModelError(f"{where}.experts is {type(experts).__name__}, not {layout.experts.__name__} "
-                                    "(quantized or replaced experts are not supported)")
+    if layout.shared_expert:
+        _check_shared_expert(adapter, block, where, quantized_layers)
     if getattr(experts, "_is_expert_parallel", False):
         raise UnsupportedModelError(f"{where}.experts is expert-parallel: expert parallelism is not supported "
                                     "(load the model on one device)")
+    if experts not in quantized_experts:
+        _check_dense_experts(layout, experts, where)
+    if router.weight.shape != (experts.num_experts, experts.gate_up_proj.shape[2]):
+        raise UnsupportedModelError(f"{where}.gate.weight has shape {tuple(router.weight.shape)}; expected "
+                                    f"({experts.num_experts}, {experts.gate_up_proj.shape[2]})")
+
+
+def _check_dense_experts(layout: MoeLayout, experts: nn.Module, where: str) -> None:
+    if type(experts) is not layout.experts:
+        raise UnsupportedModelError(f"{where}.experts is {type(experts).__name__}, not {layout.experts.__name__} "
+                                    "(replaced experts are not supported; quantized ones are in transformers' fp8 format, "
+                                    "FP8Experts)")
     for name, value in _EXPERT_LAYOUT.items():
         if getattr(experts, name, value) != value:
             raise UnsupportedModelError(f"{where}.experts has {name}={getattr(experts, name)}; the invariant experts "
@@ -133,13 +156,8 @@ def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str) -> 
     for name in ("gate_up_proj", "down_proj"):
         weight = getattr(experts, name, None)
         if type(weight) is not nn.Parameter or weight.dim() != 3:
-            raise UnsupportedModelError(f"{where}.experts.{name} is not a 3-D parameter (quantized or packed experts "
-                                        "are not supported)")
-    if layout.shared_expert:
-        _check_shared_expert(adapter, block, where)
-    if router.weight.shape != (experts.num_experts, experts.gate_up_proj.shape[2]):
-        raise UnsupportedModelError(f"{where}.gate.weight has shape {tuple(router.weight.shape)}; expected "
-                                    f"({experts.num_experts}, {experts.gate_up_proj.shape[2]})")
+            raise UnsupportedModelError(f"{where}.experts.{name} is not a 3-D parameter (packed experts outside "
+                                        "transformers' fp8 format are not supported)")
 
 
 def register() -> None:

@@ -49,6 +49,7 @@ from .lora import (LORA_ATTR, base_linear, check_peft, has_unpatched_lora, peft_
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, freeze_compressed, quantized_forward
+from .quantized_experts import quantized_experts_forward
 from .tensor_parallel import tp_forwards, tp_layout
 
 _STATE_ATTR = "_invariant_infer_state"
@@ -226,7 +227,7 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
         restore(model)  # LoRA layers came after the patch (get_peft_model on a patched model): patch them too
     check_peft(wrapper)
     layout = tp_layout(model)
-    adapter, base, quantized, adapters = check_model(model, sharded=layout is not None, strict=strict)
+    adapter, base, quantized, experts, adapters = check_model(model, sharded=layout is not None, strict=strict)
     sharded = tp_forwards(model, adapter, base, layout) if layout is not None else {}
     attention_interface.register()
 
@@ -237,10 +238,10 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     for module in model.modules():
         if module in sharded:
             _set_forward(module, sharded[module], patched)
-        elif module in quantized:
-            module._invariant_quantized = quantized[module]
+        elif module in quantized or module in experts:
+            module._invariant_quantized = quantized.get(module) or experts[module]
             freeze_compressed(module)
-            _set_forward(module, quantized_forward, patched)
+            _set_forward(module, quantized_forward if module in quantized else quantized_experts_forward, patched)
         elif module in adapters:
             setattr(module, LORA_ATTR, True)
             _set_forward(module, peft_lora_forward, patched)

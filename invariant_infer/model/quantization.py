@@ -68,6 +68,11 @@ def describe_quantization(model: nn.Module) -> str:
     return str(method or "unquantized")
 
 
+def quantization_method(model: nn.Module) -> str | None:
+    """The checkpoint's ``quant_method`` ("compressed-tensors", "fp8", ...), None for a dense model."""
+    return _checkpoint_config(model).get("quant_method")
+
+
 def is_quantized(model: nn.Module) -> bool:
     return bool(_checkpoint_config(model)) or getattr(model, "hf_quantizer", None) is not None
 
@@ -223,8 +228,10 @@ def _fp8_layers(model: nn.Module, config: dict) -> dict[nn.Module, QuantizedLine
         kind = type(module).__name__
         if not type(module).__module__.startswith("transformers.integrations.finegrained_fp8"):
             continue
+        if kind == "FP8Experts":  # model.quantized_experts
+            continue
         if kind != "FP8Linear":
-            raise _refuse(f"{name}: a quantized {kind} (quantized mixture-of-experts experts, embeddings)")
+            raise _refuse(f"{name}: a quantized {kind} (embeddings, grouped linears)")
         if module.weight.dtype != torch.float8_e4m3fn:
             raise _refuse(f"{name}: {module.weight.dtype} weights in the fp8 format (NVFP4/MXFP4)")
         if module.activation_scheme != "dynamic":
@@ -243,7 +250,8 @@ def _fp8_layers(model: nn.Module, config: dict) -> dict[nn.Module, QuantizedLine
     return plans
 
 
-_COMPRESSED = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "input_scale")
+_COMPRESSED = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "input_scale",
+               "gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")  # FP8Experts' last
 
 
 def freeze_compressed(module: nn.Module) -> None:

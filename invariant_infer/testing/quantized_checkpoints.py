@@ -6,6 +6,7 @@ but lm_head, min/max qparams per module, then ``ModelCompressor`` compresses the
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -87,40 +88,55 @@ def save_quantized_model(model: torch.nn.Module, path: str | Path, scheme_name: 
 
 
 def save_fp8_checkpoint(path: str | Path, config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                        scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+                        scale_dtype: torch.dtype = torch.bfloat16, modules_to_not_convert: list[str] | None = None
+                        ) -> Path:
     """A random model of ``config`` in transformers' own ``fp8`` format, as the official Qwen3 FP8
-    checkpoints store it: every Linear but lm_head as float8_e4m3fn ``weight`` with one inverse
+    checkpoints store it: every Linear but lm_head, and every expert, as float8_e4m3fn ``weight`` with one inverse
     scale per 128x128 block in ``weight_scale_inv`` (``scale_dtype``), activations dynamic. Block
     scales are max |w| / 448 per block, as transformers' own ``Fp8Quantize`` computes them."""
-    return save_fp8_model(random_model(config, seed, dtype), path, scale_dtype)
+    return save_fp8_model(random_model(config, seed, dtype), path, scale_dtype, modules_to_not_convert)
 
 
-def save_fp8_model(model: torch.nn.Module, path: str | Path, scale_dtype: torch.dtype = torch.bfloat16) -> Path:
-    """``model`` (dense) saved in transformers' ``fp8`` format, as ``save_fp8_checkpoint`` describes."""
-    from safetensors.torch import save_file
+def _fp8_blocks(name: str, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = tensor.shape
+    if n % 128 or k % 128:
+        raise ValueError(f"{name}: fp8 block checkpoints need sizes that are multiples of 128, got {n}x{k}")
+    blocks = tensor.float().unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+    amax = blocks.abs().amax(dim=(1, 3))
+    inverse = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).to(scale_dtype)
+    full = inverse.float()[:, None, :, None]
+    return (blocks / full).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(2).flatten(0, 1), inverse
+
+
+# A mixture-of-experts checkpoint's expert weights: "...experts.<e>.<gate_proj|w1|...>.weight".
+_EXPERT_KEY = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
+
+
+def save_fp8_model(model: torch.nn.Module, path: str | Path, scale_dtype: torch.dtype = torch.bfloat16,
+                   modules_to_not_convert: list[str] | None = None) -> Path:
+    """``model`` (dense) saved in transformers' ``fp8`` format, as ``save_fp8_checkpoint`` describes:
+    ``save_pretrained`` writes the checkpoint's own layout (an MoE model's experts one by one), then
+    every weight transformers' fp8 loader converts (plain Linear layers but lm_head, and experts) is
+    stored as fp8 blocks. ``modules_to_not_convert`` names layers kept dense, as transformers reads it."""
+    from safetensors.torch import load_file, save_file
+    from transformers.quantizers.quantizers_utils import should_convert_module
 
     path = Path(path)
-    state = {}
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    for name, tensor in model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if tied and name == "lm_head.weight":  # the embedding's own tensor, tied again at load
-            continue
-        if not name.endswith(".weight") or not isinstance(model.get_submodule(module), torch.nn.Linear) \
-                or module == "lm_head":
-            state[name] = tensor.contiguous()
-            continue
-        n, k = tensor.shape
-        if n % 128 or k % 128:
-            raise ValueError(f"{module}: fp8 block checkpoints need sizes that are multiples of 128, got {n}x{k}")
-        blocks = tensor.float().unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
-        amax = blocks.abs().amax(dim=(1, 3))
-        inverse = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).to(scale_dtype)
-        full = inverse.float()[:, None, :, None]
-        state[name] = (blocks / full).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(2).flatten(0, 1)
-        state[f"{module}.weight_scale_inv"] = inverse
+    model.save_pretrained(path)
+    if not (path / "model.safetensors").exists():
+        raise ValueError(f"{path}: save_fp8_model writes one safetensors file; this model was sharded")
+    linears = {f"{name}.weight" for name, module in model.named_modules()
+               if type(module) is torch.nn.Linear and name != "lm_head"
+               and should_convert_module(name, modules_to_not_convert)}
+    state = load_file(path / "model.safetensors")
+    for name in list(state):
+        if name in linears or _EXPERT_KEY.search(name):
+            module = name.rsplit(".", 1)[0]
+            state[name], state[f"{module}.weight_scale_inv"] = _fp8_blocks(module, state[name], scale_dtype)
     model.config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                        "weight_block_size": [128, 128]}
+                                        "weight_block_size": [128, 128],
+                                        **({"modules_to_not_convert": modules_to_not_convert}
+                                           if modules_to_not_convert else {})}
     model.config.save_pretrained(path)
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     return path

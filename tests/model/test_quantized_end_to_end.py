@@ -18,12 +18,15 @@ from invariant_infer.cli import demo as demo_cli, score as scoring_cli
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.model.quantization import quantized_layers
 from invariant_infer.testing.quantized_checkpoints import save_fp8_checkpoint, save_quantized_checkpoint
-from invariant_infer.testing.random_checkpoints import qwen2_config
+from invariant_infer.testing.random_checkpoints import qwen2_config, random_config
 
 import compressed_tensors  # noqa: E402,F401  (the test extra pins it: a missing install fails, never skips)
 
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
               num_hidden_layers=1, vocab_size=512)
+# Qwen3-MoE with its experts in fp8 blocks too (every width a multiple of 128).
+MOE_CONFIG = dict(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=128,
+                  num_hidden_layers=1, vocab_size=512)
 PARAMS = SamplingParams(max_tokens=3, logprobs=1, ignore_eos=True)  # prompt logprobs would skip the cache
 
 
@@ -31,7 +34,8 @@ PARAMS = SamplingParams(max_tokens=3, logprobs=1, ignore_eos=True)  # prompt log
 def checkpoints(tmp_path_factory):
     root, config = tmp_path_factory.mktemp("quantized-e2e"), qwen2_config("tiny", **CONFIG)
     paths = {"W4A16_ASYM": save_quantized_checkpoint(root / "w4a16-asym", config, "W4A16_ASYM", seed=2),
-             "fp8": save_fp8_checkpoint(root / "fp8", config, seed=2)}
+             "fp8": save_fp8_checkpoint(root / "fp8", config, seed=2),
+             "fp8-moe": save_fp8_checkpoint(root / "fp8-moe", random_config("qwen3_moe", "tiny", **MOE_CONFIG), seed=2)}
     for path in paths.values():
         save_tokenizer(path)
     return paths
@@ -65,7 +69,7 @@ def _schedule_vs_alone(model) -> list[bool]:
     return [_same(out, alone.generate([prompt], PARAMS)[0]) for out, prompt in zip(mixed, prompts)]
 
 
-@pytest.mark.parametrize("fmt", ["W4A16_ASYM", "fp8"])
+@pytest.mark.parametrize("fmt", ["W4A16_ASYM", "fp8", "fp8-moe"])
 def test_engine_schedules_with_prefix_hits_equal_each_request_alone(checkpoints, fmt):
     assert all(_schedule_vs_alone(_model(checkpoints[fmt])))
 
@@ -94,8 +98,9 @@ def test_score_cli_reads_the_format_from_the_checkpoint(checkpoints, tmp_path):
     assert digests[0] == digests[1] == {i: r.digest for i, r in enumerate(in_process)}
 
 
-def test_serve_reads_the_format_from_the_checkpoint(checkpoints, tmp_path):
-    path = checkpoints["W4A16_ASYM"]
+@pytest.mark.parametrize("fmt", ["W4A16_ASYM", "fp8-moe"])
+def test_serve_reads_the_format_from_the_checkpoint(checkpoints, tmp_path, fmt):
+    path = checkpoints[fmt]
     server = ServerProcess(["--model", str(path), "--served-model-name", MODEL, "--dtype", "bf16"],
                            tmp_path / "server.log")
     try:

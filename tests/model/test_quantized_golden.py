@@ -22,3 +22,16 @@ def test_a_batch_variant_activation_scale_moves_the_quantized_digests(monkeypatc
     current = golden.quantized_digests("cpu", tmp_path / "per-tensor", formats=["FP8_DYNAMIC"])
     problem = golden.explain("cpu-interpreter", {**recorded, "digests": mine}, current, golden.environment("cpu"))
     assert problem is not None and "moved:   quant/FP8_DYNAMIC/bf16/left_pad" in problem
+
+
+def test_a_batch_variant_activation_scale_in_the_experts_moves_the_fp8_moe_digests(monkeypatch, tmp_path):
+    """The fp8 MoE model's experts alone take the per-tensor scale (over every routed row)."""
+    import invariant_infer.model.quantized_experts as quantized_experts
+
+    recorded = golden.load()["cpu-interpreter"]
+    mine = {k: v for k, v in recorded["digests"].items() if k.startswith("quant/fp8-moe/")}
+    assert len(mine) == 4 and golden.quantized_digests("cpu", tmp_path / "as-is", formats=["fp8-moe"]) == mine
+    monkeypatch.setattr(quantized_experts, "quantize_activations", _per_tensor)
+    current = golden.quantized_digests("cpu", tmp_path / "per-tensor", formats=["fp8-moe"])
+    problem = golden.explain("cpu-interpreter", {**recorded, "digests": mine}, current, golden.environment("cpu"))
+    assert problem is not None and "moved:   quant/fp8-moe/bf16/left_pad" in problem
