@@ -26,7 +26,7 @@ def _grouped_quantized_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, y_ptr, offsets_ptr, N, K, E,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_ym,
     FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
-    HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr,
+    HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr, GROUPED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -38,9 +38,9 @@ def _grouped_quantized_linear_kernel(
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _quantized_dot(x_ptr + row_begin * stride_xm, xs_ptr + row_begin * stride_xsm, w_ptr + e * stride_we,
-                             ws_ptr + e * stride_se, zp_ptr + e * stride_ze, offs_m, offs_n, M, N, K,
+                             ws_ptr + e * stride_se, zp_ptr + e * stride_ze, offs_m, offs_n, M, N, K, 0, K,
                              stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
-                             FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT,
+                             FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT, GROUPED,
                              BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         y_ptrs = y_ptr + (row_begin + offs_m)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -92,7 +92,7 @@ def grouped_quantized_linear(x: torch.Tensor, weight: QuantizedWeight, expert_of
            x.device, x, xs, weight.data, weight.scale, zp, y, expert_offsets, n, k, experts,
            x.stride(0), xs.stride(0), weight.data.stride(0), weight.data.stride(1), weight.scale.stride(0),
            weight.scale.stride(1), stride_ze, stride_zn, y.stride(0),
-           **launch_args(weight), ACT_QUANT=act_quant,
+           **launch_args(weight), ACT_QUANT=act_quant, GROUPED=weight.scale_group_k < k,
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=triton.next_power_of_2(experts),
            DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

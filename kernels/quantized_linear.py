@@ -136,25 +136,26 @@ def _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K, stride_wn, stride
 
 
 @triton.jit
-def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K,
+def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K, K_BEGIN, K_END,
                    stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
                    FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr,
                    SCALE_GROUP_N: tl.constexpr, HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    """The fp32 [BLOCK_M, BLOCK_N] tile of ``x @ dequant(W)^T`` at (offs_m, offs_n), scales applied:
-    the K loop every quantized GEMM here runs, one order for any M."""
+    """The fp32 [BLOCK_M, BLOCK_N] tile of ``x[:, K_BEGIN:K_END] @ dequant(W)[:, K_BEGIN:K_END]^T``
+    at (offs_m, offs_n), scales applied: the K loop every quantized GEMM here runs, one order for
+    any M. ``GROUPED``: the scales go per K group or block, applied to each K tile."""
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
-    grouped = SCALE_GROUP_K < K
+    grouped = GROUPED
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(K_BEGIN, K_END, BLOCK_K):
         ks = k0 + offs_k
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
-                    mask=m_mask[:, None] & (ks[None, :] < K), other=0.0)
+                    mask=m_mask[:, None] & (ks[None, :] < K_END), other=0.0)
         if ACT_QUANT:
-            w = _weight_tile(w_ptr, offs_n, ks, N, K, stride_wn, FORMAT, BITS)
+            w = _weight_tile(w_ptr, offs_n, ks, N, K_END, stride_wn, FORMAT, BITS)
             if FORMAT == 1:  # int8: exact int32 sums over all of K
                 iacc = tl.dot(x, w, iacc, out_dtype=tl.int32)  # stated: Triton < 3.7 defaults to fp32
             else:  # fp8: the tile's partial sum from zero, promoted once per K tile
@@ -166,7 +167,7 @@ def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K
                     part = part * (xs[:, None] * ws[None, :])
                 acc += part
         else:
-            w = _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K, stride_wn, stride_sn, stride_zn,
+            w = _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K_END, stride_wn, stride_sn, stride_zn,
                                   SCALE_GROUP_K, SCALE_GROUP_N, FORMAT, BITS, HAS_ZP).to(x_ptr.dtype.element_ty)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if ACT_QUANT:
@@ -184,7 +185,7 @@ def _quantized_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, b_ptr, y_ptr, M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn, stride_ym,
     FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
-    HAS_ZP: tl.constexpr,
+    HAS_ZP: tl.constexpr, GROUPED: tl.constexpr,
     ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -192,14 +193,38 @@ def _quantized_linear_kernel(
     pid_n = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K,
+    acc = _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K, 0, K,
                          stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
-                         FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT,
+                         FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT, GROUPED,
                          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     out_mask = (offs_m < M)[:, None] & (offs_n[None, :] < N)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quantized_partials_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, p_ptr, M, N, K, CHUNK_K,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn, stride_pc, stride_pm,
+    FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
+    HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One K chunk's fp32 sum per program (axis 2: the chunk), for a tree over K."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    chunk = tl.program_id(2)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = chunk * CHUNK_K
+    acc = _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K, k_begin,
+                         k_begin + CHUNK_K, stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
+                         FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT, True,
+                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    out_mask = (offs_m < M)[:, None] & (offs_n[None, :] < N)
+    tl.store(p_ptr + chunk.to(tl.int64) * stride_pc + offs_m[:, None] * stride_pm + offs_n[None, :], acc,
+             mask=out_mask)
 
 
 @triton.jit
@@ -283,7 +308,55 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
                x2, xs2, weight.data, weight.scale, zero_point_args(weight)[0], bias if bias is not None else x2, y,
                m, n, k, x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0),
                zero_point_args(weight)[1], y.stride(0),
-               **launch_args(weight), ACT_QUANT=act_quant, HAS_BIAS=bias is not None,
+               **launch_args(weight), GROUPED=weight.scale_group_k < k, ACT_QUANT=act_quant, HAS_BIAS=bias is not None,
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=DOT_PRECISION,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*x.shape[:-1], n)
+
+
+def quantized_tree_leaves(weight: QuantizedWeight, k: int | None = None) -> int:
+    """The leaves of a row-parallel quantized layer's K tree: the largest power of two, at most
+    8, that splits K (``k``, default the weight's) into whole scale groups, so that tensor-parallel
+    shards of whole leaves split no group. 1 for per-channel weights (no group to align with)."""
+    k = k or weight.shape[1]
+    group = weight.scale_group_k
+    if not (weight.block or weight.group_size) or k % group:
+        return 1
+    leaves = 1
+    while leaves < 8 and (k // group) % (leaves * 2) == 0:
+        leaves *= 2
+    return leaves
+
+
+def quantized_linear_partials(x: torch.Tensor, weight: QuantizedWeight, k_chunks: int,
+                              x_scale: torch.Tensor | None = None,
+                              config: QuantizedLinearConfig | None = None) -> torch.Tensor:
+    """The fp32 sums of ``k_chunks`` equal K chunks of ``x @ dequant(weight)^T``, [k_chunks, M, N],
+    uncombined (``linear.combine_partials`` adds them in chunk order, then the bias). Each chunk
+    holds whole scale groups and is reduced as ``quantized_linear`` reduces K, from zero; group
+    and block formats only (per-channel and per-token scales apply to the whole of K)."""
+    n, k = weight.shape
+    check_activations("quantized_linear_partials", x, weight, x_scale, torch.float32)
+    if not (weight.block or weight.group_size) or (x_scale is not None and weight.format != "fp8"):
+        raise ValueError("quantized_linear_partials takes group or block formats (weight-only packed, fp8 blocks)")
+    chunk_k = k // k_chunks
+    if k_chunks < 1 or k % k_chunks or chunk_k % weight.scale_group_k:
+        raise ValueError(f"quantized_linear_partials: {k_chunks} chunks of K = {k} do not hold whole scale groups "
+                         f"of {weight.scale_group_k}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    act_quant = x_scale is not None
+    xs2 = x_scale.reshape(-1, x_scale.shape[-1]).contiguous() if act_quant else x2
+    m = x2.shape[0]
+    parts = torch.empty((k_chunks, m, n), device=x.device, dtype=torch.float32)
+    cfg = config or quantized_linear_config(x.device.type, weight)
+    if m:
+        launch(_quantized_partials_kernel, (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), k_chunks),
+               x.device, x2, xs2, weight.data, weight.scale, zero_point_args(weight)[0], parts, m, n, k, chunk_k,
+               x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0),
+               zero_point_args(weight)[1], parts.stride(0), parts.stride(1),
+               **launch_args(weight), ACT_QUANT=act_quant,
+               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=DOT_PRECISION,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return parts

@@ -50,8 +50,6 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
         raise UnsupportedModelError(f"rope_type {rope_type!r} rescales with sequence length, which depends on "
                                     f"the batch; supported: {STATIC_ROPE_TYPES}")
     quantized = quantized_layers(model, strict)
-    if quantized and sharded:
-        raise UnsupportedModelError("quantized models run at tensor-parallel size 1 only")
     experts = quantized_experts(model)
     if adapter.moe is not None and quantization_method(model) == "compressed-tensors":
         raise UnsupportedModelError(

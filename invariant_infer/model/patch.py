@@ -48,7 +48,7 @@ from .lora import (LORA_ATTR, base_linear, check_peft, has_unpatched_lora, peft_
                    unwrap_peft)
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
-from .quantization import detach_decompression, freeze_compressed, quantized_forward
+from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
 from .quantized_experts import quantized_experts_forward
 from .tensor_parallel import tp_forwards, tp_layout
 
@@ -228,11 +228,13 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     check_peft(wrapper)
     layout = tp_layout(model)
     adapter, base, quantized, experts, adapters = check_model(model, sharded=layout is not None, strict=strict)
-    sharded = tp_forwards(model, adapter, base, layout) if layout is not None else {}
-    attention_interface.register()
-
     row_parallel = {base_linear(proj) for layer in base.layers for name, proj in adapter.projections(layer).items()
                     if name in adapter.row_parallel}
+    quantized = {module: row_parallel_plan(plan, module.in_features) if module in row_parallel else plan
+                 for module, plan in quantized.items()}
+    sharded = tp_forwards(model, adapter, base, layout, quantized) if layout is not None else {}
+    attention_interface.register()
+
     patched: list = []
     router_forward = experts_interface.router_forward(adapter.moe) if adapter.moe else None
     for module in model.modules():

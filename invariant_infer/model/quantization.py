@@ -15,13 +15,17 @@ refuses it). Static scales are constants and kept.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import UnsupportedModelError
 from ..kernels import QuantizedWeight, quantize_activations, quantized_linear, quantized_linear_autograd
+from ..kernels.linear import combine_partials
+from ..kernels.quantized_linear import QuantizedLinearConfig, quantized_linear_partials, quantized_tree_leaves
+from . import tensor_parallel
 
 SUPPORTED_SCHEMES = ("FP8_DYNAMIC (fp8 weights per channel, fp8 per-token activations)",
                      "FP8_BLOCK (fp8 128x128 weight blocks, fp8 activations per 128-group)",
@@ -40,6 +44,15 @@ class QuantizedLinearPlan:
     activation_dtype: torch.dtype | None = None   # float8_e4m3fn or int8
     activation_group: int | None = None           # 128 for block formats, None per token
     static_scale: bool = False                    # the layer's own input_scale, a constant
+    k_leaves: int = 1          # row-parallel layers: K reduced as a tree of this many leaves
+    k_shards: int = 1          # tensor parallelism: the ranks the leaves are split over
+    config: QuantizedLinearConfig | None = None  # a column shard's tiles: the whole weight's
+
+
+def row_parallel_plan(plan: QuantizedLinearPlan, k: int) -> QuantizedLinearPlan:
+    """A row-parallel layer's plan (o_proj, down_proj): group and block formats reduce K as a tree
+    whose leaves hold whole scale groups (``quantized_tree_leaves``), at every TP size alike."""
+    return replace(plan, k_leaves=quantized_tree_leaves(plan.weight, k))
 
 
 def _refuse(what: str) -> UnsupportedModelError:
@@ -99,31 +112,35 @@ def _weight_of(name: str, module: nn.Linear, args) -> QuantizedWeight:
         raise _refuse(f"{name}: fp4 weights (NVFP4/MXFP4)")
     if getattr(args, "actorder", None) is not None or hasattr(module, "weight_g_idx"):
         raise _refuse(f"{name}: GPTQ activation ordering (actorder with g_idx)")
-    scale = module.weight_scale.data
-    shape = (module.out_features, module.in_features)
+    scale = local_tensor(module.weight_scale.data)
     if hasattr(module, "weight_packed"):
         if kind != "int" or bits not in (4, 8) or strategy not in ("group", "channel"):
             raise _refuse(f"{name}: pack-quantized {kind}{bits} {strategy} weights")
         group = args.group_size if strategy == "group" else None
-        return QuantizedWeight("packed", module.weight_packed.data, scale, shape, bits=bits, group_size=group,
-                               zero_point=_packed_zero_point(name, module, args, scale))
+        packed = module.weight_packed.data
+        return QuantizedWeight("packed", local_tensor(packed), scale, local_shape(module, packed), bits=bits,
+                               group_size=group, zero_point=_packed_zero_point(name, module, args, scale))
+    shape = local_shape(module, getattr(module, "weight", None))
     if not args.symmetric or hasattr(module, "weight_zero_point") and module.weight_zero_point.abs().max() != 0:
         raise _refuse(f"{name}: asymmetric {kind}{bits} weights (zero points; supported for pack-quantized int4/int8)")
     weight = getattr(module, "weight", None)
     stored = None if weight is None else weight.dtype
+    data = None if weight is None else local_tensor(weight.data)
     if kind == "float" and bits == 8 and stored == torch.float8_e4m3fn:
         if strategy == "block" and list(args.block_structure) == [128, 128]:
-            return QuantizedWeight("fp8", weight.data, scale, shape, block=True)
+            return QuantizedWeight("fp8", data, scale, shape, block=True)
         if strategy in ("channel", "tensor"):
-            return QuantizedWeight("fp8", weight.data, _per_channel(scale, shape[0]), shape)
+            return QuantizedWeight("fp8", data, _per_channel(scale, shape[0]), shape)
     if kind == "int" and bits == 8 and stored == torch.int8 and strategy in ("channel", "tensor"):
-        return QuantizedWeight("int8", weight.data, _per_channel(scale, shape[0]), shape)
+        return QuantizedWeight("int8", data, _per_channel(scale, shape[0]), shape)
     raise _refuse(f"{name}: {kind}{bits} {strategy} weights stored as {stored}")
 
 
 def _packed_zero_point(name: str, module: nn.Linear, args, scale: torch.Tensor) -> torch.Tensor | None:
     # Kept as stored: int32 words packing 32 / bits zero points along N, one column per scale group.
     zero_point = getattr(module, "weight_zero_point", None)
+    if isinstance(zero_point, DTensor) and not args.symmetric:
+        raise _refuse(f"{name}: asymmetric pack-quantized weights at tensor-parallel size > 1")
     if args.symmetric:
         if zero_point is not None and zero_point.abs().max() != 0:
             raise _refuse(f"{name}: zero points on symmetric weights")
@@ -133,6 +150,26 @@ def _packed_zero_point(name: str, module: nn.Linear, args, scale: torch.Tensor) 
         found = None if zero_point is None else (zero_point.dtype, tuple(zero_point.shape))
         raise _refuse(f"{name}: asymmetric weights need packed int32 zero points of shape {expected}, found {found}")
     return zero_point.data
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor transformers sharded for tensor parallelism (else ``t``)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_shape(module: nn.Linear, stored: torch.Tensor | None) -> tuple[int, int]:
+    """The dense (N, K) of this rank's shard of ``module``'s weight, from how ``stored`` (a
+    compressed tensor laid out [N, K or packed K]) is sharded: Shard(0) splits N, Shard(1) K."""
+    n, k = module.out_features, module.in_features
+    if not isinstance(stored, DTensor):
+        return n, k
+    local = stored.to_local()
+    placement = tuple(stored.placements)
+    if placement == (Shard(0),):
+        return local.shape[0], k
+    if placement == (Shard(1),):
+        return n, k * local.shape[1] // stored.shape[1]
+    return n, k
 
 
 def _per_channel(scale: torch.Tensor, n: int) -> torch.Tensor:
@@ -281,15 +318,21 @@ def quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     plan: QuantizedLinearPlan = self._invariant_quantized
-    bias = None if self.bias is None else self.bias.detach()
-    if plan.activation_dtype is None:
-        return quantized_linear(x, plan.weight, bias)
+    bias = None if self.bias is None else local_tensor(self.bias).detach()
     x2 = x.reshape(-1, x.shape[-1])
-    if plan.static_scale:
+    q, scale = x2, None
+    if plan.activation_dtype is not None and plan.static_scale:
         q, scale = _static_fp8(x2, self.input_scale)
-    else:
+    elif plan.activation_dtype is not None:
         q, scale = quantize_activations(x2, plan.activation_dtype, plan.activation_group)
-    y = quantized_linear(q, plan.weight, bias, x_scale=scale, out_dtype=x.dtype)
+    if plan.k_leaves > 1:  # a row-parallel layer: its K tree, this rank's leaves when K is sharded
+        parts = quantized_linear_partials(q, plan.weight, plan.k_leaves // plan.k_shards, x_scale=scale)
+        if plan.k_shards > 1:
+            y = tensor_parallel.exchange_partials(parts, bias, x.dtype, self._invariant_tp)
+        else:
+            y = combine_partials(parts, bias, x.dtype)
+    else:
+        y = quantized_linear(q, plan.weight, bias, x_scale=scale, out_dtype=x.dtype, config=plan.config)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

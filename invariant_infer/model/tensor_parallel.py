@@ -35,6 +35,7 @@ from ..errors import NonInvariantInputError, UnsupportedModelError
 from ..kernels.configs import TREE_LEAVES, linear_config, row_parallel_config, tree_leaves
 from ..kernels.fused_linear import silu_mul_linear_partials
 from ..kernels.linear import combine_partials, linear, linear_partials
+from ..kernels.quantized_linear import quantized_linear_config
 from ..kernels.silu_mul import silu_mul
 
 # The styles a module may carry, by role (the families' ``tp_plan="auto"``); any other is refused.
@@ -115,10 +116,15 @@ def _check_param(name: str, param, placement) -> None:
         raise UnsupportedModelError(f"{name} is laid out as {got}, not ({placement},) as the tree expects")
 
 
-def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout) -> dict[nn.Module, object]:
+def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout,
+                quantized: dict | None = None) -> dict[nn.Module, object]:
     """The forward each sharded module runs instead of transformers' TP hooks, after checking that
-    the plan and the shards are ones the invariant trees serve (else ``UnsupportedModelError``)."""
-    problem = tp_size_refusal(model.config, layout.size)
+    the plan and the shards are ones the invariant trees serve (else ``UnsupportedModelError``).
+    Quantized layers (``quantized``: {layer: plan}, updated in place) keep ``quantized_forward``,
+    on their shards (see ``_quantized_shard_plan``)."""
+    quantized = {} if quantized is None else quantized
+    problem = (quantized_tp_size_refusal(model, adapter, base, quantized, layout.size) if quantized
+               else tp_size_refusal(model.config, layout.size))
     if problem:
         raise UnsupportedModelError(problem)
     plan = dict(getattr(model, "tp_plan", None) or {})
@@ -147,7 +153,10 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout) ->
     for module, role in roles.items():
         name = names[module]
         style = _style_of(plan, name)
-        if role == "colwise":
+        if module in quantized:
+            quantized[module] = _quantized_shard_plan(name, module, quantized[module], role, layout)
+            module._invariant_tp = layout
+        elif role == "colwise":
             _check_param(f"{name}.weight", module.weight, Shard(0))
             forwards[module] = _colwise_forward
         elif role == "rowwise":
@@ -166,6 +175,80 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout) ->
     for module in forwards:
         module._invariant_tp = layout
     return forwards
+
+
+# ---- quantized layers ------------------------------------------------------------------------------
+# Column shards keep whole 128-row blocks (block formats) and run with the whole weight's tiles;
+# row shards hold whole leaves of the layer's K tree (``quantization.row_parallel_plan``), each
+# leaf whole scale groups, so the ranks' leaf sums are the one-process tree's.
+
+QUANTIZED_TP_FORMATS = "compressed-tensors FP8_BLOCK, and symmetric pack-quantized W4A16 / W8A16 with groups"
+
+
+def _quantized_tp_refusal(name: str, module: nn.Linear, plan) -> str | None:
+    weight = plan.weight
+    if getattr(module, "quantization_scheme", None) is None:
+        return f"{name}: transformers' fp8 format"
+    block = weight.block and plan.activation_group == 128
+    grouped = (weight.format == "packed" and weight.group_size and plan.activation_dtype is None
+               and weight.zero_point is None)
+    if block or grouped:
+        return None
+    return f"{name}: {weight.format} weights with {'per-channel' if not weight.group_size else 'these'} scales"
+
+
+def _fits(module: nn.Linear, plan, role: str, size: int) -> bool:
+    n = module.out_features
+    if role == "colwise":
+        return n % size == 0 and (not plan.weight.block or (n // size) % 128 == 0)
+    return plan.k_leaves % size == 0
+
+
+def quantized_tp_size_refusal(model: nn.Module, adapter, base: nn.Module, quantized: dict, size: int) -> str | None:
+    """Why a quantized model cannot run at TP ``size`` (None when it can): a format the shards do
+    not serve, or sizes that split a scale group, a block or the heads; names the sizes that work."""
+    roles = {base_linear: ("rowwise" if proj_name in adapter.row_parallel else "colwise")
+             for layer in base.layers for proj_name, base_linear in adapter.projections(layer).items()}
+    names = {module: name for name, module in model.named_modules()}
+    for module, plan in quantized.items():
+        problem = _quantized_tp_refusal(names[module], module, plan)
+        if problem:
+            return (f"quantized models at tensor-parallel size {size}: {problem} is not supported; supported: "
+                    f"{QUANTIZED_TP_FORMATS} (other formats run at tensor-parallel size 1)")
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def works(t: int) -> bool:
+        dense_rows = [m for m, role in roles.items() if role == "rowwise" and m not in quantized]
+        return (heads % t == 0 and kv_heads % t == 0 and all(tree_leaves(m.in_features) % t == 0 for m in dense_rows)
+                and all(_fits(m, plan, roles[m], t) for m, plan in quantized.items() if m in roles))
+    if works(size):
+        return None
+    sizes = [t for t in range(1, TREE_LEAVES + 1) if works(t)]
+    bad = [m for m, plan in quantized.items() if m in roles and not _fits(m, plan, roles[m], size)]
+    if not bad:
+        why = f"{heads} attention heads / {kv_heads} KV heads do not split into {size} equal shards"
+    elif roles[bad[0]] == "colwise":
+        why = f"{names[bad[0]]}'s {bad[0].out_features} output rows would split a 128-row weight block"
+    else:
+        why = (f"{names[bad[0]]}'s K = {bad[0].in_features} reduces as a tree of {quantized[bad[0]].k_leaves} "
+               "leaves of whole scale groups, which the ranks cannot share")
+    return f"tensor-parallel size {size}: {why}. Sizes that work for this model: {sizes}"
+
+
+def _quantized_shard_plan(name: str, module: nn.Linear, plan, role: str, layout: TPLayout):
+    """The plan of one quantized layer's shard: its placements checked, then the whole weight's
+    tiles (column shards) or this rank's share of the K tree (row shards)."""
+    stored = module.weight_packed if hasattr(module, "weight_packed") else module.weight
+    placement = Shard(0) if role == "colwise" else Shard(1)
+    _check_param(f"{name}.{'weight_packed' if hasattr(module, 'weight_packed') else 'weight'}", stored, placement)
+    _check_param(f"{name}.weight_scale", module.weight_scale, placement)
+    if module.bias is not None:
+        _check_param(f"{name}.bias", module.bias, Shard(0) if role == "colwise" else Replicate())
+    if role == "colwise":
+        whole = replace(plan.weight, shape=(module.out_features, module.in_features))
+        return replace(plan, config=quantized_linear_config(stored.device.type, whole))
+    return replace(plan, k_shards=layout.size)
 
 
 # ---- forwards ------------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
 """Quantized linear: accuracy against float64 of the dequantized operands, and bitwise row invariance."""
+from dataclasses import replace
+
 import pytest
 import torch
 
+from invariant_infer.kernels.linear import combine_partials
 from invariant_infer.kernels.quantize_activations import quantize_activations
 from invariant_infer.kernels.quantized_linear import (QuantizedLinearConfig, QuantizedWeight, dequantize_weight,
-                                                      quantized_linear, quantized_linear_config)
+                                                      quantized_linear, quantized_linear_config,
+                                                      quantized_linear_partials, quantized_tree_leaves)
 
 N, K = 160, 256
 BATCH_SIZES = [1, 2, 5, 16, 33, 70]
@@ -147,3 +151,52 @@ def test_rejects_mismatched_operands():
         quantized_linear(torch.randn(2, K), weight)
     with pytest.raises(TypeError, match="take"):
         quantized_linear(torch.randn(2, K).bfloat16(), quantized_weight("fp8", torch.bfloat16)[0], x_scale=torch.ones(2, 1))
+
+
+def _k_shard(weight, begin, end):
+    """The columns [begin, end) of a weight, sliced as tensor parallelism shards a row-parallel layer."""
+    n, _ = weight.shape
+    per_word = 32 // weight.bits if weight.format == "packed" else 1
+    g = weight.scale_group_k
+    zero = None if weight.zero_point is None else weight.zero_point[:, begin // g:end // g]
+    return replace(weight, data=weight.data[:, begin // per_word:end // per_word], scale=weight.scale[:, begin // g:end // g],
+                   shape=(n, end - begin), zero_point=zero)
+
+
+@pytest.mark.parametrize("fmt,target", [("int4", None), ("int4_asym", None), ("packed8", None),
+                                        ("fp8_block", torch.float8_e4m3fn)])
+def test_partials_split_across_ranks_equal_the_tree(fmt, target):
+    """A row-parallel layer's tree: each rank's leaves computed from its K shard alone and combined
+    in leaf order give the one-process tree's bits, for every size dividing the leaves; a split
+    that reduces each shard as one chunk (a TP-dependent tree) does not."""
+    weight, dense = quantized_weight(fmt, torch.bfloat16)
+    leaves = quantized_tree_leaves(weight)
+    assert leaves == K // weight.scale_group_k  # K = 256: every group its own leaf, at most 8
+    x, b = torch.randn(9, K).bfloat16(), torch.randn(N).bfloat16()
+    q, scale = quantize_activations(x, target, 128) if target else (x, None)
+    tree = combine_partials(quantized_linear_partials(q, weight, leaves, x_scale=scale), b, torch.bfloat16)
+    x_dense = (q.double().unflatten(1, (2, -1)) * scale.double()[..., None]).flatten(1) if target else x.double()
+    ref = x_dense @ dense.to(torch.bfloat16).double().T if not target else x_dense @ dense.T
+    assert ((tree.double() - ref - b.double()).abs().max() / ref.abs().max()).item() < TOLERANCE[torch.bfloat16]
+    for t in [s for s in (1, 2, 4) if leaves % s == 0]:
+        s = K // t
+        shards = [(r * s, (r + 1) * s) for r in range(t)]
+        parts = torch.cat([quantized_linear_partials(q[:, lo:hi], _k_shard(weight, lo, hi), leaves // t,
+                                                     x_scale=None if scale is None else scale[:, lo // 128:hi // 128])
+                           for lo, hi in shards])
+        assert torch.equal(combine_partials(parts, b, torch.bfloat16), tree), t
+    if K // quantized_linear_config("cpu", weight).block_k <= 2:
+        return  # two K tiles: any split into two chunks is the tile sum itself (the int4 cells show the control)
+    halves = [(0, K // 2), (K // 2, K)]
+    one_chunk = torch.cat([quantized_linear_partials(q[:, lo:hi], _k_shard(weight, lo, hi), 1,
+                                                     x_scale=None if scale is None else scale[:, lo // 128:hi // 128])
+                           for lo, hi in halves])
+    whole = quantized_linear_partials(q, weight, 1, x_scale=scale)  # TP 1 reducing its shard, all of K, as one chunk
+    assert not torch.equal(combine_partials(one_chunk, None, torch.float32), combine_partials(whole, None, torch.float32))
+
+
+def test_partials_refuse_per_channel_weights_and_split_groups():
+    with pytest.raises(ValueError, match="group or block"):
+        quantized_linear_partials(torch.randn(2, K).bfloat16(), quantized_weight("fp8", torch.bfloat16)[0], 2)
+    with pytest.raises(ValueError, match="whole scale groups"):
+        quantized_linear_partials(torch.randn(2, K).bfloat16(), quantized_weight("packed8", torch.bfloat16)[0], 4)
