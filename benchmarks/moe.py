@@ -14,6 +14,11 @@ at Qwen3-30B-A3B widths (``LAYER``: hidden 2048, 128 experts, top-8, expert inte
     the router on the invariant linear and ``moe_routing``, the experts through the ``invariant``
     ExpertsInterface entry (``grouped_linear`` / ``grouped_silu_mul_linear``, one launch each for all
     experts), the top-k outputs summed in rank order in fp32.
+  * ``invariant_fp8``: the same, with the experts' weights quantized to fp8 in 128x128 blocks (as
+    transformers' ``fp8`` checkpoints store them) and run as ``make_invariant`` runs ``FP8Experts``
+    (``invariant_infer.model.quantized_experts``: activations per token and 128-group,
+    ``grouped_quantized_linear``); its time ratio is to ``invariant``'s (bf16 experts). Needs widths
+    that are multiples of 128 (skipped in the quick layer).
 Per token count T: one forward over T tokens, timed; then tokens 0, T // 2 and T - 1 each alone (a
 1-token forward) against their rows of the T-token output: bitwise (``torch.equal``) and max |Δ|.
 """
@@ -26,8 +31,10 @@ from tqdm import tqdm
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from invariant_infer.kernels import QuantizedWeight
 from invariant_infer.model import experts as hf_experts
 from invariant_infer.model.families import FAMILIES
+from invariant_infer.model.quantized_experts import QuantizedExpertsPlan, quantized_experts_forward
 
 from .timing import Run, free_memory, time_ms
 
@@ -35,7 +42,7 @@ LAYER = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_inter
 QUICK_LAYER = dict(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 TOKENS, QUICK_TOKENS = (1, 64, 2048), (1, 4, 16)
 STOCK = ("eager", "batched_mm", "grouped_mm")
-IMPLEMENTATIONS = ("invariant",) + STOCK  # invariant first: every stock row's ratio needs its time
+IMPLEMENTATIONS = ("invariant", "invariant_fp8") + STOCK  # invariant first: every other row's ratio needs its time
 
 
 def build_layer(layer: dict, device, dtype=torch.bfloat16, seed: int = 0) -> Qwen3MoeSparseMoeBlock:
@@ -53,13 +60,29 @@ def layer_fn(block: Qwen3MoeSparseMoeBlock, implementation: str):
     """x [T, H] -> [T, H] through one implementation (it stays selected until the next call).
     ``invariant`` is what ``make_invariant`` installs in a Qwen3-MoE model: the family's router
     forward on ``block.gate`` and the ``invariant`` entry of transformers' ``ExpertsInterface``."""
-    if implementation == "invariant":
+    block.experts.__dict__.pop("forward", None)
+    if implementation.startswith("invariant"):
         hf_experts.register()
         block.gate.forward = types.MethodType(hf_experts.router_forward(FAMILIES["qwen3_moe"].moe), block.gate)
     else:
         block.gate.__dict__.pop("forward", None)  # the class's stock router
-    block.experts.config._experts_implementation = implementation
+    block.experts.config._experts_implementation = "invariant" if implementation == "invariant_fp8" else implementation
+    if implementation == "invariant_fp8":
+        experts = block.experts
+        experts._invariant_quantized = QuantizedExpertsPlan(fp8_blocks(experts.gate_up_proj), fp8_blocks(experts.down_proj))
+        experts.forward = types.MethodType(quantized_experts_forward, experts)
     return lambda x: block(x[None])[0]
+
+
+def fp8_blocks(weight: torch.Tensor) -> QuantizedWeight:
+    """Stacked expert weights [E, N, K] as fp8 with one inverse scale per 128x128 block (max |w| / 448)."""
+    e, n, k = weight.shape
+    if n % 128 or k % 128:
+        raise ValueError(f"fp8 blocks need expert widths that are multiples of 128, got {n}x{k}")
+    blocks = weight.float().view(e, n // 128, 128, k // 128, 128)
+    scale = (blocks.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-12)
+    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(e, n, k)
+    return QuantizedWeight("fp8", q, scale, (n, k), block=True)
 
 
 def gathered_weights_gb(block: Qwen3MoeSparseMoeBlock, tokens: int) -> float:
@@ -71,6 +94,9 @@ def gathered_weights_gb(block: Qwen3MoeSparseMoeBlock, tokens: int) -> float:
 
 def too_big(block: Qwen3MoeSparseMoeBlock, implementation: str, tokens: int, device) -> str | None:
     """Why an implementation is not run at this token count (None: run it)."""
+    experts = block.experts
+    if implementation == "invariant_fp8" and (experts.hidden_dim % 128 or experts.intermediate_dim % 128):
+        return "skipped: fp8 128x128 blocks need a hidden and expert intermediate size that are multiples of 128"
     if implementation != "batched_mm" or device.type != "cuda":
         return None
     need, free = gathered_weights_gb(block, tokens), torch.cuda.mem_get_info(device)[0] / 1e9
@@ -127,8 +153,12 @@ def run(ctx: Run, layer: dict | None = None, tokens=None, dtype=torch.bfloat16, 
                     ctx.failed(f"moe {implementation} T={count}", exc)
                     row["skipped"] = f"{type(exc).__name__}: {exc}"[:300]
             for row in batch_rows:  # invariant time / this implementation's time (above 1 = invariant slower)
-                theirs = times.get(row["implementation"]) if row["implementation"] != "invariant" else None
-                row["invariant_time_ratio"] = times["invariant"] / theirs if theirs and "invariant" in times else None
+                impl = row["implementation"]
+                if impl == "invariant_fp8":  # fp8 experts' time / bf16 experts' (both invariant)
+                    mine, theirs = times.get(impl), times.get("invariant")
+                else:
+                    mine, theirs = times.get("invariant"), times.get(impl) if impl != "invariant" else None
+                row["invariant_time_ratio"] = mine / theirs if mine and theirs else None
             rows += batch_rows
     finally:
         del block

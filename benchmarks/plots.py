@@ -306,7 +306,7 @@ def train(results: dict, out: Path) -> str | None:
     return _finish(fig, results, out / "train.png")
 
 
-MOE_LINES = {"invariant": (INVARIANT, "o-"), "eager": (STOCK, "s--"), "batched_mm": ("#2ca02c", "^--"),
+MOE_LINES = {"invariant": (INVARIANT, "o-"), "invariant_fp8": ("#8c564b", "D-"), "eager": (STOCK, "s--"), "batched_mm": ("#2ca02c", "^--"),
              "grouped_mm": ("#9467bd", "v--")}
 
 
@@ -324,7 +324,7 @@ def moe(results: dict, out: Path) -> str | None:
     for i, impl in enumerate(impls):
         color, style = MOE_LINES.get(impl, ("gray", "x:"))
         sel = sorted((r for r in rows if r["implementation"] == impl), key=lambda r: r["tokens"])
-        label = impl if impl == "invariant" else f"stock {impl}"
+        label = impl.replace("_", " ") if impl.startswith("invariant") else f"stock {impl}"
         ax1.plot([r["tokens"] for r in sel], [r["tokens_per_s"] for r in sel], style, color=color, label=label)
         for r in sel:
             if r.get("invariant_time_ratio"):

@@ -249,8 +249,9 @@ def moe_markdown(results: dict) -> str:
            "transformers' `Qwen3MoeSparseMoeBlock`, random weights, one forward over T tokens. stock = the stock "
            "router with `config._experts_implementation` = eager / batched_mm / grouped_mm; invariant = the router on "
            "the invariant linear, row-wise routing, the experts on the invariant kernels, the top-k outputs summed "
-           "in rank order in fp32. time ratio = invariant time / this implementation's time (above 1 = invariant "
-           "slower). Alone: tokens 0, T/2 and T-1 each run alone vs their rows in the batch (bitwise = "
+           "in rank order in fp32; invariant_fp8 = the same with the experts in fp8 128x128 blocks (as `FP8Experts` runs). "
+           "time ratio = invariant time / this implementation's time (above 1 = invariant slower; for invariant_fp8: "
+           "its time / invariant's). Alone: tokens 0, T/2 and T-1 each run alone vs their rows in the batch (bitwise = "
            "`torch.equal`); Δ eager = max |output − stock eager's|.\n"]
     out.append(table(rows, [
         ("T", "tokens"), ("implementation", "implementation"), ("ms", "ms"), ("tok/s", "tokens_per_s"),
