@@ -215,6 +215,9 @@ class SlotWeights:
         self.n, self.k = layer.out_features, layer.in_features  # a quantized layer's weight is compressed
         device = layer.weight_scale.device if hasattr(layer, "weight_scale") else layer.weight.device
         self.rows, self.base_forward = rows, layer.__dict__["forward"]
+        if "_invariant_tp" in layer.__dict__ and "_invariant_quantized" in layer.__dict__:
+            raise UnsupportedModelError("adapter slots on a quantized checkpoint run at tensor-parallel size 1 only; "
+                                        "serve adapters at TP > 1 on an unquantized checkpoint")
         self.layout, self.columns_sharded = lora_layout(layer)
         n = layer.weight.to_local().shape[0] if self.columns_sharded else self.n  # this rank's output shard
         self.a = torch.zeros((slots, max_rank, self.k), dtype=dtype, device=device)
