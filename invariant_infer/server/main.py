@@ -23,6 +23,7 @@ import uvicorn
 from ..engine import AsyncEngine, Engine
 from ..engine.lora_slots import LoraAdapterError
 from ..checkpoints.loading import load_model, load_tokenizer
+from ..errors import UnsupportedModelError
 from ..parallel import TensorParallelRanks
 from ..parallel.forced_exit import FORCED_EXIT_AFTER_S, exit_later
 from .app import create_app
@@ -112,7 +113,7 @@ def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: R
     except LoraAdapterError as exc:  # a --lora-modules adapter that does not fit
         print(f"invariant-infer serve: --lora-modules: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:  # settings the engine refuses (--speculative-config, --max-loras, ...)
+    except (ValueError, UnsupportedModelError) as exc:  # settings or a model the engine refuses
         print(f"invariant-infer serve: {exc}", file=sys.stderr)
         return 2
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET

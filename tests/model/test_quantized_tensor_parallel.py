@@ -5,7 +5,8 @@ model's logits bitwise. Row-parallel layers reduce K as a tree of leaves of whol
 each rank computes its own leaves. Negative control: the exchange replaced by an all-reduce of each
 rank's rounded sums. Refusals: a format the shards do not serve, and a size that would split a
 128-row block, each naming what works. One torchrun (tests/tp_worker.py) runs the model checks;
-``invariant-infer score`` and ``serve`` at TP 2 (rank processes) give the bits of one process."""
+``invariant-infer score`` and ``serve`` at TP 2 (rank processes) give the bits of one process, and
+``serve`` refuses adapter slots on a quantized checkpoint at TP 2."""
 from __future__ import annotations
 
 import json
@@ -113,11 +114,11 @@ def _score(checkpoint: Path, inputs: Path, output: Path, *extra: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_score_command_at_tp2_writes_the_bytes_of_tp1(checkpoints, tmp_path, fmt):
+def test_score_command_at_tp2_writes_the_bytes_of_tp1(checkpoints, tmp_path):
     inputs = _rows(tmp_path / "in.jsonl")
-    _score(checkpoints[fmt], inputs, tmp_path / "tp1.jsonl")
-    _score(checkpoints[fmt], inputs, tmp_path / "tp2.jsonl", "--tensor-parallel-size", "2", "--max-batch-tokens", "32")
+    _score(checkpoints["W4A16"], inputs, tmp_path / "tp1.jsonl")
+    _score(checkpoints["W4A16"], inputs, tmp_path / "tp2.jsonl", "--tensor-parallel-size", "2", "--max-batch-tokens",
+           "32")
     assert (tmp_path / "tp2.jsonl").read_bytes() == (tmp_path / "tp1.jsonl").read_bytes()
 
 
@@ -137,3 +138,20 @@ def test_serve_at_tp2_answers_as_the_engine_in_one_process(checkpoints, tmp_path
     for choice, prompt in zip(choices_of(response), prompts):
         alone = engine.generate([prompt], SamplingParams(max_tokens=4, logprobs=1))[0]
         assert choice["logprobs"]["token_logprobs"] == alone.logprobs
+
+
+def test_serve_refuses_adapters_on_a_quantized_checkpoint_at_tp2(checkpoints, tmp_path):
+    """Adapter slots on quantized layers run at TP 1 only: refused by name at start-up (exit status 2)."""
+    from peft import LoraConfig, get_peft_model
+
+    from invariant_infer.model.quantization import prepare_for_peft
+
+    path = checkpoints["W4A16"]
+    save_tokenizer(path)
+    base = prepare_for_peft(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "down_proj"])).save_pretrained(tmp_path / "adapter")
+    run = run_bounded([sys.executable, "-m", "invariant_infer.cli", "serve", "--model", str(path), "--dtype", "bf16",
+                       "--device", "cpu", "--port", "0", "--tensor-parallel-size", "2",
+                       "--lora-modules", f"a={tmp_path / 'adapter'}"], RUN_TIMEOUT)
+    assert run.returncode == 2
+    assert "adapter slots on a quantized checkpoint run at tensor-parallel size 1 only" in run.stderr
