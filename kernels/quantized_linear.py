@@ -27,6 +27,10 @@ Activations:
 On CPU the interpreter's dot is the harness's fixed-order fp32 sum; fp8 operands are widened to
 fp32 exactly, so a product is exact and only the order of the sum differs from a GPU MMA, which
 also sums in an order fixed per instruction: the batch-invariance holds on both.
+
+Row-parallel layers under tensor parallelism reduce K as a tree instead (``quantized_linear_partials``):
+``quantized_tree_leaves`` equal chunks of whole scale groups, each reduced from zero by the same K
+loop, their fp32 sums added in chunk order by ``linear.combine_partials``, whichever rank computed each.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ What changes (and nothing process-wide):
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
   * attention -> the ``invariant`` attention and mask functions (see ``model.attention``);
   * in mixture-of-experts families, every router -> the invariant linear and routing, and the
-    experts -> the ``invariant`` experts implementation (see ``model.experts``); MoE forwards that
+    experts -> the ``invariant`` experts implementation (see ``model.experts``), and fp8 experts of
+    transformers' fp8 format (``FP8Experts``) -> ``model.quantized_experts``; MoE forwards that
     would record autograd are refused (MoE training is not supported);
   * a pre-forward hook on the base model derives ``position_ids`` from the mask
     (cumsum - 1, pads at 0) and rejects masks that cannot be invariant; for packed rows

@@ -194,7 +194,11 @@ def _quantized_tp_refusal(name: str, module: nn.Linear, plan) -> str | None:
                and weight.zero_point is None)
     if block or grouped:
         return None
-    return f"{name}: {weight.format} weights with {'per-channel' if not weight.group_size else 'these'} scales"
+    if weight.zero_point is not None:
+        return f"{name}: asymmetric pack-quantized weights (zero points)"
+    if not (weight.block or weight.group_size):
+        return f"{name}: {weight.format} weights with per-channel scales"
+    return f"{name}: {weight.format} weights with {plan.activation_dtype} activations"
 
 
 def _fits(module: nn.Linear, plan, role: str, size: int) -> bool:
@@ -207,8 +211,8 @@ def _fits(module: nn.Linear, plan, role: str, size: int) -> bool:
 def quantized_tp_size_refusal(model: nn.Module, adapter, base: nn.Module, quantized: dict, size: int) -> str | None:
     """Why a quantized model cannot run at TP ``size`` (None when it can): a format the shards do
     not serve, or sizes that split a scale group, a block or the heads; names the sizes that work."""
-    roles = {base_linear: ("rowwise" if proj_name in adapter.row_parallel else "colwise")
-             for layer in base.layers for proj_name, base_linear in adapter.projections(layer).items()}
+    roles = {proj: ("rowwise" if proj_name in adapter.row_parallel else "colwise")
+             for layer in base.layers for proj_name, proj in adapter.projections(layer).items()}
     names = {module: name for name, module in model.named_modules()}
     for module, plan in quantized.items():
         problem = _quantized_tp_refusal(names[module], module, plan)
