@@ -46,10 +46,9 @@ CASES = (
 )
 # Quick mode: stock HF at the preset's real widths (1 layer, vocab 2048) is cheap on CPU; the
 # invariant path runs there through the interpreter (about 2-8 s a forward at Qwen2.5-1.5B's
-# widths), so it checks the first and last rows of each case alone: short left padding,
-# decode-shaped rows, and rows across an attention block boundary.
+# widths), so it checks the first and last rows of each case alone: decode-shaped rows, and
+# left-padded rows across an attention block boundary.
 QUICK_CASES = (
-    Case("left-pad B=4 lens 7/5/3/1", (7, 5, 3, 1), invariant_rows=2),
     Case("decode-shaped B=16 L=1", (1,) * 16, invariant_rows=2),
     Case("left-pad B=4 lens 33/20/9/1", (33, 20, 9, 1), invariant_rows=2),
 )

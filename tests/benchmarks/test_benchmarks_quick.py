@@ -329,7 +329,7 @@ def test_quant_alone_check_catches_a_per_tensor_activation_scale(monkeypatch):
 
 def test_report_and_plots(quick_run):
     results, text, out, _ = quick_run
-    assert "NOT meaningful" in text and "left-pad B=4 lens 7/5/3/1" in text
+    assert "NOT meaningful" in text and "left-pad B=4 lens 33/20/9/1" in text
     for heading in ("## Divergence", "## Matmul", "## Scoring", "## Serving engine (qwen2:tiny",
                     "## Engine host overhead (qwen2:tiny", "## HTTP server (qwen2:tiny", "## Training step (qwen2:tiny",
                     "## One MoE layer (hidden 64, 8 experts, top-2", "## Quantized GEMMs", "## RMSNorm"):
