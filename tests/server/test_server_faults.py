@@ -193,7 +193,7 @@ def test_sigterm_refuses_new_connections_and_drains_in_flight(server):
         try:
             socket.create_connection(server.address, timeout=5).close()
             return False
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, ConnectionResetError):  # reset: the listener closed with it in its backlog
             return True
     wait_for(refused, 2, "a new connection to be refused")
     assert any(w.is_alive() for w in workers), "the in-flight requests ended before the refusal was seen"
