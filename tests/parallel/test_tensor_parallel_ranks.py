@@ -31,6 +31,7 @@ from invariant_infer.errors import TensorParallelError, UnsupportedModelError
 from invariant_infer.checkpoints.loading import load_model
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 from invariant_infer.scoring.core import score_sequences
+from invariant_infer.cli import score as scoring_cli
 from invariant_infer.parallel import TensorParallelRanks
 
 # CPU ranks: refused where transformers would shard onto CUDA GPUs (the GPU check runs the
@@ -110,8 +111,8 @@ PARAMS = [SamplingParams(max_tokens=6, temperature=0.8, seed=1, prompt_logprobs=
 ENGINE_OPTIONS = dict(max_num_seqs=3, max_num_batched_tokens=16)
 
 
-def engine_results(model, executor=None) -> tuple[list, list]:
-    outputs = Engine(model, **ENGINE_OPTIONS, executor=executor).generate(PROMPTS, PARAMS)
+def engine_results(model, executor=None, requests=slice(None)) -> tuple[list, list]:
+    outputs = Engine(model, **ENGINE_OPTIONS, executor=executor).generate(PROMPTS[requests], PARAMS[requests])
     scores = score_sequences(model, PROMPTS, prompt_lengths=[1, 1, 4, 2], max_batch_tokens=40, executor=executor)
     return ([(o.token_ids, o.logprobs, o.top_logprobs, o.prompt_logprobs, o.prompt_top_logprobs) for o in outputs],
             [s.token_logprobs for s in scores])
@@ -123,13 +124,16 @@ def assert_same(expected, got) -> None:
     assert all(torch.equal(a, b) for a, b in zip(scores_1, scores_2))
 
 
-# fp32 at TP 2: the two-engines and serve tests below.
-@pytest.mark.parametrize("size, dtype", [(2, "bf16"), (4, "fp32")])
-def test_engine_and_scores_at_tp2_and_tp4_are_those_of_one_process(checkpoint, size, dtype):
-    single = engine_results(load_model(checkpoint, dtype=dtype, device="cpu"))
+# fp32 at TP 2: the two-engines and serve tests below. TP 4 (four processes on the test machine's two
+# cores) runs the engine on the 2nd and 3rd requests only: the long prompt's prefill chunks beside the
+# short one's decode tokens, greedy and sampled with prompt and top logprobs.
+@pytest.mark.parametrize("size, dtype, requests", [(2, "bf16", slice(None)), (4, "fp32", slice(1, 3))],
+                         ids=["2-bf16", "4-fp32"])
+def test_engine_and_scores_at_tp2_and_tp4_are_those_of_one_process(checkpoint, size, dtype, requests):
+    single = engine_results(load_model(checkpoint, dtype=dtype, device="cpu"), requests=requests)
     with TensorParallelRanks(checkpoint, size, dtype=dtype, device="cpu") as ranks:
         assert tp_size_of(ranks.model) == ranks.tensor_parallel_size == size and len(ranks.workers) == size - 1
-        sharded = engine_results(ranks.model, ranks)
+        sharded = engine_results(ranks.model, ranks, requests)
     assert_same(single, sharded)
 
 
@@ -156,8 +160,7 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
         assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
         return before, after, speculated
     model = load_model(checkpoint, dtype="fp32", device="cpu")
-    single = run(model)
-    assert single[2] == [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, params)]
+    single = run(model)  # its n-gram engine equals plain decoding: test_speculative
     draft_params = [SamplingParams(max_tokens=7, logprobs=1),
                     SamplingParams(max_tokens=7, temperature=0.9, seed=4, logprobs=1)]
     plain = [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, draft_params)]
@@ -286,14 +289,22 @@ def score_job_with_a_row(checkpoint: str, inputs: Path, output: Path, stderr=sub
             proc.wait()
 
 
-def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_dies(checkpoint, tmp_path):
+def score_in_process(capsys, checkpoint: str, inputs: Path, output: Path, *extra: str) -> str:
+    """The score command's ``main`` in this process (it starts and stops its ranks as the command does):
+    its stderr. The command as a process runs below, where a rank is killed under it."""
+    capsys.readouterr()
+    status = scoring_cli.main(score_command(checkpoint, inputs, output, *extra)[4:])
+    err = capsys.readouterr().err
+    assert status == 0, err[-3000:]
+    return err
+
+
+def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_dies(checkpoint, tmp_path, capsys):
     inputs = write_rows(tmp_path / "in.jsonl", ROWS)
-    single = run_command(score_command(checkpoint, inputs, tmp_path / "tp1.jsonl"))
-    assert single.returncode == 0, single.stderr[-3000:]
-    sharded = run_command(score_command(checkpoint, inputs, tmp_path / "tp2.jsonl", "--tensor-parallel-size", "2",
-                                        "--max-batch-tokens", "64", "--verify", "3"))
-    assert sharded.returncode == 0, sharded.stderr[-3000:]
-    assert "3 of 3 rows re-scored alone match" in sharded.stderr
+    score_in_process(capsys, checkpoint, inputs, tmp_path / "tp1.jsonl")
+    sharded = score_in_process(capsys, checkpoint, inputs, tmp_path / "tp2.jsonl", "--tensor-parallel-size", "2",
+                               "--max-batch-tokens", "64", "--verify", "3")
+    assert "3 of 3 rows re-scored alone match" in sharded
     assert (tmp_path / "tp2.jsonl").read_bytes() == (tmp_path / "tp1.jsonl").read_bytes()
 
     # A rank killed once rows are written: the command fails within seconds, naming it.
@@ -307,9 +318,8 @@ def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_d
     assert f"tensor-parallel rank 1 (pid {rank}) was killed by SIGKILL" in err and "re-run to resume" in err
     written = output.read_text().count("\n")
     assert 1 <= written < ROWS
-    resumed = run_command(score_command(checkpoint, inputs, output, "--tensor-parallel-size", "2"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"{written} already in output" in resumed.stderr
+    resumed = score_in_process(capsys, checkpoint, inputs, output, "--tensor-parallel-size", "2")
+    assert f"{written} already in output" in resumed
     assert output.read_bytes() == (tmp_path / "tp1.jsonl").read_bytes()
 
 
@@ -321,10 +331,11 @@ def test_sigterm_to_the_score_command_stops_every_rank(checkpoint, tmp_path):
         assert not wait_gone([rank])
 
 
-def test_commands_refuse_a_size_before_starting_ranks(checkpoint, tmp_path):
+def test_commands_refuse_a_size_before_starting_ranks(checkpoint, tmp_path, capsys):
     inputs = write_rows(tmp_path / "in.jsonl", 2)
-    score = run_command(score_command(checkpoint, inputs, tmp_path / "out.jsonl", "--tensor-parallel-size", "3"))
-    assert score.returncode == 2 and "Sizes that work for this model: [1, 2, 4]" in score.stderr
+    assert scoring_cli.main(score_command(checkpoint, inputs, tmp_path / "out.jsonl", "--tensor-parallel-size", "3")
+                            [4:]) == 2
+    assert "Sizes that work for this model: [1, 2, 4]" in capsys.readouterr().err
     serve = run_command([sys.executable, "-m", "invariant_infer.cli", "serve", "--model", checkpoint, "--port", "0",
                          "--device", "cpu", "--tensor-parallel-size", "3"])
     assert serve.returncode == 2 and "Sizes that work for this model: [1, 2, 4]" in serve.stderr

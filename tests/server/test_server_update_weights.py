@@ -57,15 +57,15 @@ def server(old, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def truth(old, new, tmp_path_factory):
-    """What servers started on each checkpoint answer, for each request the tests send."""
-    answers = {}
-    for name, path in (("old", old), ("new", new)):
-        s = start(path, tmp_path_factory.mktemp("log") / f"{name}.log")
-        try:
-            answers[name] = {kind: generated(s, **body) for kind, body in REQUESTS.items()}
-        finally:
-            s.stop()
+def truth(server, new, tmp_path_factory):
+    """What a server started on each checkpoint answers, for each request the tests send: for the old
+    one, the module's server before any update; for the new one, a server started on it."""
+    answers = {"old": {kind: generated(server, **body) for kind, body in REQUESTS.items()}}
+    s = start(new, tmp_path_factory.mktemp("log") / "new.log")
+    try:
+        answers["new"] = {kind: generated(s, **body) for kind, body in REQUESTS.items()}
+    finally:
+        s.stop()
     assert answers["old"] != answers["new"]
     return answers
 
