@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import MODEL, ServerProcess, choices_of, completion, run_bounded, save_tokenizer
+from invariant_infer.cli import score as scoring_cli
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.kernels import dequantize_weight
 from invariant_infer.model.patch import make_invariant
@@ -114,9 +115,11 @@ def _score(checkpoint: Path, inputs: Path, output: Path, *extra: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def test_score_command_at_tp2_writes_the_bytes_of_tp1(checkpoints, tmp_path):
+def test_score_command_at_tp2_writes_the_bytes_of_tp1(checkpoints, tmp_path, capsys):
     inputs = _rows(tmp_path / "in.jsonl")
-    _score(checkpoints["W4A16"], inputs, tmp_path / "tp1.jsonl")
+    tp1 = ["--model", str(checkpoints["W4A16"]), "--input", str(inputs), "--output", str(tmp_path / "tp1.jsonl"),
+           "--device", "cpu", "--dtype", "bf16"]
+    assert scoring_cli.main(tp1) == 0, capsys.readouterr().err[-3000:]  # TP 1 in this process; TP 2 as a command
     _score(checkpoints["W4A16"], inputs, tmp_path / "tp2.jsonl", "--tensor-parallel-size", "2", "--max-batch-tokens",
            "32")
     assert (tmp_path / "tp2.jsonl").read_bytes() == (tmp_path / "tp1.jsonl").read_bytes()

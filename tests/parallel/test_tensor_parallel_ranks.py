@@ -246,7 +246,7 @@ def test_refused_sizes_name_the_sizes_that_work(checkpoint, tmp_path):
 
 # ---- invariant-infer score ------------------------------------------------------------------------
 
-ROWS = 24  # the score job's input: 3 to 29 tokens a row
+ROWS = 12  # the score job's input: 3 to 29 tokens a row
 
 
 def score_command(checkpoint: str, inputs: Path, output: Path, *extra: str) -> list[str]:
