@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import invariant_infer.model.patch
-from helpers import load_model, m_dependent_linear
+from helpers import FAMILY_NAMES, FULL_MATRIX, MOE_FAMILY_NAMES, load_model, m_dependent_linear
 from invariant_infer import make_invariant
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.engine.proposers import prompt_lookup
@@ -123,9 +123,10 @@ def test_speculation_in_a_busy_engine_equals_plain_decoding(models, plain_busy, 
 # One family per kind of forward a verify chunk runs through: q/k/v bias and tied embeddings (qwen2, in
 # bf16 and fp32), q/k norms and a head_dim apart from hidden / heads (qwen3), routed plus shared experts
 # (qwen2_moe). Every family's multi-row decode forward is also in test_engine's schedules, whose chunks
-# continue after cached pages as a verify chunk does.
-FAMILY_CELLS = [("qwen2", torch.bfloat16), ("qwen2", torch.float32), ("qwen3", torch.bfloat16),
-                ("qwen2_moe", torch.bfloat16)]
+# continue after cached pages as a verify chunk does. FULL_MATRIX: every family in bf16.
+FAMILY_CELLS = ([(family, torch.bfloat16) for family in FAMILY_NAMES + MOE_FAMILY_NAMES] if FULL_MATRIX else
+                [("qwen2", torch.bfloat16), ("qwen3", torch.bfloat16), ("qwen2_moe", torch.bfloat16)]) \
+    + [("qwen2", torch.float32)]
 
 
 @pytest.mark.parametrize("family, dtype", FAMILY_CELLS, ids=lambda v: str(v).replace("torch.", ""))

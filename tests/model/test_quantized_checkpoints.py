@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import batch_mismatches, make_samples
+from helpers import FULL_MATRIX, batch_mismatches, make_samples
 from invariant_infer import make_invariant
 from invariant_infer.checkpoints.quantized import packed_zero_points
 from invariant_infer.errors import UnsupportedModelError
@@ -49,8 +49,9 @@ def _load(path, dtype=torch.bfloat16):
 
 
 # Each scheme in one activation dtype, the two dtypes taking turns: a scheme's K loop runs in the same
-# order in both (the accuracy test below runs every scheme in both).
-INVARIANCE_CELLS = [(scheme, DTYPES[i % 2]) for i, scheme in enumerate(SCHEMES)]
+# order in both (the accuracy test below runs every scheme in both). FULL_MATRIX: both.
+INVARIANCE_CELLS = [(scheme, dtype) for i, scheme in enumerate(SCHEMES) for dtype in DTYPES
+                    if FULL_MATRIX or dtype == DTYPES[i % 2]]
 
 
 @pytest.mark.parametrize("scheme, dtype", INVARIANCE_CELLS, ids=lambda v: str(v).replace("torch.", ""))
