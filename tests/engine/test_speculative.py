@@ -124,9 +124,8 @@ def test_speculation_in_a_busy_engine_equals_plain_decoding(models, plain_busy, 
 # bf16 and fp32), q/k norms and a head_dim apart from hidden / heads (qwen3), routed plus shared experts
 # (qwen2_moe). Every family's multi-row decode forward is also in test_engine's schedules, whose chunks
 # continue after cached pages as a verify chunk does. FULL_MATRIX: every family in bf16.
-FAMILY_CELLS = ([(family, torch.bfloat16) for family in FAMILY_NAMES + MOE_FAMILY_NAMES] if FULL_MATRIX else
-                [("qwen2", torch.bfloat16), ("qwen3", torch.bfloat16), ("qwen2_moe", torch.bfloat16)]) \
-    + [("qwen2", torch.float32)]
+BF16_FAMILIES = FAMILY_NAMES + MOE_FAMILY_NAMES if FULL_MATRIX else ["qwen2", "qwen3", "qwen2_moe"]
+FAMILY_CELLS = [(family, torch.bfloat16) for family in BF16_FAMILIES] + [("qwen2", torch.float32)]
 
 
 @pytest.mark.parametrize("family, dtype", FAMILY_CELLS, ids=lambda v: str(v).replace("torch.", ""))

@@ -108,17 +108,20 @@ def _rows(path: Path, count: int = 12) -> Path:
     return path
 
 
+def _score_args(checkpoint: Path, inputs: Path, output: Path, *extra: str) -> list[str]:
+    return ["--model", str(checkpoint), "--input", str(inputs), "--output", str(output), "--device", "cpu",
+            "--dtype", "bf16", *extra]
+
+
 def _score(checkpoint: Path, inputs: Path, output: Path, *extra: str) -> None:
-    run = run_bounded([sys.executable, "-m", "invariant_infer.cli", "score", "--model", str(checkpoint),
-                       "--input", str(inputs), "--output", str(output), "--device", "cpu", "--dtype", "bf16", *extra],
-                      RUN_TIMEOUT)
+    run = run_bounded([sys.executable, "-m", "invariant_infer.cli", "score",
+                       *_score_args(checkpoint, inputs, output, *extra)], RUN_TIMEOUT)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_score_command_at_tp2_writes_the_bytes_of_tp1(checkpoints, tmp_path, capsys):
     inputs = _rows(tmp_path / "in.jsonl")
-    tp1 = ["--model", str(checkpoints["W4A16"]), "--input", str(inputs), "--output", str(tmp_path / "tp1.jsonl"),
-           "--device", "cpu", "--dtype", "bf16"]
+    tp1 = _score_args(checkpoints["W4A16"], inputs, tmp_path / "tp1.jsonl")
     assert scoring_cli.main(tp1) == 0, capsys.readouterr().err[-3000:]  # TP 1 in this process; TP 2 as a command
     _score(checkpoints["W4A16"], inputs, tmp_path / "tp2.jsonl", "--tensor-parallel-size", "2", "--max-batch-tokens",
            "32")

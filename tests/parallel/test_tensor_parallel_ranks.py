@@ -160,7 +160,8 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
         assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
         return before, after, speculated
     model = load_model(checkpoint, dtype="fp32", device="cpu")
-    single = run(model)  # its n-gram engine equals plain decoding: test_speculative
+    single = run(model)
+    assert single[2] == [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, params)]
     draft_params = [SamplingParams(max_tokens=7, logprobs=1),
                     SamplingParams(max_tokens=7, temperature=0.9, seed=4, logprobs=1)]
     plain = [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, draft_params)]
@@ -249,9 +250,13 @@ def test_refused_sizes_name_the_sizes_that_work(checkpoint, tmp_path):
 ROWS = 12  # the score job's input: 3 to 29 tokens a row
 
 
+def score_args(checkpoint: str, inputs: Path, output: Path, *extra: str) -> list[str]:
+    return ["--model", checkpoint, "--input", str(inputs), "--output", str(output), "--device", "cpu", "--dtype", "bf16",
+            *extra]
+
+
 def score_command(checkpoint: str, inputs: Path, output: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "invariant_infer.cli", "score", "--model", checkpoint, "--input", str(inputs),
-            "--output", str(output), "--device", "cpu", "--dtype", "bf16", *extra]
+    return [sys.executable, "-m", "invariant_infer.cli", "score", *score_args(checkpoint, inputs, output, *extra)]
 
 
 def run_command(command: list[str]) -> subprocess.CompletedProcess:
@@ -293,7 +298,7 @@ def score_in_process(capsys, checkpoint: str, inputs: Path, output: Path, *extra
     """The score command's ``main`` in this process (it starts and stops its ranks as the command does):
     its stderr. The command as a process runs below, where a rank is killed under it."""
     capsys.readouterr()
-    status = scoring_cli.main(score_command(checkpoint, inputs, output, *extra)[4:])
+    status = scoring_cli.main(score_args(checkpoint, inputs, output, *extra))
     err = capsys.readouterr().err
     assert status == 0, err[-3000:]
     return err
@@ -333,8 +338,7 @@ def test_sigterm_to_the_score_command_stops_every_rank(checkpoint, tmp_path):
 
 def test_commands_refuse_a_size_before_starting_ranks(checkpoint, tmp_path, capsys):
     inputs = write_rows(tmp_path / "in.jsonl", 2)
-    assert scoring_cli.main(score_command(checkpoint, inputs, tmp_path / "out.jsonl", "--tensor-parallel-size", "3")
-                            [4:]) == 2
+    assert scoring_cli.main(score_args(checkpoint, inputs, tmp_path / "out.jsonl", "--tensor-parallel-size", "3")) == 2
     assert "Sizes that work for this model: [1, 2, 4]" in capsys.readouterr().err
     serve = run_command([sys.executable, "-m", "invariant_infer.cli", "serve", "--model", checkpoint, "--port", "0",
                          "--device", "cpu", "--tensor-parallel-size", "3"])
