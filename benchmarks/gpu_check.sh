@@ -37,30 +37,7 @@ mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 echo "[gpu_check] writing to $DEST"
 
-# -- make invariant_infer.kernels importable (it lives in kernels/, mapped by the package build) --
-INSTALL_RC=0
-if ! $PY -c "import invariant_infer.kernels" >/dev/null 2>&1; then
-  $PY -m pip install --no-deps --no-build-isolation -e . >"$DEST/install.log" 2>&1
-  INSTALL_RC=$?
-fi
-if ! $PY -c "import invariant_infer.kernels" >/dev/null 2>&1; then
-  # Fallback without pip: a sitecustomize that maps invariant_infer.kernels to kernels/.
-  SHIM=$(mktemp -d)
-  cat >"$SHIM/sitecustomize.py" <<PYEOF
-import importlib.util, os, sys
-class _KernelsFinder:
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name != "invariant_infer.kernels":
-            return None
-        root = os.path.join("$ROOT", "kernels")
-        return importlib.util.spec_from_file_location(name, os.path.join(root, "__init__.py"),
-                                                      submodule_search_locations=[root])
-sys.meta_path.append(_KernelsFinder)
-PYEOF
-  export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  echo "[gpu_check] pip install -e failed (rc $INSTALL_RC); using the import shim in $SHIM" | tee -a "$DEST/install.log"
-fi
+# -- invariant_infer (kernels included) imports from the checkout; no install needed --
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # -- provenance ------------------------------------------------------------------------------------
@@ -161,7 +138,7 @@ done
 
 # -- 4. exit codes and the summary, last -------------------------------------------------------------
 TOTAL=$(( $(date +%s) - START ))
-printf 'install_rc=%s\ntests_rc=%s\ngolden_rc=%s\ntp_rc=%s\nsuite_rc=%s\nextra_rc=%s\ntotal_s=%s\n' "$INSTALL_RC" \
+printf 'tests_rc=%s\ngolden_rc=%s\ntp_rc=%s\nsuite_rc=%s\nextra_rc=%s\ntotal_s=%s\n' \
   "$TESTS_RC" "$GOLDEN_RC" "$TP_RC" "$SUITE_RC" "$EXTRA_RC" "$TOTAL" | tee "$DEST/exit_codes.txt"
 echo "================ summary ($DEST) ================"
 grep -E "passed|failed|error|skipped" "$DEST/pytest.log" | tail -1

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"invariant_infer": ROOT / "invariant_infer", "invariant_infer.kernels": ROOT / "kernels",
-            "benchmarks": ROOT / "benchmarks"}
+PACKAGES = {"invariant_infer": ROOT / "invariant_infer", "benchmarks": ROOT / "benchmarks"}
 
 # Lower layers never import higher ones. Each entry is a folder (``.*``: the package and everything
 # in it) or one module; a module belongs to its most specific entry, so a subfolder can sit a layer
@@ -37,11 +36,7 @@ def module_files() -> dict[str, Path]:
     modules = {}
     for package, folder in PACKAGES.items():
         for path in folder.rglob("*.py"):
-            if package != "invariant_infer.kernels" and path.is_relative_to(ROOT / "kernels"):
-                continue
             parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[0] == "kernels" and package == "invariant_infer":
-                continue  # a symlink to kernels/ in some checkouts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             modules[".".join([package, *parts])] = path

@@ -2,7 +2,7 @@
 
 An engine packs the scheduled tokens of S sequences into one unpadded batch of T queries and
 keeps K/V in a paged cache. For every query token this kernel returns exactly the bits that
-``attention()`` (kernels/attention.py) computes for that token when its sequence runs in a
+``attention()`` (invariant_infer/kernels/attention.py) computes for that token when its sequence runs in a
 padded batch, with any padding, as full prefill, chunked prefill or decode. So an engine step
 gets the logits ``model(...)`` gets. What makes it so:
 
