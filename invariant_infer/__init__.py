@@ -4,8 +4,11 @@ Mistral, Mixtral, Qwen2-MoE and Qwen3-MoE.
     from invariant_infer import make_invariant, restore
     model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
 """
-from . import _legacy_names
-from .errors import InvariantInferError, NonInvariantInputError, UnsupportedModelError
+from .errors import (InvariantInferError, InvalidArgumentError, InvalidDtypeError, UnsupportedOperationError,
+                     KernelLaunchError, UnsupportedModelError, NonInvariantInputError, TensorParallelError, DeviceError,
+                     RequestError, RequestFailedError, EngineBusyError, LoraAdapterError, SpeculativeConfigError,
+                     ScoringRequestError, JobError, CheckpointError, CheckpointLoadError, UnsupportedTRLError,
+                     InternalError)
 from .generation.generate import generate_invariant, seeded_sampling
 from .model.padding import left_pad, pad_sequences, positions_from_mask
 from .model.patch import invariant, is_invariant, make_invariant, restore
@@ -13,9 +16,11 @@ from .scoring.core import ScoreResult, score_sequences
 
 __all__ = [
     "make_invariant", "restore", "invariant", "is_invariant", "positions_from_mask", "left_pad", "pad_sequences",
-    "InvariantInferError", "NonInvariantInputError", "UnsupportedModelError",
     "seeded_sampling", "generate_invariant", "score_sequences", "ScoreResult",
+    "InvariantInferError", "InvalidArgumentError", "InvalidDtypeError", "UnsupportedOperationError",
+    "KernelLaunchError", "UnsupportedModelError", "NonInvariantInputError", "TensorParallelError", "DeviceError",
+    "RequestError", "RequestFailedError", "EngineBusyError", "LoraAdapterError", "SpeculativeConfigError",
+    "ScoringRequestError", "JobError", "CheckpointError", "CheckpointLoadError", "UnsupportedTRLError",
+    "InternalError",
 ]
 __version__ = "0.1.0"
-
-_legacy_names.install()

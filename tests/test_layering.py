@@ -18,7 +18,7 @@ PACKAGES = {"invariant_infer": ROOT / "invariant_infer", "benchmarks": ROOT / "b
 # above its parent, and a new folder fails the test until it is placed.
 LAYERS = [
     ["invariant_infer.kernels.*"],
-    ["invariant_infer.errors", "invariant_infer._legacy_names", "invariant_infer.model.*"],
+    ["invariant_infer.errors", "invariant_infer.model.*"],
     ["invariant_infer.checkpoints.*", "invariant_infer.testing.*", "invariant_infer.generation.*",
      "invariant_infer.scoring.*", "invariant_infer.engine.*", "invariant_infer.training.*", "invariant_infer"],
     ["invariant_infer.server.*", "invariant_infer.parallel.*", "invariant_infer.scoring.job.*",

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from ..model.patch import make_invariant
 from .quantized import quantized_loading
+from ..errors import CheckpointLoadError, InvalidArgumentError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
@@ -20,7 +21,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 def resolve_device(device: str | None = None) -> torch.device:
     """``device`` as given, else CUDA when present, else CPU."""
     if device is not None and device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, not {device!r}")
+        raise InvalidArgumentError(f"device must be one of {DEVICES}, not {device!r}")
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
@@ -30,7 +31,7 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+        raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -52,7 +53,7 @@ def load_tokenizer(path: str):
     folder = Path(path)
     if folder.is_dir():
         if not any((folder / name).exists() for name in TOKENIZER_FILES):
-            raise OSError(f"no tokenizer in {path}: none of {', '.join(TOKENIZER_FILES)} found")
+            raise CheckpointLoadError(f"no tokenizer in {path}: none of {', '.join(TOKENIZER_FILES)} found")
         config = folder / "tokenizer_config.json"
         if config.exists():
             try:
@@ -78,6 +79,6 @@ class LazyTokenizer:
             except Exception as exc:
                 self._error = f"no tokenizer loaded from {self.path} ({exc})"
         if self._error:
-            raise OSError(self._error)
+            raise CheckpointLoadError(self._error)
         return self._tokenizer
 

@@ -19,6 +19,8 @@ from ..checkpoints.loading import DEVICES, DTYPES, load_model, resolve_device
 from ..model.patch import make_invariant, restore
 from ..model.quantization import describe_quantization, is_quantized, weight_bytes
 from ..testing.random_checkpoints import random_config, random_model
+from . import exit_codes
+from .help_text import exit_status_epilog, plain
 
 SAMPLE_LENGTHS = (1, 33, 7, 20)
 # The real widths each family's built-in random model takes (one layer, small vocab).
@@ -27,7 +29,8 @@ DEMO_PRESETS = {"qwen2": "qwen2.5-1.5b", "qwen3": "qwen3-0.6b", "llama": "llama-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="show stock HF logits drifting between batch and alone, and ours not",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain(__doc__), epilog=exit_status_epilog(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a checkpoint directory or hub id of a supported family "
                    f"({', '.join(sorted(FAMILIES))}); default: a built-in random model")
     p.add_argument("--family", choices=sorted(DEMO_PRESETS), default="qwen2",
@@ -83,8 +86,8 @@ def run(args) -> int:
     invariant_drift = results["invariant"][0]
     if invariant_drift.rows_unequal:
         print("\nFAIL: invariant logits differ between batch and alone")
-        return 1
+        return exit_codes.ROW_ERRORS
     print("\ninvariant: every row bitwise equal to the same sample run alone (torch.equal).")
     if device.type == "cpu":
         print("(CPU runs the Triton kernels through the interpreter: its times say nothing about GPU speed.)")
-    return 0
+    return exit_codes.OK

@@ -24,9 +24,10 @@ from ..scoring.job.ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS
 from ..checkpoints.loading import DEVICES, DTYPES
 from ..scoring.core import DEFAULT_MAX_BATCH_TOKENS
 from ..scoring.job.backends import LocalBackend, RayBackend
-from ..scoring.job.run import JobError, JobOptions, run_job
-
-EXIT_LINE_ERRORS, EXIT_FATAL, EXIT_VERIFY_MISMATCH = 1, 2, 3
+from ..scoring.job.run import JobOptions, run_job
+from ..errors import JobError
+from . import exit_codes
+from .help_text import exit_status_epilog, plain
 
 
 def parse_loras(values) -> dict[str, str]:
@@ -61,25 +62,26 @@ def run(args) -> int:
                                  max_restarts=args.max_restarts)
         else:
             backend = LocalBackend.load(args.model, dtype=args.dtype, device=args.device,
-                                        tensor_parallel_size=tensor_parallel_size, loras=loras)
+                                        tensor_parallel_size=tensor_parallel_size, loras=loras,
+                                        rank_failed_status=exit_codes.RANK_FAILED)
     except JobError as exc:
         print(f"score: {exc}", file=sys.stderr)
-        return EXIT_FATAL
+        return exit_codes.REFUSED
     try:
         summary = run_job(options, backend)
     except JobError as exc:
         print(f"score: {exc}", file=sys.stderr)
-        return EXIT_FATAL
+        return exit_codes.RANK_FAILED if exc.rank_failed else exit_codes.REFUSED
     finally:
         backend.close()
     if not summary.verified:
-        return EXIT_VERIFY_MISMATCH
-    return EXIT_LINE_ERRORS if summary.errors else 0
+        return exit_codes.VERIFY_MISMATCH
+    return exit_codes.ROW_ERRORS if summary.errors else exit_codes.OK
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="checkpoint directory of a supported family (qwen2, qwen3, llama, mistral)")
+                        help="a checkpoint directory of a supported family")
     parser.add_argument("--input", required=True, help="JSONL requests, one per line, each with an id")
     parser.add_argument("--output", required=True, help="JSONL results; an existing file is resumed")
     parser.add_argument("--tokenizer", help="tokenizer directory for text lines (default: --model)")
@@ -94,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PEFT LoRA adapter folders, run unmerged; a row's \"lora\" field picks one by NAME")
     parser.add_argument("--verify", type=int, default=0, metavar="K",
                         help="re-score K random rows alone and check their digests bitwise")
-    ray = parser.add_argument_group("scale out on Ray Data (pip install \"invariant-infer[ray]\")")
+    ray = parser.add_argument_group("scale out on Ray Data (pip install -e \".[ray]\")")
     ray.add_argument("--ray", action="store_true",
                      help="run the job as a Ray Data pipeline: one actor per worker, each holding the model")
     ray.add_argument("--ray-address", metavar="ADDR",
@@ -110,15 +112,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("score", help="reproducible per-token logprobs for a JSONL file",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=plain(__doc__), epilog=exit_status_epilog(),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.set_defaults(run=run)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m invariant_infer.cli.score ...``: the score command on its own."""
-    parser = argparse.ArgumentParser(prog="invariant-infer score", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="invariant-infer score", description=plain(__doc__),
+                                     epilog=exit_status_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -1,6 +1,6 @@
 """``invariant-infer serve``: an OpenAI-compatible server (completions, chat completions, models,
 health, metrics, tokenize) over the continuous-batching engine; each response is bitwise a
-function of its own request, whatever else is in flight. Needs ``pip install invariant-infer[serve]``."""
+function of its own request, whatever else is in flight. Needs ``pip install -e ".[serve]"``."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,9 @@ import math
 import sys
 
 from ..checkpoints.loading import DEVICES, DTYPES
+from ..errors import InvariantInferError
+from . import exit_codes
+from .help_text import exit_status_epilog, plain
 
 
 def positive_seconds(text: str) -> float:
@@ -72,21 +75,21 @@ def run(args) -> int:
         from ..server.main import serve
         from ..server.state import ServerOptions
     except ImportError as exc:
-        print(f"invariant-infer serve needs the serve extra (pip install 'invariant-infer[serve]'): {exc}",
+        print(f'invariant-infer serve needs the serve extra (pip install -e ".[serve]"): {exc}',
               file=sys.stderr)
-        return 2
+        return exit_codes.REFUSED
     loras = {}
     for value in args.lora_modules:
         name, sep, path = value.partition("=")
         if not (sep and name and path) or name in loras:
             print(f"invariant-infer serve: --lora-modules takes distinct NAME=PATH, got {value!r}", file=sys.stderr)
-            return 2
+            return exit_codes.REFUSED
         if name == (args.served_model_name or args.model):
             print(f"invariant-infer serve: --lora-modules: {name!r} is the base model's name; name the adapter "
                   "otherwise", file=sys.stderr)
-            return 2
+            return exit_codes.REFUSED
         loras[name] = path
-    return serve(ServerOptions(
+    options = ServerOptions(
         model_name=args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes, stream_write_timeout=args.stream_write_timeout, model=args.model,
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
@@ -94,17 +97,25 @@ def run(args) -> int:
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.disable_prefix_caching,
         kernels=args.kernels, speculative_config=args.speculative_config, host=args.host, port=args.port,
         log_level=args.log_level, lora_modules=loras, enable_lora=args.enable_lora, max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank))
+        max_lora_rank=args.max_lora_rank)
+    try:
+        stopped = serve(options, rank_failed_status=exit_codes.RANK_FAILED)
+    except InvariantInferError as exc:  # settings, a model, an adapter or a TP size the engine refuses
+        print(f"invariant-infer serve: {exc}", file=sys.stderr)
+        return exit_codes.REFUSED
+    return exit_codes.RANK_FAILED if stopped == "rank failed" else exit_codes.OK
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine", description=__doc__)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine", description=plain(__doc__),
+                       epilog=exit_status_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(run=run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="invariant-infer serve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="invariant-infer serve", description=plain(__doc__),
+                                     epilog=exit_status_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     return int(run(args) or 0)

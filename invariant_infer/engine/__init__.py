@@ -8,7 +8,8 @@ packed forward over the paged cache), ``logprob_rows``, ``speculative`` and ``pr
 (speculative decoding, bitwise lossless), ``engine`` (the API) and ``async_engine`` (for servers).
 """
 from .async_engine import AsyncEngine
-from .engine import Engine, EngineBusyError, RequestOutput
-from .sampling_params import RequestError, SamplingParams
+from ..errors import EngineBusyError, RequestError
+from .engine import Engine, RequestOutput
+from .sampling_params import SamplingParams
 
 __all__ = ["Engine", "AsyncEngine", "EngineBusyError", "RequestOutput", "RequestError", "SamplingParams"]

@@ -13,8 +13,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from .engine import Engine, EngineBusyError, RequestOutput
+from .engine import Engine, RequestOutput
 from .sampling_params import SamplingParams
+from ..errors import EngineBusyError, UnsupportedOperationError
 
 T = TypeVar("T")
 
@@ -115,8 +116,9 @@ class AsyncEngine:
         requests in flight, raises ``EngineBusyError`` and runs nothing. Blocks up to one step:
         call it off the event loop."""
         if self.engine.tensor_parallel_size > 1:
-            raise NotImplementedError("weight updates are not supported under tensor parallelism (the other ranks "
-                                      "hold their own shards)")
+            raise UnsupportedOperationError("weight updates are not supported under tensor parallelism (the other "
+                                            "ranks "
+                                            "hold their own shards)")
         with self._lock:
             self._apply_aborts()
             if self.engine.has_unfinished():

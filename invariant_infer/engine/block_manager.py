@@ -15,6 +15,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .sequence import Sequence
+from ..errors import EngineBusyError
 
 
 def page_hash(previous: bytes, tokens: list[int]) -> bytes:
@@ -116,7 +117,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (all must be free); returns how many were findable."""
         if self.num_used:
-            raise RuntimeError(f"{self.num_used} KV pages are in use")
+            raise EngineBusyError(f"{self.num_used} KV pages are in use")
         dropped = len(self.page_of_hash)
         self.hash_of = [None] * self.num_pages
         self.page_of_hash.clear()

@@ -20,7 +20,8 @@ from collections.abc import Sequence as SequenceABC
 import torch
 from tqdm import tqdm
 
-from ..errors import DeviceError, TensorParallelError, raise_if_device_failure
+from ..errors import (DeviceError, EngineBusyError, InvalidArgumentError, RequestError, RequestFailedError,
+                      TensorParallelError, raise_if_device_failure)
 from ..model.executor import Executor, executor_for
 from ..model.patch import is_invariant, make_invariant
 from ..generation.sampling import sample_next_token
@@ -30,7 +31,7 @@ from .lora_slots import LoraRequests
 from .model_runner import ModelRunner
 from .logprob_rows import record_prompt_logprobs, row_logprobs, top_logprobs
 from .output import Detokenizer, RequestOutput, finish_reason, request_output
-from .sampling_params import RequestError, SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, Status
 from .speculative import speculative_decoder
@@ -38,10 +39,6 @@ from .step_timer import NULL_TIMER, StepTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5   # of the free memory at start
-
-
-class EngineBusyError(RuntimeError):
-    """The engine has unfinished requests, and the operation needs an idle engine."""
 
 
 class Engine(LoraRequests):
@@ -60,15 +57,16 @@ class Engine(LoraRequests):
                  max_loras: int = 0, max_lora_rank: int = 16):
         executor = executor_for(model, executor)  # where each step runs (default: this process)
         if kernels not in ("invariant", "stock"):
-            raise ValueError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
+            raise InvalidArgumentError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+            raise InvalidArgumentError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if kernels == "invariant":
             make_invariant(model)
         elif is_invariant(model):
-            raise ValueError("kernels='stock' needs a model that make_invariant has not wrapped (restore it first)")
+            raise InvalidArgumentError("kernels='stock' needs a model that make_invariant has not wrapped (restore it "
+                                       "first)")
         if model.get_output_embeddings() is None or not hasattr(model, "model"):
-            raise ValueError("the engine runs causal LMs (AutoModelForCausalLM), not base models")
+            raise InvalidArgumentError("the engine runs causal LMs (AutoModelForCausalLM), not base models")
         self.model, self.tokenizer = model.eval(), tokenizer
         config = model.config
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
@@ -83,7 +81,8 @@ class Engine(LoraRequests):
         # No more pages than max_num_seqs sequences of max_position_embeddings tokens can use.
         num_pages = min(kv_cache_memory // page_bytes, max_num_seqs * -(-self.max_positions // page_size))
         if num_pages < 1:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each)")
+            raise InvalidArgumentError(f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes "
+                                       "each)")
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   decode_buckets=decode_buckets, executor=executor)
@@ -354,7 +353,7 @@ class Engine(LoraRequests):
         """Run the prompts to completion on adapter(s) ``lora``; outputs in prompt order. Bad requests raise first."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+            raise InvalidArgumentError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
         encoded, loras = [self._encode(p) for p in prompts], self._loras_for(lora, len(prompts))
         for i, (ids, p) in enumerate(zip(encoded, params_list)):
             try:
@@ -383,7 +382,7 @@ class Engine(LoraRequests):
         results = []
         for out, start in zip(outputs, prompt_lengths):
             if out.error:
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
             logprobs = torch.tensor(out.prompt_logprobs[start - 1:], dtype=torch.float32)
             results.append(ScoreResult(logprobs, all(out.prompt_greedy[start - 1:])))
         return results

@@ -31,11 +31,7 @@ import torch
 from ..model.executor import RankState, worker_command
 from ..model.families import family_of
 from ..model.lora import REFUSED_OPTIONS, LoraRows, attach_slots, is_peft_model
-from .sampling_params import RequestError
-
-
-class LoraAdapterError(ValueError):
-    """An adapter that cannot be loaded or removed (bad shapes, rank, target; unknown; in use)."""
+from ..errors import InvalidArgumentError, LoraAdapterError, RequestError
 
 
 @dataclass
@@ -59,7 +55,7 @@ def _read_source(source):
     try:
         import peft  # the engine needs PEFT only to read adapters
     except ImportError:
-        raise LoraAdapterError("reading LoRA adapters needs PEFT: pip install peft") from None
+        raise LoraAdapterError("reading LoRA adapters needs PEFT: pip install -e \".[lora]\"") from None
     if is_peft_model(source):
         name = source.active_adapter
         return source.peft_config[name], peft.get_peft_model_state_dict(source, adapter_name=name)
@@ -94,7 +90,7 @@ class LoraSlots:
 
     def __init__(self, runner, max_loras: int, max_lora_rank: int):
         if max_loras < 1 or max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be at least 1")
+            raise InvalidArgumentError("max_loras and max_lora_rank must be at least 1")
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         dtype = runner.model.get_output_embeddings().weight.dtype
         self.dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -259,8 +255,8 @@ class LoraRequests:
     def _init_loras(self, max_loras: int, max_lora_rank: int) -> None:
         self.loras = None
         if is_peft_model(self.model):
-            raise ValueError("the engine runs a base model: pass the PeftModel's base and "
-                             "engine.add_lora(name, peft_model) with max_loras >= 1")
+            raise InvalidArgumentError("the engine runs a base model: pass the PeftModel's base and "
+                                       "engine.add_lora(name, peft_model) with max_loras >= 1")
         if not max_loras:
             return
         self.loras = self.runner.loras = LoraSlots(self.runner, max_loras, max_lora_rank)
@@ -300,7 +296,7 @@ class LoraRequests:
         """One adapter name (or None) per prompt, checked before any request is added."""
         names = list(lora) if isinstance(lora, (list, tuple)) else [lora] * count
         if len(names) != count:
-            raise ValueError(f"{len(names)} adapter names for {count} prompts")
+            raise InvalidArgumentError(f"{len(names)} adapter names for {count} prompts")
         for name in names:
             self._lora_fields(name)
         return names

@@ -38,6 +38,7 @@ from ..model.padding import sequence_bounds
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
 from .scheduler import ScheduledChunk
+from ..errors import InvalidArgumentError
 
 STOCK_ATTN_IMPLEMENTATION = "invariant_infer_paged_stock"
 _RUNNER_IDS = itertools.count()  # names a runner to the other ranks (one engine's KV pages there)
@@ -132,16 +133,18 @@ class ModelRunner:
         layout = tp_layout(model)
         self.tp_size = layout.size if layout else 1
         if self.tp_size > 1 and not invariant:
-            raise ValueError("kernels='stock' runs one process only (stock tensor parallelism is not invariant)")
+            raise InvalidArgumentError("kernels='stock' runs one process only (stock tensor parallelism is not "
+                                       "invariant)")
         self.num_kv_heads = config.num_key_value_heads // self.tp_size  # this rank's shard of the KV heads
         self.head_dim = _head_dim(config)
         self.page_size, self.num_pages = page_size, num_pages
         self.decode_buckets = sorted(set(decode_buckets))
         if any(type(b) is not int or b < 1 for b in self.decode_buckets):
-            raise ValueError(f"decode_buckets must be positive integers, got {decode_buckets!r}")
+            raise InvalidArgumentError(f"decode_buckets must be positive integers, got {decode_buckets!r}")
         if self.decode_buckets and config.max_position_embeddings < page_size:
-            raise ValueError("decode_buckets: padding rows take positions up to the page size "
-                             f"{page_size}, more than max_position_embeddings {config.max_position_embeddings}")
+            raise InvalidArgumentError("decode_buckets: padding rows take positions up to the page size "
+                                       f"{page_size}, more than max_position_embeddings "
+                                       f"{config.max_position_embeddings}")
         # Padding row i writes slot i of the scratch pages that follow the block manager's pages.
         max_bucket = max(self.decode_buckets, default=0)
         self.scratch_pages = -(-max_bucket // page_size)

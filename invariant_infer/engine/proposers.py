@@ -16,6 +16,7 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
+from ..errors import InvalidArgumentError
 
 
 def prompt_lookup(tokens: list[int], k: int, low: int, high: int) -> list[int]:
@@ -65,7 +66,8 @@ class DraftModelProposer:
             num_pages = -(-num_positions // page_size)
         num_pages = min(num_pages, max_num_seqs * -(-self.max_positions // page_size))
         if num_pages < 1:
-            raise ValueError(f"draft_kv_cache_memory={kv_cache_memory} bytes holds no page of the draft model")
+            raise InvalidArgumentError(f"draft_kv_cache_memory={kv_cache_memory} bytes holds no page of the draft "
+                                       "model")
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         self.runner = ModelRunner(draft.eval(), num_pages=num_pages, page_size=page_size, invariant=invariant,
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=self.budget)

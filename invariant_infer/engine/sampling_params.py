@@ -3,16 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import InvariantInferError
-
-
-class RequestError(InvariantInferError, ValueError):
-    """A request the engine refuses at admission (its other requests keep running). ``param`` names
-    the offending field (a ``SamplingParams`` field, or "prompt"), None when no one field is at fault."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+from ..errors import RequestError
 
 
 MAX_LOGPROBS = 20

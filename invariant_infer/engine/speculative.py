@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .sequence import Sequence
+from ..errors import SpeculativeConfigError
 
 METHODS = ("ngram", "draft_model")
 ACCEPTANCES = ("exact", "rejection")
@@ -47,43 +48,44 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"speculative must be a dict or a SpeculativeConfig, got {type(value).__name__}")
+            raise SpeculativeConfigError(f"speculative must be a dict or a SpeculativeConfig, got "
+                                         f"{type(value).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"speculative: unknown keys {unknown} (known: {sorted(known)})")
+            raise SpeculativeConfigError(f"speculative: unknown keys {unknown} (known: {sorted(known)})")
         if "method" not in value or "num_speculative_tokens" not in value:
-            raise ValueError("speculative needs 'method' and 'num_speculative_tokens'")
+            raise SpeculativeConfigError("speculative needs 'method' and 'num_speculative_tokens'")
         return cls(**value)
 
     def check(self, max_positions: int, max_num_batched_tokens: int) -> None:
         """Raise ``ValueError`` with the reason for values that cannot run, or would break exactness."""
         k = self.num_speculative_tokens
         if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+            raise SpeculativeConfigError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if type(k) is not int or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+            raise SpeculativeConfigError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if k + 1 > max_num_batched_tokens or k + 1 >= max_positions:
-            raise ValueError(f"num_speculative_tokens={k}: a verify step of {k + 1} positions must fit in "
-                             f"max_num_batched_tokens ({max_num_batched_tokens}) and the model's "
-                             f"{max_positions} positions")
+            raise SpeculativeConfigError(f"num_speculative_tokens={k}: a verify step of {k + 1} positions must fit in "
+                                         f"max_num_batched_tokens ({max_num_batched_tokens}) and the model's "
+                                         f"{max_positions} positions")
         if self.acceptance not in ACCEPTANCES:
-            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCES)}, got {self.acceptance!r}")
+            raise SpeculativeConfigError(f"acceptance must be one of {', '.join(ACCEPTANCES)}, got {self.acceptance!r}")
         if self.acceptance == "rejection":
-            raise ValueError("acceptance='rejection' is not implemented: rejection sampling keeps the "
-                             "distribution but changes the tokens and logprobs; 'exact' keeps every bit")
+            raise SpeculativeConfigError("acceptance='rejection' is not implemented: rejection sampling keeps the "
+                                         "distribution but changes the tokens and logprobs; 'exact' keeps every bit")
         if self.method == "ngram":
             low, high = self.lookup_range
             if self.model is not None:
-                raise ValueError("method 'ngram' takes no draft model (use method 'draft_model')")
+                raise SpeculativeConfigError("method 'ngram' takes no draft model (use method 'draft_model')")
             if not (type(low) is int and type(high) is int and 1 <= low <= high):
-                raise ValueError(f"prompt_lookup_min ({low!r}) and prompt_lookup_max ({high!r}) must be "
-                                 "integers with 1 <= min <= max")
+                raise SpeculativeConfigError(f"prompt_lookup_min ({low!r}) and prompt_lookup_max ({high!r}) must be "
+                                             "integers with 1 <= min <= max")
         else:
             if self.model is None:
-                raise ValueError("method 'draft_model' needs 'model': a causal LM or its checkpoint path")
+                raise SpeculativeConfigError("method 'draft_model' needs 'model': a causal LM or its checkpoint path")
             if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-                raise ValueError("prompt_lookup_min / prompt_lookup_max are for method 'ngram'")
+                raise SpeculativeConfigError("prompt_lookup_min / prompt_lookup_max are for method 'ngram'")
 
     @property
     def lookup_range(self) -> tuple[int, int]:
@@ -176,8 +178,9 @@ def speculative_decoder(engine, value, kernels: str) -> SpeculativeDecoder | Non
         return None
     config.check(engine.max_positions, engine.scheduler.max_num_batched_tokens)
     if kernels != "invariant":
-        raise ValueError("speculative decoding is exact only with kernels='invariant' (stock kernels give a "
-                         "verify step other logits than decode steps)")
+        raise SpeculativeConfigError("speculative decoding is exact only with kernels='invariant' (stock kernels give "
+                                     "a "
+                                     "verify step other logits than decode steps)")
     from .proposers import DraftModelProposer, NgramProposer  # noqa: PLC0415  (it imports the runner)
     if config.method == "ngram":
         return SpeculativeDecoder(config, NgramProposer(*config.lookup_range), engine.max_positions)
@@ -205,13 +208,15 @@ def load_draft(model, engine):
     else:
         draft = model
     if not hasattr(draft, "get_output_embeddings") or draft.get_output_embeddings() is None:
-        raise ValueError("the draft model must be a causal LM (AutoModelForCausalLM)")
+        raise SpeculativeConfigError("the draft model must be a causal LM (AutoModelForCausalLM)")
     if draft.config.vocab_size != engine.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
-                         f"target's ({engine.vocab_size}): its proposals would be other tokens")
+        raise SpeculativeConfigError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from "
+                                     "the "
+                                     f"target's ({engine.vocab_size}): its proposals would be other tokens")
     if draft.get_output_embeddings().weight.device != head.device:
-        raise ValueError(f"the draft model is on {draft.get_output_embeddings().weight.device}, the target on "
-                         f"{head.device}: put them on one device")
+        raise SpeculativeConfigError(f"the draft model is on {draft.get_output_embeddings().weight.device}, the "
+                                     "target on "
+                                     f"{head.device}: put them on one device")
     return draft
 
 
@@ -222,5 +227,6 @@ def check_same_tokenizer(path: str, tokenizer) -> None:
     except OSError:
         return  # a checkpoint without tokenizer files: its vocabulary size was checked
     if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"the draft model's tokenizer ({path}) differs from the target's: the same ids would "
-                         "be other tokens")
+        raise SpeculativeConfigError(f"the draft model's tokenizer ({path}) differs from the target's: the same ids "
+                                     "would "
+                                     "be other tokens")

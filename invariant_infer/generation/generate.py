@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 
-from ..errors import NonInvariantInputError
+from ..errors import InvalidArgumentError, NonInvariantInputError
 from ..model.padding import check_left_padded, left_pad
 from ..model.patch import make_invariant, register_instance_extension
 from .sampling import _MASK64, penalize_repetitions, seeded_scores
@@ -49,11 +49,11 @@ class SeededSampling(LogitsProcessor):
 
     def __init__(self, seeds: Sequence[int], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
         if not len(seeds):
-            raise ValueError("seeded sampling needs one seed per sequence")
+            raise InvalidArgumentError("seeded sampling needs one seed per sequence")
         if not temperature > 0:
-            raise ValueError(f"temperature must be > 0 (use greedy decoding for 0), got {temperature}")
+            raise InvalidArgumentError(f"temperature must be > 0 (use greedy decoding for 0), got {temperature}")
         if top_k < 0 or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k}, top_p={top_p}")
+            raise InvalidArgumentError(f"need top_k >= 0 and 0 < top_p <= 1, got top_k={top_k}, top_p={top_p}")
         self.seeds = [int(seed) & _MASK64 for seed in seeds]
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self._first_length: int | None = None
@@ -64,7 +64,8 @@ class SeededSampling(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if scores.shape[0] != len(self.seeds):
             raise NonInvariantInputError(f"seeded sampling has {len(self.seeds)} seeds for {scores.shape[0]} "
-                                         "sequences; pass one seed per sequence (for several samples of one prompt, repeat the prompt with different seeds)")
+                                         "sequences; pass one seed per sequence (for several samples of one prompt, "
+                                         "repeat the prompt with different seeds)")
         if self._first_length is None or input_ids.shape[1] < self._first_length:
             self._first_length = input_ids.shape[1]
         step = input_ids.shape[1] - self._first_length
@@ -81,7 +82,7 @@ class RowRepetitionPenalty(LogitsProcessor):
 
     def __init__(self, penalty: float, pad_counts: Sequence[int]):
         if not penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+            raise InvalidArgumentError(f"repetition_penalty must be > 0, got {penalty}")
         self.penalty, self.pad_counts = float(penalty), [int(c) for c in pad_counts]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:

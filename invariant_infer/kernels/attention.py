@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .configs import AttentionConfig, attention_config
 from .launch import DOT_PRECISION, launch
+from .errors import InvalidArgumentError, InvalidDtypeError
 
 
 @triton.jit
@@ -110,9 +111,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     B, Hq, Lq, D = q.shape
     _, Hkv, Lk, _ = k.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % Hkv:
-        raise ValueError(f"attention: incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise InvalidArgumentError(f"attention: incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                                   f"{tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        raise InvalidDtypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     return attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config)
 
 

@@ -28,6 +28,7 @@ import triton.language as tl
 from .attention import attention_forward
 from .configs import AttentionBackwardConfig, AttentionConfig, attention_backward_config, attention_config
 from .launch import DOT_PRECISION, launch, reduction_rows
+from .errors import InvalidArgumentError, InvalidDtypeError
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -241,7 +242,8 @@ def attention_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     deliberately batch-dependent negative control)."""
     B, Hq, Lq, D = q.shape
     if k.shape != v.shape or k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
-        raise ValueError(f"attention: incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise InvalidArgumentError(f"attention: incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                                   f"{tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        raise InvalidDtypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     return AttentionFunction.apply(q, k, v, kv_start, kv_end, q_start, scale, config, backward_config)

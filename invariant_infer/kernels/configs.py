@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import triton
+from .errors import InvalidDtypeError
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -77,7 +78,7 @@ LINEAR_CONFIGS: dict[tuple, LinearConfig] = {
 def linear_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> LinearConfig:
     """The one tile config used for this weight shape, whatever M is."""
     if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"invariant linear supports {SUPPORTED_DTYPES}, got {dtype}")
+        raise InvalidDtypeError(f"invariant linear supports {SUPPORTED_DTYPES}, got {dtype}")
     cfg = LINEAR_CONFIGS.get((device_type, dtype, n, k))
     if cfg is not None:
         return cfg
@@ -141,7 +142,7 @@ class AttentionConfig:
 
 def attention_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionConfig:
     if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"invariant attention supports bf16/fp16/fp32, got {dtype}")
+        raise InvalidDtypeError(f"invariant attention supports bf16/fp16/fp32, got {dtype}")
     if device_type == "cpu":
         return AttentionConfig(block_m=32, block_n=64)
     if dtype == torch.float32 or head_dim > 128:

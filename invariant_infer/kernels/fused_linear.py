@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .linear import PROLOGUE_SILU_MUL, LinearConfig, _check_operands, launch_linear
+from .errors import InvalidArgumentError
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -19,7 +20,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _gate_up_rows(gate, up, weight, bias):
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"silu_mul_linear: gate {tuple(gate.shape)} {gate.dtype} vs up {tuple(up.shape)} {up.dtype}")
+        raise InvalidArgumentError(f"silu_mul_linear: gate {tuple(gate.shape)} {gate.dtype} vs up {tuple(up.shape)} "
+                                   f"{up.dtype}")
     _check_operands(gate, weight, bias)
     g2, u2 = _rows(gate), _rows(up)
     if g2.stride() != u2.stride():

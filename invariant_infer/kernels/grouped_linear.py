@@ -23,6 +23,7 @@ import triton.language as tl
 from .configs import LinearConfig, chunk_length, linear_config
 from .launch import DOT_PRECISION, launch
 from .linear import PROLOGUE_NONE, PROLOGUE_SILU_MUL, _k_tree_dot
+from .errors import InvalidArgumentError, InvalidDtypeError, UnsupportedOperationError
 
 
 @triton.jit
@@ -79,27 +80,29 @@ def grid_slots(rows: int, experts: int, block_m: int) -> int:
 
 def _check(x, weight, offsets, bias, name):
     if weight.dim() != 3:
-        raise ValueError(f"{name}: weight must be [E, N, K], got {tuple(weight.shape)}")
+        raise InvalidArgumentError(f"{name}: weight must be [E, N, K], got {tuple(weight.shape)}")
     experts, n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"{name}: x must be [T, {k}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+        raise InvalidArgumentError(f"{name}: x must be [T, {k}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"{name}: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
-                        f"{'' if bias is None else ', ' + str(bias.dtype)}")
+        raise InvalidDtypeError(f"{name}: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
+                                f"{'' if bias is None else ', ' + str(bias.dtype)}")
     if bias is not None and bias.shape != (experts, n):
-        raise ValueError(f"{name}: bias must be [E, N] = [{experts}, {n}], got {tuple(bias.shape)}")
+        raise InvalidArgumentError(f"{name}: bias must be [E, N] = [{experts}, {n}], got {tuple(bias.shape)}")
     if offsets.dtype not in (torch.int32, torch.int64) or offsets.shape != (experts + 1,):
-        raise ValueError(f"{name}: expert_offsets must be int32/int64 [E + 1] = [{experts + 1}], "
-                         f"got {offsets.dtype} {tuple(offsets.shape)}")
+        raise InvalidArgumentError(f"{name}: expert_offsets must be int32/int64 [E + 1] = [{experts + 1}], "
+                                   f"got {offsets.dtype} {tuple(offsets.shape)}")
     if len({x.device, weight.device, offsets.device} | ({bias.device} if bias is not None else set())) != 1:
-        raise ValueError(f"{name}: x, weight, expert_offsets and bias must be on one device")
+        raise InvalidArgumentError(f"{name}: x, weight, expert_offsets and bias must be on one device")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        raise RuntimeError(f"{name} has no backward: call it under torch.no_grad() or torch.inference_mode() "
-                           "(training mixture-of-experts layers is not supported)")
+        raise UnsupportedOperationError(f"{name} has no backward: call it under torch.no_grad() or "
+                                        "torch.inference_mode() "
+                                        "(training mixture-of-experts layers is not supported)")
     # Offsets on the host are checked here; on CUDA they are not read (that would sync the host).
     if not x.is_cuda and experts and (offsets[0] != 0 or offsets[-1] != x.shape[0]
                                       or bool((offsets[1:] < offsets[:-1]).any())):
-        raise ValueError(f"{name}: expert_offsets must rise from 0 to T = {x.shape[0]}, got {offsets.tolist()}")
+        raise InvalidArgumentError(f"{name}: expert_offsets must rise from 0 to T = {x.shape[0]}, got "
+                                   f"{offsets.tolist()}")
 
 
 def launch_grouped_linear(x, up, weight, offsets, bias, prologue, config: LinearConfig | None):
@@ -141,8 +144,8 @@ def grouped_silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.
     """[T, N]: per row, bitwise ``linear(silu_mul(gate, up), weight[e])``, without writing silu_mul's
     output (the linear kernel's prologue). gate, up [T, K], e.g. the two halves of gate_up_proj's output."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"grouped_silu_mul_linear: gate {tuple(gate.shape)} {gate.dtype} vs up "
-                         f"{tuple(up.shape)} {up.dtype}")
+        raise InvalidArgumentError(f"grouped_silu_mul_linear: gate {tuple(gate.shape)} {gate.dtype} vs up "
+                                   f"{tuple(up.shape)} {up.dtype}")
     _check(gate, weight, expert_offsets, None, "grouped_silu_mul_linear")
     if gate.stride() != up.stride():  # the kernel walks both with one set of strides
         gate, up = gate.contiguous(), up.contiguous()

@@ -33,6 +33,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .interpreter_harness import interpreted, patched_interpreter
+from .errors import InvalidArgumentError, KernelLaunchError
 
 PINNED_OPTIONS = {"enable_fp_fusion": True, "enable_reflect_ftz": True, "ptx_options": ""}
 # The interpreter takes none of these (it drops launch keywords that are not kernel arguments).
@@ -95,17 +96,17 @@ def launch(kernel, grid, device: torch.device, *args, **kwargs):
     """Launch ``kernel[grid](*args, **kwargs)`` on the device the tensors live on."""
     if device.type == "cuda":
         if isinstance(kernel, InterpretedFunction):
-            raise RuntimeError("CUDA tensors with TRITON_INTERPRET=1: unset it to run compiled kernels")
+            raise KernelLaunchError("CUDA tensors with TRITON_INTERPRET=1: unset it to run compiled kernels")
         if torch.compiler.is_compiling():  # inductor compiles the kernel: options cannot be passed
             if _TRACED_PROBLEM:
-                raise RuntimeError(_TRACED_PROBLEM)
+                raise KernelLaunchError(_TRACED_PROBLEM)
             return kernel[grid](*args, **kwargs)
         problem = pinning_problem(traced=False)
         if problem:
-            raise RuntimeError(problem)
+            raise KernelLaunchError(problem)
         return kernel[grid](*args, **kwargs, **PINNED_OPTIONS)
     if device.type != "cpu":
-        raise ValueError(f"invariant kernels run on 'cuda' or 'cpu' tensors, got {device.type!r}")
+        raise InvalidArgumentError(f"invariant kernels run on 'cuda' or 'cpu' tensors, got {device.type!r}")
     for name in _COMPILE_ONLY:
         kwargs.pop(name, None)
     with patched_interpreter():

@@ -20,6 +20,7 @@ import triton.language as tl
 from .configs import LinearConfig, chunk_length, linear_config
 from .launch import DOT_PRECISION, launch
 from .silu_mul import rounded_silu
+from .errors import InvalidArgumentError, InvalidDtypeError
 
 
 # Optional prologue applied to each x tile as it is loaded (a fusion). It computes exactly the
@@ -134,12 +135,12 @@ def _chunk_combine_kernel(
 
 def _check_operands(x, weight, bias):
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"linear: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
-                        f"{'' if bias is None else ', ' + str(bias.dtype)}")
+        raise InvalidDtypeError(f"linear: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
+                                f"{'' if bias is None else ', ' + str(bias.dtype)}")
     if x.device != weight.device:
-        raise ValueError(f"linear: x on {x.device} but weight on {weight.device}")
+        raise InvalidArgumentError(f"linear: x on {x.device} but weight on {weight.device}")
     if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
+        raise InvalidArgumentError(f"linear: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
 
 
 def parallel_chunks_pays(device: torch.device, m: int, n: int, cfg: LinearConfig) -> bool:
@@ -173,7 +174,7 @@ def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None,
     cfg = config or linear_config(x2.device.type, x2.dtype, n, k)
     if partials:
         if bias is not None:
-            raise ValueError("linear partials take no bias: combine_partials adds it once")
+            raise InvalidArgumentError("linear partials take no bias: combine_partials adds it once")
         parallel_chunks = True
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     if m == 0:
@@ -215,7 +216,8 @@ def combine_partials(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torc
     """The fp32 chunk sums ``parts`` [chunks, M, N] added in chunk order (then bias), in ``dtype``:
     the bits ``linear`` gives for that tree, whichever process computed each chunk."""
     if parts.dtype != torch.float32 or parts.dim() != 3 or not parts.is_contiguous():
-        raise ValueError(f"combine_partials takes contiguous fp32 [chunks, M, N], got {parts.dtype} {tuple(parts.shape)}")
+        raise InvalidArgumentError(f"combine_partials takes contiguous fp32 [chunks, M, N], got {parts.dtype} "
+                                   f"{tuple(parts.shape)}")
     y = torch.empty(parts.shape[1:], device=parts.device, dtype=dtype)
     if y.shape[0]:
         _combine(parts, bias, y)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch, reduction_rows
+from .errors import InvalidArgumentError, InvalidDtypeError, UnsupportedOperationError
 
 MAX_TOP_K = 16
 
@@ -60,16 +61,18 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tup
     fp32): per row, the top_k experts by softmax probability (fp32), in descending order, ties to
     the lowest expert index; with ``normalize`` the weights are divided by their sum."""
     if router_logits.dim() != 2:
-        raise ValueError(f"moe_routing: expected router logits [T, E], got {tuple(router_logits.shape)}")
+        raise InvalidArgumentError(f"moe_routing: expected router logits [T, E], got {tuple(router_logits.shape)}")
     if router_logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"moe_routing: router logits dtype {router_logits.dtype} is not bf16, fp16 or fp32")
+        raise InvalidDtypeError(f"moe_routing: router logits dtype {router_logits.dtype} is not bf16, fp16 or fp32")
     t, e = router_logits.shape
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= min(e, MAX_TOP_K):
-        raise ValueError(f"moe_routing: top_k must be an int in [1, min(E, {MAX_TOP_K})] = [1, {min(e, MAX_TOP_K)}], "
-                         f"got {top_k!r}")
+        raise InvalidArgumentError(f"moe_routing: top_k must be an int in [1, min(E, {MAX_TOP_K})] = [1, "
+                                   f"{min(e, MAX_TOP_K)}], "
+                                   f"got {top_k!r}")
     if router_logits.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError("moe_routing has no backward: call it under torch.no_grad() or torch.inference_mode() "
-                           "(training mixture-of-experts layers is not supported)")
+        raise UnsupportedOperationError("moe_routing has no backward: call it under torch.no_grad() or "
+                                        "torch.inference_mode() "
+                                        "(training mixture-of-experts layers is not supported)")
     weights = torch.empty((t, top_k), device=router_logits.device, dtype=torch.float32)
     experts = torch.empty((t, top_k), device=router_logits.device, dtype=torch.int64)
     if t == 0:

@@ -53,6 +53,7 @@ import triton.language as tl
 from .attention import online_softmax_block
 from .configs import AttentionConfig, attention_config
 from .launch import DOT_PRECISION, launch
+from .errors import InvalidArgumentError, InvalidDtypeError
 
 
 @triton.jit(do_not_specialize=["stride_bts", "stride_btp"])
@@ -128,29 +129,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fixed per-shape config (tests use it for a negative control); bitwise equality with
     ``attention`` holds for the default one, which ``attention`` also uses."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged_attention: expected q [T, Hq, D] and caches [pages, page_size, Hkv, D], got "
-                         f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+        raise InvalidArgumentError(f"paged_attention: expected q [T, Hq, D] and caches [pages, page_size, Hkv, D], got "
+                                   f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
+                                   f"{tuple(v_cache.shape)}")
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     if k_cache.shape[3] != D or Hq % Hkv:
-        raise ValueError(f"paged_attention: incompatible q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
+        raise InvalidArgumentError(f"paged_attention: incompatible q {tuple(q.shape)} and k_cache "
+                                   f"{tuple(k_cache.shape)}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"paged_attention: q/k_cache/v_cache dtypes differ: "
-                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise InvalidDtypeError(f"paged_attention: q/k_cache/v_cache dtypes differ: "
+                                f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     S = seq_lens.shape[0]
     if seq_lens.dim() != 1 or query_starts.shape != (S + 1,) or block_tables.dim() != 2 \
             or block_tables.shape[0] != S:
-        raise ValueError(f"paged_attention: expected seq_lens [S], query_starts [S + 1], block_tables [S, pages], got "
-                         f"{tuple(seq_lens.shape)}, {tuple(query_starts.shape)}, {tuple(block_tables.shape)}")
+        raise InvalidArgumentError(f"paged_attention: expected seq_lens [S], query_starts [S + 1], block_tables [S, "
+                                   "pages], got "
+                                   f"{tuple(seq_lens.shape)}, {tuple(query_starts.shape)}, {tuple(block_tables.shape)}")
     for name, t in (("query_starts", query_starts), ("seq_lens", seq_lens), ("block_tables", block_tables)):
         if t.dtype != torch.int32:
-            raise TypeError(f"paged_attention: {name} must be int32, got {t.dtype}")
+            raise InvalidDtypeError(f"paged_attention: {name} must be int32, got {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
+            raise InvalidArgumentError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
     cfg = config or attention_config(q.device.type, q.dtype, D)
     if page_size % cfg.block_n:
-        raise ValueError(f"paged_attention: page_size {page_size} is not a multiple of the KV block "
-                         f"{cfg.block_n}: a page would split a block")
+        raise InvalidArgumentError(f"paged_attention: page_size {page_size} is not a multiple of the KV block "
+                                   f"{cfg.block_n}: a page would split a block")
     out = torch.empty((T, Hq, D), device=q.device, dtype=q.dtype)
     if T == 0 or S == 0 or max_query_len <= 0:
         return out
@@ -177,12 +181,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slot page * page_size + offset. Slots must be distinct and in range."""
     if k.shape != v.shape or k_cache.shape != v_cache.shape or k.dim() != 3 or k_cache.dim() != 4 \
             or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"write_kv: incompatible k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache "
-                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, "
-                         f"slot_mapping {tuple(slot_mapping.shape)}")
+        raise InvalidArgumentError(f"write_kv: incompatible k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache "
+                                   f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, "
+                                   f"slot_mapping {tuple(slot_mapping.shape)}")
     if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"write_kv: dtypes differ: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, "
-                        f"v_cache {v_cache.dtype} (a cast here would change the bits attention reads)")
+        raise InvalidDtypeError(f"write_kv: dtypes differ: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, "
+                                f"v_cache {v_cache.dtype} (a cast here would change the bits attention reads)")
     slots = slot_mapping.long()
     _, _, Hkv, D = k_cache.shape
     # view (never reshape): a copy would swallow the writes.

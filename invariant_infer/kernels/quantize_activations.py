@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
+from .errors import InvalidArgumentError, InvalidDtypeError
 
 FP8_MAX = 448.0
 INT8_MIN, INT8_MAX = -128.0, 127.0
@@ -59,15 +60,15 @@ def quantize_activations(x: torch.Tensor, dtype: torch.dtype, group_size: int | 
     or int8) and fp32 ``scale`` [M, ceil(K / group_size)] (one per row when ``group_size`` is
     None), with ``q * scale`` approximating ``x``. Each row's output depends on that row alone."""
     if dtype not in QMAX:
-        raise TypeError(f"quantize_activations: target dtype must be one of {list(QMAX)}, got {dtype}")
+        raise InvalidDtypeError(f"quantize_activations: target dtype must be one of {list(QMAX)}, got {dtype}")
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
-        raise TypeError(f"quantize_activations takes 2-D {ACTIVATION_DTYPES} activations, got {x.dtype} "
-                        f"{tuple(x.shape)}")
+        raise InvalidDtypeError(f"quantize_activations takes 2-D {ACTIVATION_DTYPES} activations, got {x.dtype} "
+                                f"{tuple(x.shape)}")
     m, k = x.shape
     group = k if group_size is None else group_size
     block = triton.next_power_of_2(group)
     if group_size is not None and block != group:
-        raise ValueError(f"quantize_activations: group_size must be a power of two, got {group_size}")
+        raise InvalidArgumentError(f"quantize_activations: group_size must be a power of two, got {group_size}")
     groups = triton.cdiv(k, group)
     if x.stride(-1) != 1:
         x = x.contiguous()

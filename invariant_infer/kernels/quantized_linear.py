@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .launch import DOT_PRECISION, launch
+from .errors import InvalidArgumentError, InvalidDtypeError
 
 WEIGHT_FORMATS = ("fp8", "int8", "packed")
 _FORMAT_CODE = {"fp8": 0, "int8": 1, "packed": 2}
@@ -61,9 +62,9 @@ class QuantizedWeight:
 
     def __post_init__(self):
         if self.format not in WEIGHT_FORMATS:
-            raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {self.format!r}")
+            raise InvalidArgumentError(f"weight format must be one of {WEIGHT_FORMATS}, got {self.format!r}")
         if self.zero_point is not None and self.format != "packed":
-            raise ValueError(f"zero points are for packed weights, not {self.format}")
+            raise InvalidArgumentError(f"zero points are for packed weights, not {self.format}")
 
     @property
     def experts(self) -> int | None:
@@ -99,7 +100,7 @@ def quantized_linear_config(device_type: str, weight: QuantizedWeight) -> Quanti
     group = weight.scale_group_k
     block_k = min(BLOCK, group) if group < k else BLOCK
     if group < k and (group & (group - 1) or group < 16):
-        raise ValueError(f"scale groups along K must be a power of two >= 16, got {group}")
+        raise InvalidArgumentError(f"scale groups along K must be a power of two >= 16, got {group}")
     if device_type == "cpu":  # interpreter: large tiles mean fewer Python-level programs
         return QuantizedLinearConfig(64, min(256, max(16, triton.next_power_of_2(n))), block_k)
     return QuantizedLinearConfig(64, 128, block_k)
@@ -273,20 +274,20 @@ def check_activations(name: str, x: torch.Tensor, weight: QuantizedWeight, x_sca
     """Refuse activations (and their scales) that ``weight``'s format does not take."""
     k = weight.shape[1]
     if x.shape[-1] != k:
-        raise ValueError(f"{name}: x has {x.shape[-1]} features, weight expects {k}")
+        raise InvalidArgumentError(f"{name}: x has {x.shape[-1]} features, weight expects {k}")
     if x_scale is not None:
         expected = torch.int8 if weight.format == "int8" else torch.float8_e4m3fn
         if x.dtype != expected or out_dtype is None:
-            raise TypeError(f"{name}: {weight.format} weights take {expected} activations and an "
-                            f"out_dtype, got {x.dtype}")
+            raise InvalidDtypeError(f"{name}: {weight.format} weights take {expected} activations and an "
+                                    f"out_dtype, got {x.dtype}")
         if weight.format == "packed" or (weight.format == "int8" and weight.scale_group_k < k):
-            raise ValueError("quantized activations take fp8 or per-channel int8 weights")
+            raise InvalidArgumentError("quantized activations take fp8 or per-channel int8 weights")
         groups = x_scale.shape[-1]
         if groups != (k // BLOCK if weight.scale_group_k < k else 1) or (groups > 1 and weight.scale_group_k != BLOCK):
-            raise ValueError(f"x_scale has {groups} groups per token, weight {weight.format} needs "
-                             f"{k // BLOCK if weight.scale_group_k < k else 1}")
+            raise InvalidArgumentError(f"x_scale has {groups} groups per token, weight {weight.format} needs "
+                                       f"{k // BLOCK if weight.scale_group_k < k else 1}")
     elif x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"{name}: weight-only activations must be bf16 or fp16, got {x.dtype}")
+        raise InvalidDtypeError(f"{name}: weight-only activations must be bf16 or fp16, got {x.dtype}")
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
@@ -342,11 +343,13 @@ def quantized_linear_partials(x: torch.Tensor, weight: QuantizedWeight, k_chunks
     n, k = weight.shape
     check_activations("quantized_linear_partials", x, weight, x_scale, torch.float32)
     if not (weight.block or weight.group_size) or (x_scale is not None and weight.format != "fp8"):
-        raise ValueError("quantized_linear_partials takes group or block formats (weight-only packed, fp8 blocks)")
+        raise InvalidArgumentError("quantized_linear_partials takes group or block formats (weight-only packed, fp8 "
+                                   "blocks)")
     chunk_k = k // k_chunks
     if k_chunks < 1 or k % k_chunks or chunk_k % weight.scale_group_k:
-        raise ValueError(f"quantized_linear_partials: {k_chunks} chunks of K = {k} do not hold whole scale groups "
-                         f"of {weight.scale_group_k}")
+        raise InvalidArgumentError(f"quantized_linear_partials: {k_chunks} chunks of K = {k} do not hold whole scale "
+                                   "groups "
+                                   f"of {weight.scale_group_k}")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch, reduction_rows
+from .errors import InvalidArgumentError
 
 
 @triton.jit
@@ -44,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; output dtype follows torch promotion of (weight, x), as in HF."""
     n = x.shape[-1]
     if weight.shape != (n,):
-        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n}")
+        raise InvalidArgumentError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n}")
     x2 = reduction_rows(x.reshape(-1, n))
     m = x2.shape[0]
     y = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))

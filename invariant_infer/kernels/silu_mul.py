@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
+from .errors import InvalidArgumentError
 
 
 @triton.jit
@@ -35,7 +36,8 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, M, N,
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} vs up {tuple(up.shape)} {up.dtype}")
+        raise InvalidArgumentError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} vs up {tuple(up.shape)} "
+                                   f"{up.dtype}")
     n = gate.shape[-1]
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
     if g2.stride(-1) != 1:

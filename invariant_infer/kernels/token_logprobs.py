@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch, reduction_rows
+from .errors import InvalidArgumentError, InvalidDtypeError
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -59,7 +60,7 @@ def vocab_block(device_type: str, vocab_size: int) -> int:
 def check_temperature(temperature) -> float:
     """``temperature`` as a float, or a ValueError when it is not a finite number > 0."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
-        raise ValueError(f"token_logprobs: temperature must be a finite number > 0, got {temperature!r}")
+        raise InvalidArgumentError(f"token_logprobs: temperature must be a finite number > 0, got {temperature!r}")
     return float(temperature)
 
 
@@ -68,10 +69,10 @@ def launch_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatu
     """(logprobs fp32 [R], argmax int32 [R], lse fp32 [R] or None, the rows as reduced, int64 targets).
     ``block_v`` replaces the vocabulary block width (tests only: a width that is not V's alone)."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"token_logprobs: expected logits [R, V] and targets [R], got {tuple(logits.shape)} "
-                         f"and {tuple(targets.shape)}")
+        raise InvalidArgumentError(f"token_logprobs: expected logits [R, V] and targets [R], got {tuple(logits.shape)} "
+                                   f"and {tuple(targets.shape)}")
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"token_logprobs: logits dtype {logits.dtype} is not bf16, fp16 or fp32")
+        raise InvalidDtypeError(f"token_logprobs: logits dtype {logits.dtype} is not bf16, fp16 or fp32")
     temperature = check_temperature(temperature)
     r, v = logits.shape
     logprobs = torch.empty(r, device=logits.device, dtype=torch.float32)
@@ -82,7 +83,7 @@ def launch_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatu
         return logprobs, argmax, lse, logits, targets
     logits = reduction_rows(logits)
     if not logits.is_cuda and bool(((targets < 0) | (targets >= v)).any()):  # GPU: no host sync
-        raise ValueError(f"token_logprobs: targets must lie in [0, {v})")
+        raise InvalidArgumentError(f"token_logprobs: targets must lie in [0, {v})")
     # The interpreter pays per program, so it takes 16 rows at a time; on GPU one row per program.
     block_rows = 16 if logits.device.type == "cpu" else 1
     block_v = block_v or vocab_block(logits.device.type, v)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol, TypeVar
 from torch import nn
 
 from .tensor_parallel import tp_size_of
+from ..errors import InvalidArgumentError
 
 T = TypeVar("T")
 _WORKER_COMMANDS: set[Callable] = set()
@@ -37,7 +38,7 @@ def worker_command(function: Callable[[RankState, Any], None]) -> Callable[[Rank
     """Register ``function(rank_state, payload)`` as a command the other ranks may run. It must be
     a module-level function (it is sent by reference); its return value is not sent back."""
     if "<locals>" in function.__qualname__ or "<lambda>" in function.__qualname__:
-        raise ValueError(f"a worker command must be a module-level function, not {function.__qualname__}")
+        raise InvalidArgumentError(f"a worker command must be a module-level function, not {function.__qualname__}")
     _WORKER_COMMANDS.add(function)
     return function
 
@@ -48,8 +49,9 @@ def is_worker_command(function) -> bool:
 
 def check_worker_command(function) -> None:
     if not is_worker_command(function):
-        raise ValueError(f"{getattr(function, '__qualname__', function)!r} is not a worker command: register it "
-                         "with @worker_command")
+        raise InvalidArgumentError(f"{getattr(function, '__qualname__', function)!r} is not a worker command: "
+                                   "register it "
+                                   "with @worker_command")
 
 
 class Executor(Protocol):
@@ -92,6 +94,6 @@ def executor_for(model: nn.Module, executor: Executor | None) -> Executor:
     if executor is None:
         return LocalExecutor(model)
     if executor.model is not model:
-        raise ValueError("the executor runs another model: pass the executor's own model (e.g. ranks.model "
-                         "with executor=ranks)")
+        raise InvalidArgumentError("the executor runs another model: pass the executor's own model (e.g. ranks.model "
+                                   "with executor=ranks)")
     return executor

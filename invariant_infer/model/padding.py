@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import NonInvariantInputError
+from ..errors import InvalidArgumentError, NonInvariantInputError
 
 
 def pad_sequences(sequences: Sequence[Sequence[int]], *, side: str = "left", pad_token_id: int = 0,
@@ -25,11 +25,11 @@ def pad_sequences(sequences: Sequence[Sequence[int]], *, side: str = "left", pad
 
     ``width`` defaults to the longest sequence; a larger one adds padding to every row."""
     if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+        raise InvalidArgumentError(f"side must be 'left' or 'right', got {side!r}")
     longest = max((len(seq) for seq in sequences), default=0)
     width = longest if width is None else width
     if width < longest:
-        raise ValueError(f"width {width} is shorter than the longest sequence ({longest})")
+        raise InvalidArgumentError(f"width {width} is shorter than the longest sequence ({longest})")
     input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):

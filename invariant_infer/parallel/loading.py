@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..errors import TensorParallelError, UnsupportedModelError
+from ..errors import CheckpointLoadError, InvalidArgumentError, TensorParallelError, UnsupportedModelError
 from ..model.families import family_of
 from ..model.patch import make_invariant
 from ..model.tensor_parallel import moe_refusal, tp_size_of, tp_size_refusal
@@ -24,11 +24,11 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 def check_tensor_parallel_size(path: str, size: int, device: torch.device) -> None:
     """Refuse, before any process starts, a size the model or the machine cannot serve."""
     if type(size) is not int or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        raise InvalidArgumentError(f"tensor_parallel_size must be a positive integer, got {size!r}")
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
-        raise OSError(f"cannot load the config of {path}: {exc}") from None
+        raise CheckpointLoadError(f"cannot load the config of {path}: {exc}") from None
     problem = moe_refusal(family_of(config)) or tp_size_refusal(config, size)
     if problem:
         raise UnsupportedModelError(problem)

@@ -77,7 +77,8 @@ class TensorParallelRanks:
         self.dtype = resolve_dtype(dtype, self.device)
         check_tensor_parallel_size(path, tensor_parallel_size, self.device)
         if dist.is_available() and dist.is_initialized():
-            raise RuntimeError("TensorParallelRanks starts its own process group, and this process has one already")
+            raise TensorParallelError("TensorParallelRanks starts its own process group, and this process has one "
+                                      "already")
         self.tensor_parallel_size, self.on_failure = tensor_parallel_size, on_failure
         self.failure: str | None = None
         self._pid = os.getpid()  # a forked child inherits the atexit hook: close() is rank 0's only
@@ -177,7 +178,7 @@ class TensorParallelRanks:
                 try:
                     if timeout is not None and not worker.pipe.poll(timeout):
                         raise TensorParallelError(self._fail(f"tensor-parallel rank {worker.rank} (pid {worker.pid}) "
-                                                             f"said nothing for {timeout:.0f} s during {command}"))
+                                                  f"said nothing for {timeout:.0f} s during {command}"))
                     reply = worker.pipe.recv()  # end of file as soon as the process is gone
                 except (EOFError, OSError):
                     reply = None

@@ -1,10 +1,6 @@
 """Scoring token sequences: ``core`` (``score_sequences`` and the batch planner), ``requests``
 (a scoring request's fields) and ``job/`` (the ``score`` command's job file, its local and
 tensor-parallel backends, and Ray Data)."""
-from .._legacy_names import names_of
-from . import core
 from .core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, logprob_digest, score_batch, score_sequences
 
 __all__ = ["score_sequences", "score_batch", "ScoreResult", "logprob_digest", "DEFAULT_MAX_BATCH_TOKENS"]
-
-__getattr__ = names_of(core, __name__)  # every name of core, as invariant_infer.scoring had them

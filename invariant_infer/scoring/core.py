@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..errors import TensorParallelError, raise_if_device_failure
+from ..errors import InvalidArgumentError, TensorParallelError, raise_if_device_failure
 from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
 from ..model.lora import unwrap_peft
 from ..model.patch import is_invariant
@@ -59,23 +59,25 @@ class ScoreResult:
 def check_sequence(ids: Sequence[int], prompt_length: int, vocab_size: int, max_positions: int) -> None:
     """Raise ValueError unless ``ids`` can be scored from position ``prompt_length`` on."""
     if not ids:
-        raise ValueError("empty sequence")
+        raise InvalidArgumentError("empty sequence")
     if prompt_length < 1:
-        raise ValueError("empty prompt: the first token has no context, so it has no logprob")
+        raise InvalidArgumentError("empty prompt: the first token has no context, so it has no logprob")
     if prompt_length >= len(ids):
-        raise ValueError("nothing to score: need at least one token after the prompt (or after the first token)")
+        raise InvalidArgumentError("nothing to score: need at least one token after the prompt (or after the first "
+                                   "token)")
     if len(ids) > max_positions:
-        raise ValueError(f"sequence of {len(ids)} tokens is longer than the model's {max_positions} positions")
+        raise InvalidArgumentError(f"sequence of {len(ids)} tokens is longer than the model's {max_positions} "
+                                   "positions")
     bad = [t for t in ids if type(t) is not int or not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        raise InvalidArgumentError(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def plan_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
     """Indices grouped into batches, longest sequences first, each holding at most
     ``max_batch_tokens`` padded tokens (rows x longest). A sequence over the budget runs alone."""
     if max_batch_tokens < 1:
-        raise ValueError("max_batch_tokens must be at least 1")
+        raise InvalidArgumentError("max_batch_tokens must be at least 1")
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         # Sorted by decreasing length, so a batch's first row is its longest.
@@ -155,18 +157,18 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
     model = unwrap_peft(model)  # a PeftModel scores through the model inside (its LoRA layers unmerged)
     executor = executor_for(model, executor)
     if not is_invariant(model):
-        raise ValueError("score_sequences needs a batch-invariant model: call make_invariant(model) first")
+        raise InvalidArgumentError("score_sequences needs a batch-invariant model: call make_invariant(model) first")
     if prompt_lengths is None:
         prompt_lengths = [1] * len(sequences)
     if len(prompt_lengths) != len(sequences):
-        raise ValueError(f"{len(prompt_lengths)} prompt_lengths for {len(sequences)} sequences")
+        raise InvalidArgumentError(f"{len(prompt_lengths)} prompt_lengths for {len(sequences)} sequences")
     config = model.config
     sequences = [seq.tolist() if hasattr(seq, "tolist") else list(seq) for seq in sequences]  # tensors, arrays
     for i, (seq, start) in enumerate(zip(sequences, prompt_lengths)):
         try:
             check_sequence(seq, start, config.vocab_size, config.max_position_embeddings)
         except ValueError as exc:
-            raise ValueError(f"sequence {i}: {exc}") from None
+            raise InvalidArgumentError(f"sequence {i}: {exc}") from None
     bar = None
     if progress is True:
         from tqdm import tqdm

@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 from ..checkpoints.loading import LazyTokenizer
-from ..errors import InvariantInferError
+from ..errors import ScoringRequestError
 
 # The four shapes of a scoring request, besides its id.
 REQUEST_FIELDS = (("input_ids",), ("text",), ("prompt", "completion"), ("prompt_ids", "completion_ids"))
 KNOWN_FIELDS = {"id", "lora"} | {name for fields in REQUEST_FIELDS for name in fields}  # lora: an adapter's name
-
-
-class ScoringRequestError(InvariantInferError, ValueError):
-    """A scoring request that cannot be turned into token ids; the message says why."""
 
 
 def _token_list(value, name: str) -> list[int]:

@@ -11,7 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import RequestError
+from ..errors import InvariantInferError, RequestError
+
 
 log = logging.getLogger("invariant_infer.server")
 
@@ -24,7 +25,7 @@ OPENAI_CODES = {"invalid_value", "invalid_type", "unsupported_parameter"}
 VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unsupported_parameter"}
 
 
-class APIError(Exception):
+class APIError(InvariantInferError):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,

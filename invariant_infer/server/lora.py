@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.lora_slots import LoraAdapterError
+from ..errors import LoraAdapterError
 from .errors import JSON, APIError
 from .protocol import OpenAIRequest, Text
 from .routes import authorized, server_state

@@ -11,7 +11,7 @@ behind the engine's lock; until then the kernel keeps completing new connections
 
 With ``--tensor-parallel-size N`` the server is rank 0 of ``TensorParallelRanks``: it starts the
 other ranks, and stops them when it exits. A rank that dies stops the server within seconds, with
-the rank named on stderr and exit code 1; requests in flight get an error."""
+the rank named on stderr (the CLI's exit status ``RANK_FAILED``); requests in flight get an error."""
 from __future__ import annotations
 
 import signal
@@ -21,9 +21,8 @@ import sys
 import uvicorn
 
 from ..engine import AsyncEngine, Engine
-from ..engine.lora_slots import LoraAdapterError
 from ..checkpoints.loading import load_model, load_tokenizer
-from ..errors import UnsupportedModelError
+from ..errors import CheckpointLoadError, InvalidArgumentError, InvariantInferError, LoraAdapterError
 from ..parallel import TensorParallelRanks
 from ..parallel.forced_exit import FORCED_EXIT_AFTER_S, exit_later
 from .app import create_app
@@ -33,22 +32,23 @@ from .state import ServerOptions
 # stream (and --stream-write-timeout starts counting) after a few hundred KiB, not after the
 # megabytes Linux's autotuning would buffer; ample for event streams and ordinary responses.
 SEND_BUFFER_BYTES = 64 << 10
-EXIT_RANK_FAILED = 1  # after a rank's failure the drain gets FORCED_EXIT_AFTER_S, then the process exits
 
 
 class RankFailure:
-    """What a rank's failure does to the server: stop it (at most FORCED_EXIT_AFTER_S later)."""
+    """What a rank's failure does to the server: stop it, and end the process with ``exit_status``
+    if the drain has not ended FORCED_EXIT_AFTER_S later."""
 
-    def __init__(self):
+    def __init__(self, exit_status: int):
         self.server: uvicorn.Server | None = None
         self.message: str | None = None
+        self.exit_status = exit_status
 
     def __call__(self, message: str) -> None:
         self.message = message
         print(f"invariant-infer serve: {message}; shutting down", file=sys.stderr, flush=True)
         if self.server is not None:
             self.server.should_exit = True  # uvicorn's main loop polls it, closes the listener and drains
-        exit_later(EXIT_RANK_FAILED, after_s=FORCED_EXIT_AFTER_S)
+        exit_later(self.exit_status, after_s=FORCED_EXIT_AFTER_S)
 
 
 def build(options: ServerOptions, ranks: TensorParallelRanks | None = None):
@@ -83,39 +83,41 @@ class DrainingServer(uvicorn.Server):
             captured[:] = [s for s in captured if s != signal.SIGTERM]
 
 
-def serve(options: ServerOptions) -> int:
-    """Serve ``options.model`` until SIGTERM / SIGINT (or a rank's failure); returns the exit status."""
+def serve(options: ServerOptions, *, rank_failed_status: int) -> str:
+    """Serve ``options.model`` until SIGTERM / SIGINT (or a rank's failure). Returns "stopped", or
+    "rank failed" (the process ends with ``rank_failed_status`` if the drain does not). What cannot
+    start raises an ``InvariantInferError`` before the listener opens."""
     if options.model is None:
-        raise ValueError("ServerOptions.model: the checkpoint to serve")
+        raise InvalidArgumentError("ServerOptions.model: the checkpoint to serve")
     size = options.tensor_parallel_size
     if size == 1:
         return _serve(options, None, None)
     if options.kernels != "invariant":
-        print("invariant-infer serve: --tensor-parallel-size runs the invariant kernels only", file=sys.stderr)
-        return 2
-    failure = RankFailure()
+        raise InvalidArgumentError("--tensor-parallel-size runs the invariant kernels only")
+    failure = RankFailure(rank_failed_status)
     try:
         ranks = TensorParallelRanks(options.model, size, dtype=options.dtype, device=options.device,
                                     on_failure=failure)
-    except Exception as exc:  # noqa: BLE001  (a refused size, a rank that failed loading)
-        print(f"invariant-infer serve: {exc}", file=sys.stderr)
-        return 2
+    except InvariantInferError:  # a refused size, a rank that failed loading
+        raise
+    except Exception as exc:  # noqa: BLE001  (a checkpoint a rank could not read)
+        raise CheckpointLoadError(f"{options.model}: {type(exc).__name__}: {exc}") from exc
     try:
-        code = _serve(options, ranks, failure)
+        stopped = _serve(options, ranks, failure)
     finally:
         ranks.close()
-    return EXIT_RANK_FAILED if failure.message else code
+    return "rank failed" if failure.message else stopped
 
 
-def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: RankFailure | None) -> int:
+def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: RankFailure | None) -> str:
     try:
         app = build(options, ranks)
     except LoraAdapterError as exc:  # a --lora-modules adapter that does not fit
-        print(f"invariant-infer serve: --lora-modules: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, UnsupportedModelError) as exc:  # settings or a model the engine refuses
-        print(f"invariant-infer serve: {exc}", file=sys.stderr)
-        return 2
+        raise LoraAdapterError(f"--lora-modules: {exc}") from exc
+    except InvariantInferError:  # settings or a model the engine refuses
+        raise
+    except ValueError as exc:  # settings transformers refuses
+        raise InvalidArgumentError(str(exc)) from exc
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -133,8 +135,8 @@ def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: R
     if failure is not None:
         failure.server = server
         if failure.message:  # a rank failed while the app was built
-            return EXIT_RANK_FAILED
+            return "rank failed"
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"invariant-infer serve: listening on http://{shown}:{port}", flush=True)
     server.run(sockets=[sock])
-    return 0
+    return "stopped"

@@ -13,9 +13,10 @@ import asyncio
 
 from starlette.concurrency import run_in_threadpool
 
-from ..engine import AsyncEngine, EngineBusyError
-from ..training.weight_update import CheckpointError, plan_weight_update
+from ..engine import AsyncEngine
+from ..training.weight_update import plan_weight_update
 from .choices import ChoiceRunner
+from ..errors import CheckpointError, EngineBusyError
 from .errors import APIError
 from .metrics import Metrics
 

@@ -13,6 +13,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .random_checkpoints import random_model
+from ..errors import InvalidArgumentError
 
 # Schemes with no preset of their own: (preset, the fields of its weight args that change).
 DERIVED_SCHEMES = {"W8A16_ASYM": ("W4A16_ASYM", {"num_bits": 8})}
@@ -33,7 +34,7 @@ def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
         bn, bk = args.block_structure
         blocks = w.unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
         return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
-    raise ValueError(f"no observer for weight strategy {strategy!r}")
+    raise InvalidArgumentError(f"no observer for weight strategy {strategy!r}")
 
 
 def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overrides):
@@ -100,7 +101,7 @@ def save_fp8_checkpoint(path: str | Path, config: PretrainedConfig, seed: int = 
 def _fp8_blocks(name: str, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = tensor.shape
     if n % 128 or k % 128:
-        raise ValueError(f"{name}: fp8 block checkpoints need sizes that are multiples of 128, got {n}x{k}")
+        raise InvalidArgumentError(f"{name}: fp8 block checkpoints need sizes that are multiples of 128, got {n}x{k}")
     blocks = tensor.float().unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
     amax = blocks.abs().amax(dim=(1, 3))
     inverse = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).to(scale_dtype)
@@ -124,7 +125,7 @@ def save_fp8_model(model: torch.nn.Module, path: str | Path, scale_dtype: torch.
     path = Path(path)
     model.save_pretrained(path)
     if not (path / "model.safetensors").exists():
-        raise ValueError(f"{path}: save_fp8_model writes one safetensors file; this model was sharded")
+        raise InvalidArgumentError(f"{path}: save_fp8_model writes one safetensors file; this model was sharded")
     linears = {f"{name}.weight" for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and name != "lm_head"
                and should_convert_module(name, modules_to_not_convert)}

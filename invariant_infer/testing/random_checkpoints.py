@@ -14,15 +14,16 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ..model.families import FAMILIES
+from ..errors import InvalidArgumentError
 
 
 def random_config(family: str = "qwen2", preset: str = "tiny", **overrides) -> PretrainedConfig:
     """A config of ``family`` (a model_type) from a preset name, with any field overridden."""
     if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
+        raise InvalidArgumentError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
     adapter = FAMILIES[family]
     if preset not in adapter.presets:
-        raise ValueError(f"unknown {family} preset {preset!r}; choose from {sorted(adapter.presets)}")
+        raise InvalidArgumentError(f"unknown {family} preset {preset!r}; choose from {sorted(adapter.presets)}")
     return adapter.config_class(**{**adapter.presets[preset], **overrides})
 
 

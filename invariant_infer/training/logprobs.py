@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import NonInvariantInputError
+from ..errors import InvalidArgumentError, NonInvariantInputError
 from ..model.logits import token_logprobs_from_hidden_autograd
 from ..model.lora import unwrap_peft
 from ..model.padding import positions_from_mask
@@ -47,9 +47,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     packed rows (``position_ids`` restarting at 0) both work."""
     model = unwrap_peft(model)  # a PeftModel: the model inside, its LoRA layers unmerged
     if not is_invariant(model):
-        raise ValueError("token_logprobs needs a batch-invariant model: call make_invariant(model) first")
+        raise InvalidArgumentError("token_logprobs needs a batch-invariant model: call make_invariant(model) first")
     if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+        raise InvalidArgumentError(f"temperature must be > 0, got {temperature}")
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise NonInvariantInputError(f"input_ids must be [batch, length >= 2], got {tuple(input_ids.shape)}")
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

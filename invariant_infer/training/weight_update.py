@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from ..errors import InvariantInferError
+from ..errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,11 +29,6 @@ LISTED = 5  # names quoted per kind of problem
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
-
-
-class CheckpointError(InvariantInferError, ValueError):
-    """A checkpoint that cannot replace the model's weights; the message names the problem. Raised
-    before anything is copied: the model keeps its weights."""
 
 
 def _quote(names) -> str:

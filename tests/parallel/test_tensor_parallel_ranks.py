@@ -31,7 +31,7 @@ from invariant_infer.errors import TensorParallelError, UnsupportedModelError
 from invariant_infer.checkpoints.loading import load_model
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 from invariant_infer.scoring.core import score_sequences
-from invariant_infer.cli import score as scoring_cli
+from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.parallel import TensorParallelRanks
 
 # CPU ranks: refused where transformers would shard onto CUDA GPUs (the GPU check runs the
@@ -319,7 +319,7 @@ def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_d
         killed = time.monotonic()
         _, err = proc.communicate(timeout=COMMAND_TIMEOUT)
     assert time.monotonic() - killed < FAILS_WITHIN_S
-    assert proc.returncode == 2
+    assert proc.returncode == exit_codes.RANK_FAILED
     assert f"tensor-parallel rank 1 (pid {rank}) was killed by SIGKILL" in err and "re-run to resume" in err
     written = output.read_text().count("\n")
     assert 1 <= written < ROWS
@@ -391,7 +391,7 @@ def test_serve_exits_within_seconds_when_a_rank_dies(checkpoint, tmp_path):
         assert len(rank) == 1
         os.kill(rank[0], signal.SIGKILL)
         start = time.monotonic()
-        assert server.proc.wait(FAILS_WITHIN_S * 2) == 1
+        assert server.proc.wait(FAILS_WITHIN_S * 2) == exit_codes.RANK_FAILED
         assert time.monotonic() - start < FAILS_WITHIN_S
     finally:
         server.stop()

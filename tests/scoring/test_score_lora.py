@@ -11,7 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from helpers import read_rows, write_jsonl
 from invariant_infer import make_invariant, score_sequences
-from invariant_infer.cli import score as scoring_cli
+from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.testing.random_checkpoints import qwen2_config, random_model, save_random_checkpoint
 
 CONFIG = qwen2_config("tiny", num_hidden_layers=1)
@@ -67,4 +67,4 @@ def test_bad_lora_flags_are_fatal(paths, tmp_path, flag):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 0, "input_ids": [1, 2, 3]}])
     code = scoring_cli.main(["--model", str(model_dir), "--input", inp, "--output", str(tmp_path / "o.jsonl"),
                              "--device", "cpu", *flag])
-    assert code == scoring_cli.EXIT_FATAL
+    assert code == exit_codes.REFUSED

@@ -19,7 +19,7 @@ import torch
 
 from helpers import BAD_LINES, load_model, read_rows, score_requests, train_tokenizer, write_jsonl
 from invariant_infer.scoring import core as scoring
-from invariant_infer.cli import score as scoring_cli
+from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.testing.random_checkpoints import qwen2_config, save_random_checkpoint
 
 TOLERANCE_VS_STOCK_FP32 = {"bf16": 0.02, "fp16": 3e-3, "fp32": 1e-5}  # as in test_scoring.py
@@ -245,7 +245,7 @@ def test_verify_confirms_and_detects_mismatch(model_dir, main_job, tmp_path, cap
     rows = read_rows(out)
     rows[0]["digest"] = "0" * 64  # a stored result that the model no longer reproduces
     write_jsonl(out, rows)
-    assert score(model_dir, inp, out, "--dtype", "fp32", "--verify", "12") == scoring_cli.EXIT_VERIFY_MISMATCH
+    assert score(model_dir, inp, out, "--dtype", "fp32", "--verify", "12") == exit_codes.VERIFY_MISMATCH
     assert "verify: MISMATCH: 1 of 12" in capsys.readouterr().err
 
 

@@ -10,10 +10,10 @@ from typing import Iterator
 from transformers import AutoConfig
 
 from .ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS, require_ray, score_requests
-from ...errors import DeviceError, TensorParallelError, UnsupportedModelError
+from ...errors import DeviceError, JobError, TensorParallelError, UnsupportedModelError
 from ...checkpoints.loading import load_model
 from ..core import ScoreResult, score_planned
-from .run import JobError, Request
+from .run import Request
 from ...model.executor import Executor, executor_for
 from ...model.lora import unwrap_peft
 from ...model.patch import make_invariant, restore
@@ -21,13 +21,14 @@ from ...parallel import TensorParallelRanks
 from ...parallel.forced_exit import exit_later
 
 Scored = Iterator[list[tuple[Request, ScoreResult | str]]]
-EXIT_RANK_FAILED = 2          # the score command's fatal exit status
 
 
-def _exit_if_stuck(message: str) -> None:
-    """A rank failed: the job normally raises at once; if a collective still holds it, it ends
-    (``exit_later``)."""
-    exit_later(EXIT_RANK_FAILED, f"score: {message}; the rows written so far are kept: re-run to resume")
+def exit_if_stuck(exit_status: int):
+    """What a rank's failure does to the job: it normally raises at once; if a collective still
+    holds it, the process ends with ``exit_status`` (``exit_later``)."""
+    def on_failure(message: str) -> None:
+        exit_later(exit_status, f"score: {message}; the rows written so far are kept: re-run to resume")
+    return on_failure
 
 
 class LocalBackend:
@@ -47,14 +48,16 @@ class LocalBackend:
 
     @classmethod
     def load(cls, path: str, *, dtype: str | None = None, device: str | None = None,
-             tensor_parallel_size: int = 1, loras: dict[str, str] | None = None) -> LocalBackend:
+             tensor_parallel_size: int = 1, loras: dict[str, str] | None = None,
+             rank_failed_status: int) -> LocalBackend:
+        """``rank_failed_status``: the exit status of a process whose rank failed inside a collective."""
         try:
             if tensor_parallel_size == 1:
                 return cls(load_model(path, dtype=dtype, device=device), loras=loras)
             if loras:
                 raise JobError("--lora runs at --tensor-parallel-size 1 only")
             ranks = TensorParallelRanks(path, tensor_parallel_size, dtype=dtype, device=device,
-                                        on_failure=_exit_if_stuck)
+                                        on_failure=exit_if_stuck(rank_failed_status))
             return cls(ranks.model, executor=ranks)
         except JobError:
             raise
@@ -73,7 +76,8 @@ class LocalBackend:
                                                max_batch_tokens, executor=self.executor):
                         yield [(group[i], result) for i, result in batch]
         except (TensorParallelError, DeviceError) as exc:  # no row's fault: the job ends, its rows kept
-            raise JobError(f"{exc}; the rows written so far are kept: re-run to resume") from None
+            raise JobError(f"{exc}; the rows written so far are kept: re-run to resume",
+                           rank_failed=isinstance(exc, TensorParallelError)) from None
 
     def _adapter(self, lora: str | None):
         if self.peft_model is None:
@@ -93,7 +97,7 @@ def _with_adapters(model, loras: dict[str, str]):
     try:
         from peft import PeftModel
     except ImportError as exc:
-        raise JobError(f"--lora needs PEFT (pip install \"invariant-infer[lora]\"): {exc}") from None
+        raise JobError(f"--lora needs PEFT (pip install -e \".[lora]\"): {exc}") from None
     restore(model)
     peft_model = None
     for name, path in loras.items():

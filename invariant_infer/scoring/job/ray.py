@@ -11,7 +11,7 @@ small ledger actor records which rows each worker is scoring, so the retry score
 were in flight one at a time; a row that kills its worker again when alone becomes an error row
 instead of being retried forever, and a row whose scoring raises becomes an error row at once.
 
-Ray is an optional extra (``pip install "invariant-infer[ray]"``); this module imports it lazily.
+Ray is an optional extra (``pip install -e ".[ray]"``); this module imports it lazily.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import torch
 from ...checkpoints.loading import DTYPES, LazyTokenizer, load_model
 from ..requests import parse_request
 from ..core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence, plan_batches, score_group
+from ...errors import InvalidArgumentError, JobError
 
 DEFAULT_BATCH_ROWS = 64
 DEFAULT_MAX_RESTARTS = 3
@@ -34,7 +35,7 @@ def require_ray():
         import ray
         import ray.data  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError('Ray Data is not installed: pip install "invariant-infer[ray]" '
+        raise ImportError('Ray Data is not installed: pip install -e ".[ray]" '
                           '(or pip install "ray[data]")') from exc
     return ray
 
@@ -179,14 +180,14 @@ def score_dataset(ds, model: str, *, tokenizer: str | None = None, dtype: str | 
     its restarts, consuming the dataset raises Ray's ``ActorDiedError``."""
     ray = require_ray()
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+        raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS if max_batch_tokens is None else max_batch_tokens
     if max_batch_tokens < 1:
-        raise ValueError("max_batch_tokens must be at least 1")
+        raise InvalidArgumentError("max_batch_tokens must be at least 1")
     if num_workers < 1 or batch_size < 1:
-        raise ValueError("num_workers and batch_size must be at least 1")
+        raise InvalidArgumentError("num_workers and batch_size must be at least 1")
     if max_restarts < -1:
-        raise ValueError("max_restarts must be -1 (without limit) or at least 0")
+        raise InvalidArgumentError("max_restarts must be -1 (without limit) or at least 0")
     # Ray Data has no named parameter for restarts: they go in ray_remote_args (deprecated from Ray 2.60).
     remote_args: dict[str, Any] = {"max_restarts": max_restarts, "max_task_retries": -1}
     if gpus_per_worker:
@@ -228,6 +229,6 @@ def score_requests(requests, model: str, *, tokenizer: str | None = None, dtype:
                 continue
             result = ScoreResult(torch.tensor(row["token_logprobs"], dtype=torch.float32), bool(row["greedy"]))
             if result.digest != row["digest"]:  # the float32 values must survive the transfer bit for bit
-                raise RuntimeError(f"row {row['id']}: digest changed in transfer from the worker")
+                raise JobError(f"row {row['id']}: digest changed in transfer from the worker")
             out.append((requests[row["id"]], result))
         yield out

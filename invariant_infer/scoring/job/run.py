@@ -25,8 +25,9 @@ from typing import Iterable, Iterator, Protocol
 from tqdm import tqdm
 
 from ...checkpoints.loading import LazyTokenizer
-from ..requests import ScoringRequestError, parse_request, request_lora
+from ..requests import parse_request, request_lora
 from ..core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence
+from ...errors import InvalidArgumentError, JobError, ScoringRequestError
 
 
 @dataclass
@@ -36,10 +37,6 @@ class Request:
     ids: list[int]
     prompt_length: int  # tokens before the first scored one
     lora: str | None = None  # the LoRA adapter it is scored with (None: the base model)
-
-
-class JobError(Exception):
-    """A fatal problem: the job cannot start or cannot go on. Rows already written stay."""
 
 
 class Backend(Protocol):
@@ -91,7 +88,7 @@ def recover_output(path: Path) -> dict[str, str]:
 
 
 def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+    raise InvalidArgumentError(f"{name} is not valid JSON")
 
 
 def _record(raw: bytes, n: int) -> dict:

@@ -31,7 +31,7 @@ import trl
 from trl import GRPOConfig, GRPOTrainer
 
 from ...engine import Engine, SamplingParams
-from ...errors import InvariantInferError
+from ...errors import InternalError, RequestFailedError, UnsupportedOperationError, UnsupportedTRLError
 from ...model.lora import unwrap_peft
 from ...model.patch import make_invariant
 from ..logprobs import scored_positions, token_logprobs
@@ -41,10 +41,6 @@ from ..logprobs import scored_positions, token_logprobs
 # of ``_generate_and_score_completions``).
 TESTED_TRL_VERSIONS = ("1.16.0",)
 ALLOW_UNTESTED_TRL_ENV = "INVARIANT_INFER_ALLOW_UNTESTED_TRL"
-
-
-class UnsupportedTRLError(InvariantInferError, ValueError):
-    """A TRL version or a GRPOConfig option the integration does not support."""
 
 
 def check_trl_version(version: str | None = None) -> None:
@@ -109,8 +105,10 @@ class _NoVLLM:
     def __getattr__(self, name):
         if name.startswith("__"):  # copy / pickle probes: plainly absent
             raise AttributeError(name)
-        raise RuntimeError(f"InvariantGRPOTrainer samples with the invariant engine; TRL tried to use vLLM "
-                           f"(vllm_generation.{name}), which this TRL version must not do (see TESTED_TRL_VERSIONS)")
+        raise UnsupportedOperationError(f"InvariantGRPOTrainer samples with the invariant engine; TRL tried to use "
+                                        "vLLM "
+                                        f"(vllm_generation.{name}), which this TRL version must not do (see "
+                                        "TESTED_TRL_VERSIONS)")
 
 
 class _EntropyProbe:
@@ -130,7 +128,7 @@ class _EntropyProbe:
         out = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         values = torch.cat(self.pieces).to(valid.device) if self.pieces else out.new_zeros(0)
         if values.numel() != int(valid.sum()):
-            raise RuntimeError(f"the lm_head scored {values.numel()} rows, token_logprobs {int(valid.sum())}")
+            raise InternalError(f"the lm_head scored {values.numel()} rows, token_logprobs {int(valid.sum())}")
         return out.masked_scatter(valid, values)
 
 
@@ -208,7 +206,7 @@ class InvariantGRPOTrainer(GRPOTrainer):
             outputs = engine.generate([list(ids) for ids in prompt_ids], params)
         failed = [out for out in outputs if out.error]
         if failed:
-            raise RuntimeError(f"{len(failed)} rollouts failed, the first: {failed[0].error}")
+            raise RequestFailedError(f"{len(failed)} rollouts failed, the first: {failed[0].error}")
         return [out.token_ids for out in outputs], [out.logprobs for out in outputs]
 
     # ---- training logprobs ------------------------------------------------------------------------
