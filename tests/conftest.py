@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import FAMILY_NAMES
+from helpers.models import FAMILY_NAMES
 from invariant_infer.testing.random_checkpoints import qwen2_config, random_config, save_random_checkpoint
 
 

@@ -27,7 +27,7 @@ from benchmarks.__main__ import main as bench_main  # noqa: E402
 from benchmarks.__main__ import parse  # noqa: E402
 from benchmarks.schema import validate  # noqa: E402
 from benchmarks.timing import Run  # noqa: E402
-from helpers import m_dependent_grouped_linear, m_dependent_linear  # noqa: E402
+from helpers.controls import m_dependent_grouped_linear, m_dependent_linear  # noqa: E402
 from invariant_infer.model import experts as hf_experts  # noqa: E402
 from invariant_infer.engine.step_timer import DEVICE_PHASES, HOST_PHASES  # noqa: E402
 

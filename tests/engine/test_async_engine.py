@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import load_model
+from helpers.models import load_model
 from invariant_infer.engine import AsyncEngine, Engine, SamplingParams
 
 PROMPT = [5, 9, 3, 7, 11, 2]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import invariant_infer.engine.engine as engine_module
-from helpers import load_model
+from helpers.models import load_model
 from invariant_infer import make_invariant
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.errors import DeviceError

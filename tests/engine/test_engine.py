@@ -9,7 +9,9 @@ import torch
 
 import invariant_infer.engine.engine as engine_module
 import invariant_infer.model.patch
-from helpers import FAMILY_NAMES, MOE_FAMILY_NAMES, load_model, m_dependent_linear, train_tokenizer
+from helpers.controls import m_dependent_linear
+from helpers.models import FAMILY_NAMES, MOE_FAMILY_NAMES, load_model
+from helpers.tokenizer import train_tokenizer
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.generation.generate import seeded_sampling

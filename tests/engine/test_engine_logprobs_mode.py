@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import invariant_infer.model.patch
-from helpers import load_model, m_dependent_linear
+from helpers.controls import m_dependent_linear
+from helpers.models import load_model
 from invariant_infer import make_invariant
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.kernels import linear, token_logprobs

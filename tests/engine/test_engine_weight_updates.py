@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import DEVICES, load_model
+from helpers.models import DEVICES, load_model
 from invariant_infer.engine import AsyncEngine, Engine, EngineBusyError, SamplingParams
 from invariant_infer.testing.random_checkpoints import qwen2_config, random_model
 from invariant_infer.training.weight_update import CheckpointError, load_weights_from_disk

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import BPE_WORDS, train_tokenizer
+from helpers.tokenizer import BPE_WORDS, train_tokenizer
 from invariant_infer.engine.output import INCOMPLETE, Detokenizer
 
 MULTI_BYTE = ["é", "ß", "日本", "語", "🙂", "Ω", "ñandú", "€"]  # 2, 3 and 4 UTF-8 bytes a character

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import invariant_infer.model.patch
-from helpers import FAMILY_NAMES, FULL_MATRIX, MOE_FAMILY_NAMES, load_model, m_dependent_linear
+from helpers.controls import m_dependent_linear
+from helpers.models import FAMILY_NAMES, FULL_MATRIX, MOE_FAMILY_NAMES, load_model
 from invariant_infer import make_invariant
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.engine.proposers import prompt_lookup

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import load_model
+from helpers.models import load_model
 from invariant_infer import left_pad, make_invariant
 from invariant_infer.cli import main as cli_main
 from invariant_infer.generation.generate import seeded_sampling

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import invariant_infer.model.patch
-from helpers import load_model, m_dependent_linear
+from helpers.controls import m_dependent_linear
+from helpers.models import load_model
 from invariant_infer import NonInvariantInputError, left_pad, make_invariant, restore
 from invariant_infer.model import attention as hf_attention
 from invariant_infer.generation.generate import generate_invariant, seeded_sampling

@@ -17,7 +17,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import invariant_infer.model.patch
-from helpers import LM_EVAL_WORDS, per_tensor_scaled_quantized_forward, write_local_tasks
+from helpers.controls import per_tensor_scaled_quantized_forward
+from helpers.lm_eval_tasks import LM_EVAL_WORDS, write_local_tasks
 import lm_eval  # the test extra: lm-eval[hf]
 from invariant_infer import make_invariant
 from invariant_infer.kernels import linear

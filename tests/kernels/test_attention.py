@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import AttentionConfig, attention, attention_config
 
 # Max abs error against float64 for unit-variance q/k/v (output magnitudes ~1).

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES, compile_for
+from helpers.kernel_compile import compile_for
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import (AttentionBackwardConfig, AttentionConfig, attention, attention_autograd,
                                      attention_backward_config, attention_config)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import LinearConfig, linear, silu_mul
 from invariant_infer.kernels.fused_linear import silu_mul_linear
 

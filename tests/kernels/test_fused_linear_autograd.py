@@ -4,7 +4,7 @@ deterministic (tests/kernels/test_linear_autograd.py, tests/kernels/test_silu_mu
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import linear_autograd, silu_mul_autograd, silu_mul_linear_autograd
 from invariant_infer.kernels.fused_linear import silu_mul_linear
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import invariant_infer.kernels  # noqa: F401  (loads the kernel modules)
-from helpers import compile_for, reduction_layouts
+from helpers.kernel_compile import compile_for, reduction_layouts
 from invariant_infer.kernels import LINEAR_CONFIGS, attention_config
 
 configs_mod = sys.modules["invariant_infer.kernels.configs"]

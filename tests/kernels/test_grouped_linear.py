@@ -8,7 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from helpers import DEVICES, DTYPES, compile_for, m_dependent_grouped_linear, reduction_layouts
+from helpers.controls import m_dependent_grouped_linear
+from helpers.kernel_compile import compile_for, reduction_layouts
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import LinearConfig, grouped_linear, grouped_silu_mul_linear, linear, linear_config, silu_mul
 
 grouped_mod = sys.modules["invariant_infer.kernels.grouped_linear"]

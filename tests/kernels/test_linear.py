@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES, m_dependent_linear
+from helpers.controls import m_dependent_linear
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import LINEAR_CONFIGS, LinearConfig, linear, linear_config
 
 # Max relative error (|y - ref|.max / |ref|.max) against float64: bf16 / fp16 outputs are rounded

@@ -5,7 +5,7 @@ No gradcheck: the kernels support bf16 / fp16 / fp32 only, not float64."""
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import LinearConfig, linear, linear_config, linear_autograd
 
 # Max relative error (|g - ref|.max / |ref|.max) against float64 autograd on the same rounded

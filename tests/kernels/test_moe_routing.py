@@ -8,7 +8,8 @@ import pytest
 import torch
 import triton
 
-from helpers import DEVICES, DTYPES, compile_for
+from helpers.kernel_compile import compile_for
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import moe_routing
 
 routing_mod = sys.modules["invariant_infer.kernels.moe_routing"]

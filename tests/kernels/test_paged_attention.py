@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import AttentionConfig, attention, attention_config, paged_attention, write_kv
 
 # Max abs error against float64 for unit-variance q/k/v (as in test_attention).

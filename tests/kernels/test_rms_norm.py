@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import rms_norm, silu_mul
 
 # Against float64: one rounding to the dtype after normalising, one after the weight product.

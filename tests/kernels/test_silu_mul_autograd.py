@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES, compile_for
+from helpers.kernel_compile import compile_for
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import silu_mul, silu_mul_autograd
 
 autograd_mod = sys.modules["invariant_infer.kernels.silu_mul_autograd"]

@@ -7,7 +7,7 @@ from importlib import import_module
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import token_logprobs
 from invariant_infer.kernels.token_logprobs import vocab_block
 

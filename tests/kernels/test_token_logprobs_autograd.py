@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from helpers import DEVICES, DTYPES, compile_for
+from helpers.kernel_compile import compile_for
+from helpers.models import DEVICES, DTYPES
 from invariant_infer.kernels import token_logprobs, token_logprobs_autograd
 from invariant_infer.kernels.token_logprobs import vocab_block
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2ForCausalLM
 
-from helpers import load_model
+from helpers.models import load_model
 from invariant_infer import (InvariantInferError, NonInvariantInputError, UnsupportedModelError, invariant,
                              is_invariant, make_invariant, restore)
 from invariant_infer.testing.random_checkpoints import qwen2_config, random_config, random_model

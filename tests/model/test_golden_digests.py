@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import invariant_infer.model.patch
 from benchmarks import golden_digests as golden
-from helpers import m_dependent_linear
+from helpers.controls import m_dependent_linear
 
 pytestmark = pytest.mark.file_minutes(1.1)  # measured on 2 cores: start it early
 

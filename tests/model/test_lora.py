@@ -8,7 +8,7 @@ import torch
 from peft import IA3Config, LoraConfig, get_peft_model
 from peft.utils import ModulesToSaveWrapper
 
-from helpers import BATCHINGS, batch_mismatches, make_samples
+from helpers.models import BATCHINGS, batch_mismatches, make_samples
 from invariant_infer import make_invariant, pad_sequences, restore, score_sequences
 from invariant_infer.errors import NonInvariantInputError, UnsupportedModelError
 from invariant_infer.kernels import LinearConfig, linear_config

@@ -6,8 +6,8 @@ must be no more than twice stock HF's own error in the same dtype."""
 import pytest
 import torch
 
-from helpers import DTYPES, load_model
-from helpers import Batching, logits_batched, make_samples
+from helpers.models import DTYPES, load_model
+from helpers.models import Batching, logits_batched, make_samples
 from invariant_infer import make_invariant
 
 BATCHING = Batching((0, 1, 2, 3), extra_pad=2)

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import invariant_infer.model.patch
-from helpers import BATCHINGS, DEVICES, DTYPES, FAMILY_NAMES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model
-from helpers import family_dtype_cells, make_samples
-from helpers import m_dependent_linear
+from helpers.models import (BATCHINGS, DEVICES, DTYPES, FAMILY_NAMES, MOE_FAMILY_NAMES, Batching, batch_mismatches,
+                            load_model)
+from helpers.models import family_dtype_cells, make_samples
+from helpers.controls import m_dependent_linear
 from invariant_infer import make_invariant, pad_sequences
 from invariant_infer.testing.drift import logits_alone, logits_in_batch
 from invariant_infer.kernels import linear, linear_config

@@ -9,8 +9,12 @@ import torch
 from torch import nn
 
 import invariant_infer.model.experts as hf_experts
-from helpers import BATCHINGS, DEVICES, DTYPES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model, logits_batched
-from helpers import MODEL, ServerProcess, family_dtype_cells, m_dependent_grouped_linear, make_samples, save_tokenizer
+from helpers.models import (BATCHINGS, DEVICES, DTYPES, MOE_FAMILY_NAMES, Batching, batch_mismatches, load_model,
+                            logits_batched)
+from helpers.controls import m_dependent_grouped_linear
+from helpers.models import family_dtype_cells, make_samples
+from helpers.servers import MODEL, ServerProcess
+from helpers.tokenizer import save_tokenizer
 from invariant_infer import NonInvariantInputError, UnsupportedModelError, make_invariant, restore
 from invariant_infer.testing.drift import logits_alone
 from invariant_infer.kernels import linear

@@ -6,8 +6,9 @@ from transformers import DataCollatorWithFlattening
 
 import invariant_infer.model.attention
 import invariant_infer.model.patch
-from helpers import DEVICES, FAMILY_NAMES, MOE_FAMILY_NAMES, family_dtype_cells, load_model, m_dependent_linear
-from helpers import make_samples
+from helpers.controls import m_dependent_linear
+from helpers.models import DEVICES, FAMILY_NAMES, MOE_FAMILY_NAMES, family_dtype_cells, load_model
+from helpers.models import make_samples
 from invariant_infer import NonInvariantInputError, make_invariant
 from invariant_infer.kernels import attention
 from invariant_infer.kernels.configs import AttentionConfig

@@ -10,7 +10,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from helpers import BATCHINGS, batch_mismatches, make_samples, per_tensor_scaled_quantized_forward
+from helpers.controls import per_tensor_scaled_quantized_forward
+from helpers.models import BATCHINGS, batch_mismatches, make_samples
 from invariant_infer import make_invariant, pad_sequences, score_sequences
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.engine import Engine

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import FULL_MATRIX, batch_mismatches, make_samples
+from helpers.models import FULL_MATRIX, batch_mismatches, make_samples
 from invariant_infer import make_invariant
 from invariant_infer.checkpoints.quantized import packed_zero_points
 from invariant_infer.errors import UnsupportedModelError

@@ -10,8 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import MODEL, ServerProcess, choices_of, completion, per_tensor_scaled_quantized_forward, read_rows
-from helpers import save_tokenizer, write_jsonl
+from helpers.controls import per_tensor_scaled_quantized_forward
+from helpers.scoring_rows import read_rows
+from helpers.servers import MODEL, ServerProcess, choices_of, completion
+from helpers.scoring_rows import write_jsonl
+from helpers.tokenizer import save_tokenizer
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.cli import demo as demo_cli, score as scoring_cli

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import batch_mismatches, make_samples, per_tensor_scaled_quantized_forward
+from helpers.controls import per_tensor_scaled_quantized_forward
+from helpers.models import batch_mismatches, make_samples
 from invariant_infer import make_invariant
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.errors import UnsupportedModelError

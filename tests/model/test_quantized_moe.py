@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import batch_mismatches, make_samples
+from helpers.models import batch_mismatches, make_samples
 from invariant_infer import make_invariant, restore
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.errors import UnsupportedModelError

@@ -17,7 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import MODEL, ServerProcess, choices_of, completion, run_bounded, save_tokenizer
+from helpers.servers import MODEL, ServerProcess, choices_of, completion, run_bounded
+from helpers.tokenizer import save_tokenizer
 from invariant_infer.cli import score as scoring_cli
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.kernels import dequantize_weight

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-from helpers import load_model
+from helpers.models import load_model
 from invariant_infer import make_invariant
 
 TOLERANCE = {torch.bfloat16: 8e-3, torch.float32: 1e-6}

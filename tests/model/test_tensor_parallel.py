@@ -19,7 +19,8 @@ import torch
 import triton
 from transformers import AutoModelForCausalLM
 
-from helpers import FAMILY_NAMES, run_bounded
+from helpers.models import FAMILY_NAMES
+from helpers.servers import run_bounded
 from tp_worker import HIDDEN_SHARDED_EMBEDDING
 from invariant_infer.kernels.configs import row_parallel_config, tree_leaves
 from invariant_infer.kernels.fused_linear import silu_mul_linear, silu_mul_linear_partials

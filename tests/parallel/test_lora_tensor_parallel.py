@@ -17,7 +17,8 @@ from openai import OpenAI
 from peft import LoraConfig, get_peft_model
 
 import tp_controls
-from helpers import ServerProcess, run_concurrently, save_tokenizer
+from helpers.servers import ServerProcess, run_concurrently
+from helpers.tokenizer import save_tokenizer
 from invariant_infer.checkpoints.loading import load_model
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.model import lora as lora_module

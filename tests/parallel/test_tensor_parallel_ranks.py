@@ -23,7 +23,8 @@ import torch
 from openai import OpenAI
 
 import tp_controls
-from helpers import ServerProcess, run_bounded, run_concurrently, save_tokenizer
+from helpers.servers import ServerProcess, run_bounded, run_concurrently
+from helpers.tokenizer import save_tokenizer
 from invariant_infer.model import tensor_parallel
 from invariant_infer.model.tensor_parallel import tp_size_of
 from invariant_infer.engine import Engine, SamplingParams

@@ -20,7 +20,9 @@ import ray
 import torch
 from ray.data import DataContext
 
-from helpers import BAD_LINES, load_model, read_rows, score_requests, train_tokenizer, write_jsonl
+from helpers.models import load_model
+from helpers.scoring_rows import BAD_LINES, read_rows, score_requests, write_jsonl
+from helpers.tokenizer import train_tokenizer
 from invariant_infer.cli import score as scoring_cli
 from invariant_infer.scoring.job.ray import KILLED_ALONE, score_dataset
 from invariant_infer.model.patch import make_invariant

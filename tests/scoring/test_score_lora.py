@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from helpers import read_rows, write_jsonl
+from helpers.scoring_rows import read_rows, write_jsonl
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.testing.random_checkpoints import qwen2_config, random_model, save_random_checkpoint

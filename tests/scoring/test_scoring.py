@@ -6,7 +6,8 @@ import torch
 
 import invariant_infer.model.logits
 import invariant_infer.model.patch
-from helpers import load_model, m_dependent_linear
+from helpers.controls import m_dependent_linear
+from helpers.models import load_model
 from invariant_infer import make_invariant
 from invariant_infer.scoring.core import (ScoreResult, logprob_digest, naive_token_logprobs, plan_batches,
                                      score_sequences, token_logprobs_from_hidden)

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import BAD_LINES, load_model, read_rows, score_requests, train_tokenizer, write_jsonl
+from helpers.models import load_model
+from helpers.scoring_rows import BAD_LINES, read_rows, score_requests, write_jsonl
+from helpers.tokenizer import train_tokenizer
 from invariant_infer.scoring import core as scoring
 from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.testing.random_checkpoints import qwen2_config, save_random_checkpoint

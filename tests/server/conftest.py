@@ -6,7 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from helpers import KEY, save_tokenizer, start_server
+from helpers.servers import KEY, start_server
+from helpers.tokenizer import save_tokenizer
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
 

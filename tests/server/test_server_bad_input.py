@@ -14,7 +14,8 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from helpers import KEY, MODEL, assert_error, post, save_tokenizer
+from helpers.servers import KEY, MODEL, assert_error, post
+from helpers.tokenizer import save_tokenizer
 from invariant_infer.checkpoints.loading import load_model, load_tokenizer
 from invariant_infer.engine import AsyncEngine, Engine
 from invariant_infer.server import ServerOptions, create_app

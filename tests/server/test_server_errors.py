@@ -11,8 +11,8 @@ import sys
 import pytest
 import requests
 
-from helpers import CHAT_TEMPLATE, KEY, MODEL, ServerProcess, assert_error, choices_of, completion, post, \
-    save_tokenizer
+from helpers.servers import KEY, MODEL, ServerProcess, assert_error, choices_of, completion, post
+from helpers.tokenizer import CHAT_TEMPLATE, save_tokenizer
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from helpers import KEY, MODEL, choices_of, completion, post, start_server
+from helpers.servers import KEY, MODEL, choices_of, completion, post, start_server
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,9 @@ import lm_eval
 import pytest
 import uvicorn  # noqa: F401
 
-from helpers import KEY, MODEL, ServerProcess, save_tokenizer, write_local_tasks
+from helpers.lm_eval_tasks import write_local_tasks
+from helpers.servers import KEY, MODEL, ServerProcess
+from helpers.tokenizer import save_tokenizer
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
 MC_TASK, GEN_TASK = "serve_mc", "serve_gen"

@@ -13,7 +13,8 @@ import requests
 import torch
 from peft import LoraConfig, get_peft_model
 
-from helpers import KEY, MODEL, ServerProcess, assert_error, load_model, post
+from helpers.models import load_model
+from helpers.servers import KEY, MODEL, ServerProcess, assert_error, post
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.testing.random_checkpoints import random_config, random_model
 

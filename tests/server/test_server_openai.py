@@ -16,7 +16,7 @@ import pytest
 import torch
 import uvicorn  # noqa: F401
 
-from helpers import MODEL, choices_of, completion, post
+from helpers.servers import MODEL, choices_of, completion, post
 
 
 # ---- the openai client ---------------------------------------------------------------------------

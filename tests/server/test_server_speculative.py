@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from helpers import KEY, MODEL, ServerProcess
+from helpers.servers import KEY, MODEL, ServerProcess
 from invariant_infer.cli.serve import main as serve_main
 
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}

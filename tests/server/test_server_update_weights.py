@@ -15,7 +15,8 @@ import pytest
 import requests
 from safetensors.torch import load_file, save_file
 
-from helpers import KEY, MODEL, ServerProcess, save_tokenizer
+from helpers.servers import KEY, MODEL, ServerProcess
+from helpers.tokenizer import save_tokenizer
 from invariant_infer.engine import AsyncEngine, Engine
 from invariant_infer.checkpoints.loading import load_model, load_tokenizer
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from helpers import FAMILY_NAMES, load_model, make_samples
+from helpers.models import FAMILY_NAMES, load_model, make_samples
 from invariant_infer import make_invariant, pad_sequences, restore
 from invariant_infer.errors import NonInvariantInputError
 from invariant_infer.kernels import LinearConfig, linear, linear_config

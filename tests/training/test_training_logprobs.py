@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import invariant_infer.model.patch
-from helpers import FAMILY_NAMES, load_model, m_dependent_linear
+from helpers.controls import m_dependent_linear
+from helpers.models import FAMILY_NAMES, load_model
 from invariant_infer import make_invariant, pad_sequences, score_sequences
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.training.logprobs import scored_positions, token_logprobs

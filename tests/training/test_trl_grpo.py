@@ -13,7 +13,9 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
-from helpers import DEVICES, load_model, m_dependent_linear, save_tokenizer
+from helpers.controls import m_dependent_linear
+from helpers.models import DEVICES, load_model
+from helpers.tokenizer import save_tokenizer
 from invariant_infer.training.integrations.trl import (ALLOW_UNTESTED_TRL_ENV, TESTED_TRL_VERSIONS, InvariantGRPOTrainer,
                                               UnsupportedTRLError, check_trl_version)
 from invariant_infer.model.patch import is_invariant

@@ -11,7 +11,8 @@ from transformers import PreTrainedTokenizerFast
 from trl import GRPOConfig
 
 import pytest
-from helpers import load_model, save_tokenizer
+from helpers.models import load_model
+from helpers.tokenizer import save_tokenizer
 from invariant_infer import make_invariant, pad_sequences
 from invariant_infer.model.lora import is_peft_model
 from invariant_infer.model.patch import is_invariant

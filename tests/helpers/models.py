@@ -1,0 +1,97 @@
+"""Models and checkpoints for the tests: the dtypes, devices and families to parametrize over (and the
+family x dtype cells), loading a saved checkpoint, and the model-level batchings compared bitwise
+with each sample alone (through ``invariant_infer.testing.drift``)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from itertools import product
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from invariant_infer.testing.drift import batch_drift, logits_alone, logits_in_batch
+from invariant_infer.model.families import FAMILIES
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+# Dense families: the FAMILY-driven tests run over these. The MoE families have their own short
+# tests (tests/model/test_moe.py), so CI time does not multiply.
+FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.moe is None)
+
+
+FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.moe is None)
+MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.moe is not None)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+# The family x dtype matrix. Through Triton's interpreter (2 CPU cores in CI) a test runs a cover of
+# it: every family once, the dtypes in turn, so every dtype meets a family; the families meet every
+# dtype in the tests that run them all in bf16 or fp32 (engine, speculation, training, digests).
+# INVARIANT_FULL_MATRIX=1, or a CUDA machine, runs every cell.
+FULL_MATRIX = os.environ.get("INVARIANT_FULL_MATRIX") == "1" or torch.cuda.is_available()
+
+
+def family_dtype_cells(families: list[str], dtypes: list[torch.dtype]) -> list:
+    """(family, dtype) parameters: the whole product under FULL_MATRIX, else the cover above."""
+    if FULL_MATRIX:
+        cells = list(product(families, dtypes))
+    else:
+        cells = [(families[i % len(families)], dtypes[i % len(dtypes)])
+                 for i in range(max(len(families), len(dtypes)))]
+    return [pytest.param(f, d, id=f"{f}-{str(d).removeprefix('torch.')}") for f, d in cells]
+
+
+def load_model(path, dtype: torch.dtype, device: str = "cpu"):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+# Model-level batchings
+
+@dataclass(frozen=True)
+class Batching:
+    members: tuple[int, ...]      # which samples, in which order
+    left_pad: bool = True
+    extra_pad: int = 0            # padding beyond the longest member
+    embeds: bool = False          # inputs_embeds instead of input_ids
+    pass_positions: bool = False  # pass position_ids (cumsum - 1) instead of letting them be derived
+
+    def options(self) -> dict:
+        return dict(side="left" if self.left_pad else "right", extra_pad=self.extra_pad, embeds=self.embeds,
+                    explicit_positions=self.pass_positions)
+
+
+BATCHINGS = [
+    Batching((0, 1, 2, 3)),
+    Batching((3, 2, 1, 0), extra_pad=5),
+    Batching((2, 0), left_pad=False),
+    Batching((1, 3, 2), left_pad=False, extra_pad=3, embeds=True),
+    Batching((0, 3), embeds=True, pass_positions=True),
+    Batching((3, 0, 1, 2), left_pad=False, pass_positions=True),
+]
+
+
+def make_samples(vocab_size: int, lengths=(9, 1, 14, 5), seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g) for n in lengths]
+
+
+def logits_batched(model, samples, batching: Batching) -> list[torch.Tensor]:
+    return logits_in_batch(model, [samples[i] for i in batching.members], **batching.options())
+
+
+def batch_mismatches(model, samples, batchings=BATCHINGS):
+    """Every (batching, sample) whose real-token logits differ from the sample run alone,
+    with the max |difference|. Empty means bitwise invariant."""
+    alone = [logits_alone(model, s) for s in samples]
+    mismatches = []
+    for batching in batchings:
+        drift = batch_drift(model, [samples[i] for i in batching.members], **batching.options(),
+                            alone=[alone[i] for i in batching.members])
+        mismatches += [(batching, batching.members[row], diff) for row, diff in drift.mismatches]
+    return mismatches
