@@ -13,7 +13,7 @@ import torch
 
 import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
-from helpers.models import FAMILY_NAMES, FULL_MATRIX, MOE_FAMILY_NAMES, load_model
+from helpers.models import FAMILY_NAMES, MOE_FAMILY_NAMES, load_model, matrix_cell
 from invariant_infer import make_invariant
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.engine.proposers import prompt_lookup
@@ -124,12 +124,14 @@ def test_speculation_in_a_busy_engine_equals_plain_decoding(models, plain_busy, 
 # One family per kind of forward a verify chunk runs through: q/k/v bias and tied embeddings (qwen2, in
 # bf16 and fp32), q/k norms and a head_dim apart from hidden / heads (qwen3), routed plus shared experts
 # (qwen2_moe). Every family's multi-row decode forward is also in test_engine's schedules, whose chunks
-# continue after cached pages as a verify chunk does. FULL_MATRIX: every family in bf16.
-BF16_FAMILIES = FAMILY_NAMES + MOE_FAMILY_NAMES if FULL_MATRIX else ["qwen2", "qwen3", "qwen2_moe"]
-FAMILY_CELLS = [(family, torch.bfloat16) for family in BF16_FAMILIES] + [("qwen2", torch.float32)]
+# continue after cached pages as a verify chunk does. The other families in bf16: the heavy tier.
+FAST_BF16_FAMILIES = ("qwen2", "qwen3", "qwen2_moe")
+FAMILY_CELLS = [matrix_cell(family, torch.bfloat16, in_cover=family in FAST_BF16_FAMILIES, id=f"{family}-bfloat16")
+                for family in FAMILY_NAMES + MOE_FAMILY_NAMES] + [matrix_cell("qwen2", torch.float32, in_cover=True,
+                                                                              id="qwen2-float32")]
 
 
-@pytest.mark.parametrize("family, dtype", FAMILY_CELLS, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("family, dtype", FAMILY_CELLS)
 def test_families_speculate_bitwise(family_checkpoints, family, dtype):
     """Dense and MoE families in bf16, and one in fp32: greedy and seeded requests side by side, the
     model its own draft (greedy proposals: accepted for the greedy request, mostly rejected for the

@@ -3,7 +3,6 @@ family x dtype cells), loading a saved checkpoint, and the model-level batchings
 with each sample alone (through ``invariant_infer.testing.drift``)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from itertools import product
 
@@ -30,21 +29,20 @@ MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-# The family x dtype matrix. Through Triton's interpreter (2 CPU cores in CI) a test runs a cover of
-# it: every family once, the dtypes in turn, so every dtype meets a family; the families meet every
-# dtype in the tests that run them all in bf16 or fp32 (engine, speculation, training, digests).
-# INVARIANT_FULL_MATRIX=1, or a CUDA machine, runs every cell.
-FULL_MATRIX = os.environ.get("INVARIANT_FULL_MATRIX") == "1" or torch.cuda.is_available()
+# The family x dtype matrix. The fast tier runs a cover of it: every family once, the dtypes in turn,
+# so every dtype meets a family; the families meet every dtype in the tests that run them all in bf16
+# or fp32 (engine, speculation, training, digests). The other cells are marked heavy: the heavy tier
+# (pytest -m heavy) runs them.
+def matrix_cell(*values, in_cover: bool, id: str | None = None):
+    """One cell of a test matrix: in the fast tier if ``in_cover``, else in the heavy tier."""
+    return pytest.param(*values, id=id, marks=() if in_cover else pytest.mark.heavy)
 
 
 def family_dtype_cells(families: list[str], dtypes: list[torch.dtype]) -> list:
-    """(family, dtype) parameters: the whole product under FULL_MATRIX, else the cover above."""
-    if FULL_MATRIX:
-        cells = list(product(families, dtypes))
-    else:
-        cells = [(families[i % len(families)], dtypes[i % len(dtypes)])
-                 for i in range(max(len(families), len(dtypes)))]
-    return [pytest.param(f, d, id=f"{f}-{str(d).removeprefix('torch.')}") for f, d in cells]
+    """Every (family, dtype) parameter; those outside the cover above are marked heavy."""
+    cover = {(families[i % len(families)], dtypes[i % len(dtypes)]) for i in range(max(len(families), len(dtypes)))}
+    return [matrix_cell(f, d, in_cover=(f, d) in cover, id=f"{f}-{str(d).removeprefix('torch.')}")
+            for f, d in product(families, dtypes)]
 
 
 def load_model(path, dtype: torch.dtype, device: str = "cpu"):

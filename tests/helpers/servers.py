@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import requests
 
 
@@ -111,12 +112,51 @@ class ServerProcess:
         self.log.close()
 
 
+class InProcessServer(ServerProcess):
+    """The same app (``server.main.build``: engine, middleware, handlers) in this process, behind
+    Starlette's TestClient instead of uvicorn and a socket; ``http`` is that client (an httpx
+    client, which the ``openai`` client also takes). Requests from several threads run concurrently
+    on the client's event loop."""
+
+    url = "http://testserver"
+
+    def __init__(self, options):
+        from starlette.testclient import TestClient
+
+        from invariant_infer.server.main import build
+
+        self.http = TestClient(build(options), raise_server_exceptions=False)
+        self.http.__enter__()  # runs the app's lifespan: startup now, shutdown in stop()
+
+    @property
+    def address(self):
+        raise AssertionError("an in-process server has no socket: use ServerProcess")
+
+    def metrics_text(self) -> str:
+        return self.http.get("/metrics").text
+
+    def stop(self) -> None:
+        self.http.__exit__(None, None, None)
+
+
+# The server tests' server: an API key, 4 running + 4 waiting sequences, a 64 KiB body limit and a
+# 2 s stream write timeout.
+SERVER_OPTIONS = dict(model_name=MODEL, api_key=KEY, max_num_seqs=4, max_waiting=4, max_body_bytes=65536,
+                      stream_write_timeout=2.0, dtype="fp32", device="cpu")
+
+
 def start_server(checkpoint, log: Path) -> ServerProcess:
-    """The server tests' server: an API key, 4 running + 4 waiting sequences, a 64 KiB body limit
-    and a 2 s stream write timeout."""
+    """The server tests' server, as ``invariant-infer serve`` in a subprocess."""
     return ServerProcess(["--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "fp32", "--api-key",
                           KEY, "--max-num-seqs", "4", "--max-waiting", "4", "--max-body-bytes", "65536",
                           "--stream-write-timeout", "2"], log)
+
+
+def start_in_process_server(checkpoint) -> InProcessServer:
+    """The server tests' server, in this process."""
+    from invariant_infer.server import ServerOptions
+
+    return InProcessServer(ServerOptions(model=str(checkpoint), **SERVER_OPTIONS))
 
 
 def post(server, path: str, body=None, *, content=None, key: str | None = KEY, timeout=300, headers=None):
@@ -124,8 +164,23 @@ def post(server, path: str, body=None, *, content=None, key: str | None = KEY, t
     headers = {"Content-Type": "application/json", **(headers or {})}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
-    return requests.post(server.url + path, data=json.dumps(body) if content is None else content, headers=headers,
-                         timeout=timeout)
+    data = json.dumps(body) if content is None else content
+    if isinstance(server, InProcessServer):
+        return server.http.post(path, content=data, headers=headers)  # runs to completion in process
+    return requests.post(server.url + path, data=data, headers=headers, timeout=timeout)
+
+
+def get(server, path: str, *, headers=None):
+    """A GET (no API key unless ``headers`` has one)."""
+    if isinstance(server, InProcessServer):
+        return server.http.get(path, headers=headers)
+    return requests.get(server.url + path, headers=headers, timeout=30)
+
+
+# For a test of what only a socket shows (a client that disconnects or times out): the shared
+# ``server`` fixture's subprocess server alone, in the heavy tier.
+subprocess_server_only = pytest.mark.parametrize("server", [pytest.param("subprocess", marks=pytest.mark.heavy)],
+                                                 indirect=True)
 
 
 def completion(server, **body) -> dict:

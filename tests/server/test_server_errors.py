@@ -11,7 +11,8 @@ import sys
 import pytest
 import requests
 
-from helpers.servers import KEY, MODEL, ServerProcess, assert_error, choices_of, completion, post
+from helpers.servers import (KEY, MODEL, ServerProcess, assert_error, choices_of, completion, get, post,
+                             subprocess_server_only)
 from helpers.tokenizer import CHAT_TEMPLATE, save_tokenizer
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
@@ -54,15 +55,16 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server):
     assert_error(post(server, "/v1/completions", {**good, "max_tokens": "3"}, key=None), 401)  # before the fields
     assert_error(post(server, "/v1/completions", good, key="wrong"), 401)
     assert_error(post(server, "/v1/chat/completions", chat, key=None), 401)
-    assert requests.get(server.url + "/v1/models", timeout=30).status_code == 401
+    assert get(server, "/v1/models").status_code == 401
     assert_error(post(server, "/v1/completions", {**good, "prompt": "x" * 70000}), 413)
-    assert_error(requests.get(server.url + "/v1/nothing", timeout=30), 404)
+    assert_error(get(server, "/v1/nothing"), 404)
     # still serving
     assert completion(server, **good)["choices"][0]["finish_reason"] in ("length", "stop")
-    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    assert get(server, "/health").status_code == 200
     server.wait_idle()
 
 
+@subprocess_server_only
 def test_queue_full_429_and_disconnects_free_pages(server):
     """Capacity is 4 running + 4 waiting sequences. A streaming client that goes away, and a
     non-streaming one that times out, both free their sequences and pages."""
@@ -89,7 +91,7 @@ def test_queue_full_429_and_disconnects_free_pages(server):
 def test_tokenizer_endpoints(server, checkpoint):
     from transformers import PreTrainedTokenizerFast
     tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
-    info = requests.get(server.url + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    info = get(server, "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == CHAT_TEMPLATE
     assert {"bos_token", "pad_token"} <= set(info)
     tokens = post(server, "/tokenize", {"prompt": "the cat runs", "add_special_tokens": False}).json()["tokens"]
