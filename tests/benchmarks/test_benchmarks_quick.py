@@ -31,7 +31,7 @@ from helpers.controls import m_dependent_grouped_linear, m_dependent_linear  # n
 from invariant_infer.model import experts as hf_experts  # noqa: E402
 from invariant_infer.engine.step_timer import DEVICE_PHASES, HOST_PHASES  # noqa: E402
 
-pytestmark = pytest.mark.file_minutes(3.3)  # measured on 2 cores: start it early
+pytestmark = [pytest.mark.heavy, pytest.mark.file_minutes(3.3)]  # measured on 2 cores: start it early
 
 QUICK_RUN_TIMEOUT_S = 1200
 PLOTS = ("overhead_vs_m.png", "throughput_vs_batch.png", "divergence.png", "kernels.png", "engine.png", "server.png",

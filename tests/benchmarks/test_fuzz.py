@@ -116,6 +116,7 @@ def test_unknown_family_is_rejected():
         fuzz.parse(["--families", "gpt2"])
 
 
+@pytest.mark.heavy
 def test_two_workers_give_the_summary_of_one(tmp_path):
     """Split by index over 2 processes, the negative control's batchings (mismatches included, to
     the bit of each max |diff|) merge into exactly the one-process summary."""
@@ -147,6 +148,7 @@ def _wait_gone(pids, timeout: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.heavy
 def test_workers_split_by_index_and_a_failed_worker_stops_all():
     items = sorted((item["index"], item["square"]) for _, item in outcomes(parallel_work.squares, None, range(7), 3))
     assert items == [(i, i * i) for i in range(7)]
@@ -166,6 +168,7 @@ for _, item in outcomes(parallel_work.forever, None, range(4), 2):
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 def test_stopping_the_parent_stops_every_worker(sig):
     """SIGTERM and Ctrl-C: the parent terminates its workers; SIGKILL: the orphans exit themselves."""

@@ -223,6 +223,7 @@ def test_random_checkpoints_randomise_experts_and_router(family):
         assert not torch.equal(block.experts.gate_up_proj[0], block.experts.gate_up_proj[1])
 
 
+@pytest.mark.heavy
 def test_server_batched_completions_equal_alone(tmp_path):
     """``invariant-infer serve`` on a MoE checkpoint: a batch of prompts gets exactly the tokens and
     logprobs each prompt gets alone."""

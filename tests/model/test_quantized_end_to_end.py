@@ -101,6 +101,7 @@ def test_score_cli_reads_the_format_from_the_checkpoint(checkpoints, tmp_path):
     assert digests[0] == digests[1] == {i: r.digest for i, r in enumerate(in_process)}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("fmt", ["W4A16_ASYM", "fp8-moe"])
 def test_serve_reads_the_format_from_the_checkpoint(checkpoints, tmp_path, fmt):
     path = checkpoints[fmt]

@@ -68,6 +68,7 @@ def _single_process(path, dtype):
         return model(input_ids=ids, attention_mask=mask).logits
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tp2_logits_bitwise_equal_to_single_process(tp2, checkpoints, fmt, dtype):
@@ -75,6 +76,7 @@ def test_tp2_logits_bitwise_equal_to_single_process(tp2, checkpoints, fmt, dtype
     assert torch.equal(got, _single_process(checkpoints[fmt], DTYPES[dtype]))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_negative_control_allreduce_of_rounded_sums_differs(tp2, checkpoints, fmt):
     control = torch.load(tp2 / f"{fmt}-bf16-allreduce.pt")
@@ -92,6 +94,7 @@ def test_row_parallel_layers_reduce_k_as_a_tree_of_whole_groups(checkpoints):
                        dequantize_weight(layer.mlp.down_proj._invariant_quantized.weight))
 
 
+@pytest.mark.heavy
 def test_refusals_name_what_works(tp2):
     per_channel = (tp2 / "refused-per-channel.txt").read_text()
     assert per_channel.startswith("UnsupportedModelError: quantized models at tensor-parallel size 2: ")
@@ -120,6 +123,7 @@ def _score(checkpoint: Path, inputs: Path, output: Path, *extra: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
+@pytest.mark.heavy
 def test_score_command_at_tp2_writes_the_bytes_of_tp1(checkpoints, tmp_path, capsys):
     inputs = _rows(tmp_path / "in.jsonl")
     tp1 = _score_args(checkpoints["W4A16"], inputs, tmp_path / "tp1.jsonl")
@@ -129,6 +133,7 @@ def test_score_command_at_tp2_writes_the_bytes_of_tp1(checkpoints, tmp_path, cap
     assert (tmp_path / "tp2.jsonl").read_bytes() == (tmp_path / "tp1.jsonl").read_bytes()
 
 
+@pytest.mark.heavy
 def test_serve_at_tp2_answers_as_the_engine_in_one_process(checkpoints, tmp_path):
     path = checkpoints["FP8_BLOCK"]
     save_tokenizer(path)
@@ -147,6 +152,7 @@ def test_serve_at_tp2_answers_as_the_engine_in_one_process(checkpoints, tmp_path
         assert choice["logprobs"]["token_logprobs"] == alone.logprobs
 
 
+@pytest.mark.heavy
 def test_serve_refuses_adapters_on_a_quantized_checkpoint_at_tp2(checkpoints, tmp_path):
     """Adapter slots on quantized layers run at TP 1 only: refused by name at start-up (exit status 2)."""
     from peft import LoraConfig, get_peft_model

@@ -36,7 +36,7 @@ TP_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, n
 REFUSED = {"kv2": dict(num_key_value_heads=2), "i160": dict(intermediate_size=160)}  # at TP 4
 RUN_TIMEOUT = 300
 
-pytestmark = pytest.mark.file_minutes(1.2)  # measured on 2 cores: start it early
+pytestmark = [pytest.mark.heavy, pytest.mark.file_minutes(1.2)]  # measured on 2 cores: start it early
 
 
 @pytest.fixture(scope="module")

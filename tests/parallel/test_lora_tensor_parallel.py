@@ -25,7 +25,8 @@ from invariant_infer.model import lora as lora_module
 from invariant_infer.parallel import TensorParallelRanks
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
-pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor-parallel ranks need a machine "
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor-parallel ranks need a machine "
                                                                    "without CUDA GPUs"),
               pytest.mark.file_minutes(2.1)]  # measured on 2 cores: start it early
 # 8 query / 4 KV heads of 16, intermediate 256: TP 2 divides every shard and K tree.

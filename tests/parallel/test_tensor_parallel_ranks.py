@@ -37,7 +37,8 @@ from invariant_infer.parallel import TensorParallelRanks
 
 # CPU ranks: refused where transformers would shard onto CUDA GPUs (the GPU check runs the
 # tensor_parallel benchmark section on machines with two or more).
-pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor-parallel ranks need a machine "
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor-parallel ranks need a machine "
                                                                    "without CUDA GPUs"),
               pytest.mark.file_minutes(6.7)]  # measured on 2 cores: start it early
 # 8 query / 4 KV heads of 16, intermediate 256: TP 1, 2 and 4 divide; 3 does not.

@@ -30,7 +30,7 @@ from invariant_infer.testing.random_checkpoints import qwen2_config, save_random
 from invariant_infer.scoring.core import score_sequences
 from ray_faults import FAULTS_DIR_ENV, KILL_PREFIX, RAISE_PREFIX
 
-pytestmark = pytest.mark.file_minutes(2.2)  # measured on 2 cores: start it early
+pytestmark = [pytest.mark.heavy, pytest.mark.file_minutes(2.2)]  # measured on 2 cores: start it early
 
 FIELDS = ("token_logprobs", "digest", "greedy", "logprob", "num_tokens")
 

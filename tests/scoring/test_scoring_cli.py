@@ -210,6 +210,7 @@ def test_resume_repairs_torn_last_line(model_dir, main_job, tmp_path):
     assert out.read_bytes() == big.read_bytes()  # rewritten in the canonical order
 
 
+@pytest.mark.heavy
 def test_kill_9_then_resume(model_dir, main_job, tmp_path):
     _, inp, big = main_job
     out = tmp_path / "out.jsonl"

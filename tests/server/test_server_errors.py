@@ -103,6 +103,7 @@ def test_tokenizer_endpoints(server, checkpoint):
 # ---- stock kernels (negative control) ----------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_negative_control_stock_server_differs_under_load(tmp_path):
     """The same load through the engine's stock kernels at Qwen2.5-1.5B widths (fp32) changes some
@@ -126,6 +127,7 @@ def test_negative_control_stock_server_differs_under_load(tmp_path):
         s.stop()
 
 
+@pytest.mark.heavy
 def test_cli_help_and_serve_without_the_serve_extra():
     """``invariant-infer --help`` never imports fastapi; ``serve`` without it says which extra to install."""
     script = ("import sys; sys.modules['fastapi'] = None; from invariant_infer.cli import main\n"

@@ -17,6 +17,8 @@ import requests
 
 from helpers.servers import KEY, MODEL, choices_of, completion, post, start_server
 
+pytestmark = pytest.mark.heavy  # crosses a process boundary
+
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):

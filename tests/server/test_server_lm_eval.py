@@ -18,6 +18,8 @@ from helpers.servers import KEY, MODEL, ServerProcess
 from helpers.tokenizer import save_tokenizer
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
+pytestmark = pytest.mark.heavy  # crosses a process boundary
+
 MC_TASK, GEN_TASK = "serve_mc", "serve_gen"
 DOCS, CHOICES, MAX_GEN_TOKS, STOP = 4, 3, 4, "a"
 

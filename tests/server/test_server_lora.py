@@ -18,6 +18,8 @@ from helpers.servers import KEY, MODEL, ServerProcess, assert_error, post
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.testing.random_checkpoints import random_config, random_model
 
+pytestmark = pytest.mark.heavy  # crosses a process boundary
+
 ADAPTERS = {"a": LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False),
             "b": LoraConfig(r=8, lora_alpha=8, target_modules=["v_proj", "o_proj", "up_proj"], init_lora_weights=False),
             "too-wide": LoraConfig(r=16, target_modules=["q_proj"], init_lora_weights=False)}

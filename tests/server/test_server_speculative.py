@@ -32,6 +32,7 @@ def answers(client, **request):
             for c in sorted(out.choices, key=lambda c: c.index)]
 
 
+@pytest.mark.heavy
 def test_speculation_through_the_server_equals_plain_serving(client, speculative_server):
     spec_client = openai.OpenAI(base_url=speculative_server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
     for request in ({"temperature": 0}, {"temperature": 0.8, "seed": 3, "n": 2}):

@@ -107,6 +107,7 @@ def short(truth, name) -> dict:
     return {k: v for k, v in truth[name].items() if k != "long"}
 
 
+@pytest.mark.heavy
 def test_update_serves_the_new_checkpoint_bitwise(server, truth, old, new):
     load(server, old)
     assert answers(server) == short(truth, "old")   # the greedy prompt's first page is now cached
@@ -129,6 +130,7 @@ def wrong_shape_checkpoint(new, folder):
     return folder
 
 
+@pytest.mark.heavy
 def test_bad_checkpoints_get_400_and_the_old_weights_keep_serving(server, truth, old, new, tmp_path):
     load(server, old)
     index = tmp_path / "index"
@@ -152,6 +154,7 @@ def test_bad_checkpoints_get_400_and_the_old_weights_keep_serving(server, truth,
     assert answers(server) == short(truth, "old")
 
 
+@pytest.mark.heavy
 def test_api_key_is_enforced(server, truth, old, new):
     load(server, old)
     for key in (None, "wrong"):
@@ -193,6 +196,7 @@ def refused_503(server) -> dict:
         time.sleep(0.05)
 
 
+@pytest.mark.heavy
 def test_a_request_in_flight_finishes_on_the_old_weights(server, truth, old, new):
     load(server, old)
     long = InFlight(server)
@@ -211,6 +215,7 @@ def test_a_request_in_flight_finishes_on_the_old_weights(server, truth, old, new
     assert generated(server, **REQUESTS["long"]) == truth["new"]["long"]
 
 
+@pytest.mark.heavy
 def test_a_drain_past_its_timeout_changes_nothing(server, truth, old, new):
     load(server, old)
     long = InFlight(server)
