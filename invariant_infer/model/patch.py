@@ -214,6 +214,17 @@ def _set_forward(module: nn.Module, fn, patched: list) -> None:
     module.forward = types.MethodType(fn, module)
 
 
+def _turn_off_hub_kernels(model: nn.Module) -> bool:
+    """transformers (5.25 on, with Hugging Face's ``kernels`` package, which it depends on) kernelizes
+    a loaded model by default, and again on every ``train()`` / ``eval()`` that changes the mode,
+    which replaces the layers' forwards, these patches' included, with hub kernels or torch fallbacks.
+    Kernelization stays off while the model is patched; returns whether it was on."""
+    if not getattr(model, "use_kernels", False):
+        return False
+    model.reset_kernels()
+    return True
+
+
 def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     """Patch a loaded model of a supported family in place so its logits are bitwise batch-invariant.
 
@@ -235,6 +246,7 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
                  for module, plan in quantized.items()}
     sharded = tp_forwards(model, adapter, base, layout, quantized) if layout is not None else {}
     attention_interface.register()
+    hub_kernels = _turn_off_hub_kernels(model)
 
     patched: list = []
     router_forward = experts_interface.router_forward(adapter.moe) if adapter.moe else None
@@ -278,7 +290,7 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
         install(model)
     setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "experts": previous_experts,
                                  "rotary": rotary, "extensions": extensions, "family": adapter,
-                                 "reattach_decompression": reattach_decompression})
+                                 "reattach_decompression": reattach_decompression, "hub_kernels": hub_kernels})
     return wrapper
 
 
@@ -310,6 +322,8 @@ def restore(model: nn.Module) -> nn.Module:
     for _, remove in reversed(state["extensions"]):
         remove(model)
     delattr(model, _STATE_ATTR)
+    if state["hub_kernels"]:
+        model.set_use_kernels(True)  # as loaded
     return wrapper
 
 

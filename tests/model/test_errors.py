@@ -182,3 +182,23 @@ def test_make_invariant_is_idempotent(model):
     assert make_invariant(make_invariant(model)) is model
     restore(model)
     assert not is_invariant(model)
+
+
+def test_train_and_eval_keep_the_patch_and_its_bits(tiny_checkpoint):
+    """transformers (5.25 on) re-kernelizes a model on every train()/eval() mode change, which would
+    drop the patched forwards: make_invariant turns that off, and restore() turns it back on."""
+    model = load_model(tiny_checkpoint, torch.float32)
+    kernelized = getattr(model, "use_kernels", False)
+    ids = torch.randint(0, 512, (2, 7))
+    with torch.no_grad():
+        make_invariant(model)
+        eval_logits = model(input_ids=ids).logits
+        model.train()
+        train_logits = model(input_ids=ids).logits
+        model.eval()
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all("forward" in vars(m) for m in norms)  # still the patch's
+    assert torch.equal(train_logits, eval_logits)
+    assert not getattr(model, "use_kernels", False)
+    restore(model)
+    assert getattr(model, "use_kernels", False) == kernelized
