@@ -167,14 +167,17 @@ def engine_digest(model, family: str) -> str:
 
 
 def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True, progress=None,
-            quantized: bool = True) -> dict[str, str]:
-    """Every digest for this device: {family/dtype/case: sha256 hex}, and with ``quantized`` those
-    of the quantized formats (``quantized_digests``, when compressed-tensors is installed)."""
+            quantized: bool | None = None) -> dict[str, str]:
+    """Every digest for this device: {family/dtype/case: sha256 hex} of ``families`` (default: all),
+    and with ``quantized`` (default: when ``families`` is all) those of the quantized formats
+    (``quantized_digests``, when compressed-tensors is installed)."""
+    if quantized is None:
+        quantized = families is None
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        if quantized and families is None and importlib.util.find_spec("compressed_tensors") is not None:
+        if quantized and importlib.util.find_spec("compressed_tensors") is not None:
             out.update(quantized_digests(device, Path(tmp), progress=progress))
-        for family in families or CONFIGS:
+        for family in CONFIGS if families is None else families:
             for dtype_name in dtypes or DTYPES:
                 dtype = DTYPES[dtype_name]
                 path = write_checkpoint(family, dtype, Path(tmp) / f"{family}-{dtype_name}")

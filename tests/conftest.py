@@ -11,7 +11,9 @@ from helpers.models import FAMILY_NAMES
 from invariant_infer.testing.random_checkpoints import qwen2_config, random_config, save_random_checkpoint
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the heavy marks added here
 def pytest_collection_modifyitems(config, items):
+    mark_cells_beyond_the_fast_cover_heavy(items)
     run_longest_files_first(items)
     if torch.cuda.is_available():
         return
@@ -19,6 +21,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def mark_cells_beyond_the_fast_cover_heavy(items) -> None:
+    """A test marked ``fast_cells(n)`` keeps n of its parametrizations in the fast tier, picked one by
+    one to cover as many parameter values not yet covered as they can (ties: collection order), or
+    those named by ``fast_cells(ids=[...])``; the others get the ``heavy`` mark."""
+    groups: dict = {}
+    for item in items:
+        marker = item.get_closest_marker("fast_cells")
+        if marker is not None and hasattr(item, "callspec"):
+            groups.setdefault((item.module.__name__, item.originalname), (marker, []))[1].append(item)
+    for marker, group in groups.values():
+        group = [item for item in group if item.get_closest_marker("heavy") is None]
+        if "ids" in marker.kwargs:
+            kept = [item for item in group if item.callspec.id in marker.kwargs["ids"]]
+            assert len(kept) == len(marker.kwargs["ids"]), f"fast_cells ids not all found: {marker.kwargs['ids']}"
+            for item in group:
+                if item not in kept:
+                    item.add_marker(pytest.mark.heavy)
+            continue
+        covered: set = set()
+        kept = []
+        for _ in range(min(marker.args[0], len(group))):
+            best = max((item for item in group if item not in kept),
+                       key=lambda item: len(set(cell_values(item)) - covered))  # max keeps the first of ties
+            kept.append(best)
+            covered |= set(cell_values(best))
+        for item in group:
+            if item not in kept:
+                item.add_marker(pytest.mark.heavy)
+
+
+def cell_values(item) -> list[tuple[str, str]]:
+    return [(name, repr(value)) for name, value in item.callspec.params.items()]
 
 
 def file_minutes(item) -> float:

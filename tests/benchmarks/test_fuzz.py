@@ -188,6 +188,7 @@ def test_stopping_the_parent_stops_every_worker(sig):
 ENGINE_SMALL = ["--quiet"]
 
 
+@pytest.mark.heavy
 def test_engine_fuzz_finds_every_request_equal_alone(tmp_path):
     out = tmp_path / "engine.json"
     # Schedules 0 and 1 of seed 0 cover every feature below; schedule 2 runs in the negative control.
@@ -199,6 +200,7 @@ def test_engine_fuzz_finds_every_request_equal_alone(tmp_path):
         assert summary["coverage"].get(key, 0) > 0, key
 
 
+@pytest.mark.heavy
 def test_engine_fuzz_catches_a_batch_variant_linear(tmp_path):
     out = tmp_path / "engine-neg.json"
     # Schedule 2 of seed 0 on qwen2 fp32: two prompts of 86 and 58 tokens with a shared prefix,
@@ -242,6 +244,7 @@ def test_engine_schedules_are_reproducible():
 QUANT = ["--batchings", "3", "--families", "qwen2", "--formats", "FP8_BLOCK,W8A8,W4A16", *SMALL]
 
 
+@pytest.mark.heavy
 def test_fuzz_covers_the_quantized_formats(tmp_path, monkeypatch):
     """qwen2 in three checkpoint formats (models qwen2:FORMAT, bf16 and fp16): every row bitwise alone.
     The same batchings with a per-tensor dynamic activation scale (the max over the batch) differ."""
@@ -273,6 +276,7 @@ def test_formats_keep_the_dense_draws_and_refuse_fp32():
         fuzz.parse(["--formats", "W4A16", "--dtypes", "fp32"])
 
 
+@pytest.mark.heavy
 def test_negative_control_patches_the_quantized_layers_too():
     from benchmarks import fuzz_quantized
     from invariant_infer.model import quantization

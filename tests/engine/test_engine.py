@@ -70,6 +70,7 @@ def family_models(family_checkpoints):
     return get
 
 
+@pytest.mark.fast_cells(ids=["qwen2", "qwen3_moe"])
 @pytest.mark.parametrize("family", FAMILY_NAMES + MOE_FAMILY_NAMES)
 def test_any_schedule_equals_alone_generate_and_score(family_models, family):
     model = family_models(family)
@@ -163,6 +164,7 @@ def test_prefix_cache_hit_equals_miss(family_models):
         assert_same(a, b)
 
 
+@pytest.mark.heavy
 def test_more_requests_than_pages_all_finish(family_models):
     model = family_models("qwen3")
     page_bytes = Engine(model, kv_cache_memory=1 << 20).page_bytes

@@ -63,6 +63,7 @@ def load_other_state(model) -> None:
     model.load_state_dict(random_model(model.config, seed=9).state_dict())
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("update", [add_delta, optimizer_step, load_other_state])
 def test_in_place_update_reaches_the_engine(checkpoint, update):
     model = fp32(checkpoint)

@@ -97,6 +97,7 @@ def test_mixed_adapters_and_base_rows_equal_each_request_alone(adapter_dirs, alo
     assert all(outcome(p)[2] != a[2] for p, a, name in zip(plain, alone, MIXED) if name)
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize(("order", "max_loras", "max_lora_rank"), [(("c", "b", "a"), 1, 8), (("b", "a", "c"), 2, 32)],
                          ids=["one-slot-evicting", "two-slots-rank-32"])
 def test_slots_load_order_and_rank_padding_change_no_bit(adapter_dirs, alone, order, max_loras, max_lora_rank):
@@ -125,6 +126,7 @@ def test_speculative_decoding_with_adapters_changes_no_bit(adapter_dirs, alone):
     assert [outcome(o) for o in outs] == alone
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_engine_score_equals_peft_model_scoring_and_token_logprobs(adapter_dirs, dtype):
     """In bf16, PEFT keeps the adapters in fp32 (its autocast_adapter_dtype default), as the engine does."""

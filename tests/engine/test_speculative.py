@@ -103,6 +103,7 @@ def plain_busy(models):
     return prompts, params, run_busy(engine, prompts, params)
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("method,k", [("ngram", 1), ("ngram", 8), ("draft_model", 2)])
 def test_speculation_in_a_busy_engine_equals_plain_decoding(models, plain_busy, method, k):
     model = models()
@@ -131,6 +132,7 @@ FAMILY_CELLS = [matrix_cell(family, torch.bfloat16, in_cover=family in FAST_BF16
                                                                               id="qwen2-float32")]
 
 
+@pytest.mark.fast_cells(ids=["qwen2_moe-bfloat16"])
 @pytest.mark.parametrize("family, dtype", FAMILY_CELLS)
 def test_families_speculate_bitwise(family_checkpoints, family, dtype):
     """Dense and MoE families in bf16, and one in fp32: greedy and seeded requests side by side, the

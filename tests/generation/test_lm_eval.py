@@ -145,6 +145,7 @@ def reference_store():
 @pytest.mark.parametrize("family, dtype", [("qwen2", torch.float32), ("mixtral", torch.bfloat16),
                                            (FP8_BLOCK, torch.bfloat16)],
                          ids=["qwen2-fp32", "mixtral-bf16", "qwen2-fp8-block-bf16"])
+@pytest.mark.fast_cells(1)
 def test_lm_eval_results_do_not_depend_on_batch_size(family, dtype, checkpoints, task_manager, offline,
                                                      reference_store):
     model, tokenizer = load(checkpoints(family), dtype)

@@ -160,6 +160,7 @@ def batch_mismatches(dtype, configs_for=lambda B: {}):
     return found
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gradients_of_a_sample_alone_equal_it_in_any_padded_batch(dtype):
     assert batch_mismatches(dtype) == []
@@ -208,6 +209,7 @@ TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"
 SHARED_MEMORY_LIMIT = 99 * 1024  # sm_89's opt-in maximum per block (sm_80: 163 KiB)
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("arch, dtype", [(90, torch.bfloat16), (89, torch.bfloat16), (80, torch.bfloat16),
                                          (89, torch.float16), (89, torch.float32)], ids=str)
 def test_backward_kernels_compile_for_cuda_within_shared_memory(arch, dtype):

@@ -160,6 +160,7 @@ def _linear_cases():
             yield 90, torch.bfloat16, cfg, True, linear_mod.PROLOGUE_NONE
 
 
+@pytest.mark.fast_cells(4)
 @pytest.mark.parametrize("arch, dtype, cfg, parallel, prologue", list(_linear_cases()), ids=str)
 def test_linear_compiles(arch, dtype, cfg, parallel, prologue):
     dt = TL_DTYPE[dtype]
@@ -174,6 +175,7 @@ def test_linear_compiles(arch, dtype, cfg, parallel, prologue):
                     dict(HAS_BIAS=True, K_CHUNKS=cfg.k_chunks, BLOCK_N=1024))
 
 
+@pytest.mark.fast_cells(2)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", list(TL_DTYPE), ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -200,6 +202,7 @@ def test_paged_attention_compiles(dtype):
                 cfg.num_warps, cfg.num_stages)
 
 
+@pytest.mark.fast_cells(2)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", list(TL_DTYPE), ids=str)
 def test_row_kernels_compile(arch, dtype):

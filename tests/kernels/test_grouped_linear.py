@@ -236,6 +236,7 @@ REAL_SHAPES = {"qwen3-30b-a3b gate_up": (1536, 2048), "qwen3-30b-a3b down": (204
                "mixtral-8x7b gate_up": (28672, 4096), "mixtral-8x7b down": (4096, 14336)}
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("shape", list(REAL_SHAPES.values()), ids=list(REAL_SHAPES))
 def test_cuda_configs_of_the_real_expert_shapes_in_the_interpreter(shape):
     """The CUDA config of each real expert shape, run through the interpreter on two N tiles of the
@@ -262,6 +263,7 @@ def _dot_layouts(compiled) -> list[str]:
     return dots
 
 
+@pytest.mark.fast_cells(2)
 @pytest.mark.parametrize("arch", [90, 89, 80])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_compiles_for_cuda_with_linears_dot_layouts(arch, dtype):

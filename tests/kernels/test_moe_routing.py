@@ -178,6 +178,7 @@ def test_nan_logits_still_name_distinct_experts_in_range():
 TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+@pytest.mark.fast_cells(2)
 @pytest.mark.parametrize("arch", [90, 89, 80])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_compiles_for_cuda(arch, dtype):

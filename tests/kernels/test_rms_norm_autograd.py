@@ -91,6 +91,7 @@ def test_negative_control_rows_keyed_reduction_is_caught():
     assert row_mismatches(rows_keyed_grads, *inputs(70, torch.float32, "cpu", n=1536)) != []
 
 
+@pytest.mark.fast_cells(2)
 @pytest.mark.parametrize("arch", [90, 89, 80])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_backward_kernels_compile_for_cuda(arch, dtype):

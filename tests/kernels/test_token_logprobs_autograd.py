@@ -64,6 +64,7 @@ def row_mismatches(grads, logits, targets, grad) -> list:
     return [rows for rows in subsets if not torch.equal(grads(logits[rows], targets[rows], grad[rows]), full[rows])]
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gradient_of_a_row_does_not_depend_on_the_other_rows(dtype):
     assert row_mismatches(lambda *a: kernel_grad(*a, 0.7), *inputs(40, 9000, dtype, "cpu")) == []

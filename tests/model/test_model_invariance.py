@@ -110,6 +110,7 @@ def test_second_control_stock_hf_at_real_widths_is_not_invariant(real_width_chec
     assert max(diff for _, _, diff in mismatches) > 1e-3
 
 
+@pytest.mark.heavy  # about a minute through the interpreter; the controls at these widths stay fast
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_invariant_at_real_widths(real_width_checkpoint, device):
@@ -120,6 +121,7 @@ def test_invariant_at_real_widths(real_width_checkpoint, device):
     assert torch.equal(batch0, single0)
 
 
+@pytest.mark.fast_cells(2)
 def test_negative_control_m_dependent_matmul_is_caught(family_checkpoint, monkeypatch):
     """The same test fails when the linear picks its tiles by M."""
     model = make_invariant(load_model(family_checkpoint, torch.float32))

@@ -60,6 +60,7 @@ def expert_loads(model, run) -> list[torch.Tensor]:
     return loads
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family, dtype", family_dtype_cells(MOE_FAMILY_NAMES, DTYPES))
 def test_logits_alone_equal_logits_in_any_batch(family_checkpoints, family, dtype, device):
@@ -84,6 +85,7 @@ def test_invariant_at_real_widths_and_control(family, monkeypatch):
     assert batch_mismatches(model, samples, batchings) != []
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family, dtype", family_dtype_cells(MOE_FAMILY_NAMES, DTYPES))
 def test_crowded_and_empty_experts(family_checkpoints, family, dtype):
     """Every token on a few experts (many rows each), the last experts with none."""
@@ -99,6 +101,7 @@ def test_crowded_and_empty_experts(family_checkpoints, family, dtype):
     assert batch_mismatches(model, samples, CROWDED_BATCHINGS) == []
 
 
+@pytest.mark.fast_cells(1)
 def test_m_dependent_expert_gemm_is_caught(family_checkpoints, family, monkeypatch):
     """Negative control: the expert GEMM picks its tile by the rows its expert got."""
     model = make_invariant(load_model(family_checkpoints(family), torch.float32))
@@ -185,6 +188,7 @@ def _relative_error(got, ref):
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-6}
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family, dtype", family_dtype_cells(MOE_FAMILY_NAMES, DTYPES))
 def test_accuracy_against_float64(family_checkpoints, family, dtype):
     path, batching = family_checkpoints(family), Batching((0, 1, 2, 3), extra_pad=2)

@@ -50,6 +50,7 @@ def unequal(got, want) -> list[int]:
     return [i for i, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
 
 
+@pytest.mark.fast_cells(2)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family, dtype", family_dtype_cells(FAMILY_NAMES, PACKED_DTYPES))
 def test_packed_sequences_equal_alone(family_checkpoints, family, dtype, device):
@@ -71,6 +72,7 @@ def test_packed_accuracy_against_alone_stock(family_checkpoints):
             assert (g - r).abs().max().item() < 1e-4, family
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family", FAMILY_NAMES + MOE_FAMILY_NAMES)
 def test_several_packed_rows(family_checkpoints, family):
     """[B, T] packed rows (each row a concatenation, a sequence never spanning two rows), with
@@ -88,6 +90,7 @@ def test_several_packed_rows(family_checkpoints, family):
     assert unequal(packed_logits(model, samples, inputs_embeds=embeds, position_ids=positions), expected) == []
 
 
+@pytest.mark.heavy
 def test_many_short_sequences_and_length_one(family_checkpoints):
     model = make_invariant(load_model(family_checkpoints("qwen2"), torch.bfloat16))
     g = torch.Generator().manual_seed(1)
@@ -126,6 +129,7 @@ def test_trl_padding_free_collator(family_checkpoints):
     assert unequal(packed_logits(model, samples, **batch), alone(model, samples)) == []
 
 
+@pytest.mark.fast_cells(1)
 def test_negative_control_m_dependent_matmul_is_caught(family_checkpoint, monkeypatch):
     """The comparison fails when the linear picks its tiles by M (a packed row has more tokens than
     its short sequences alone)."""

@@ -63,6 +63,7 @@ def _shifts_logits(model, samples):
 
 
 # left padding with extra pads in reversed order, and right padding (the fp8 interpreter is slower: one)
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize(("fmt", "batchings"), [("W4A16_ASYM", BATCHINGS[1:3]), ("FP8_BLOCK", BATCHINGS[1:2]),
                                                ("fp8", BATCHINGS[1:2])], ids=[*FORMATS, "fp8"])
 def test_qlora_logits_bitwise_batch_invariant(checkpoints, fmt, batchings):
@@ -98,6 +99,7 @@ def _embeds_grads(model, samples, members, cotangents):
     return [embeds.grad[row][mask[row].bool()] for row in range(len(members))], grads
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("fmt", [*FORMATS, "fp8"])
 def test_train_mode_input_grads_batch_invariant_and_adapter_grads_deterministic(checkpoints, fmt):
     model = qlora_model(checkpoints[fmt]).train()

@@ -55,6 +55,7 @@ INVARIANCE_CELLS = [matrix_cell(scheme, dtype, in_cover=dtype == DTYPES[i % 2],
                     for i, scheme in enumerate(SCHEMES) for dtype in DTYPES]
 
 
+@pytest.mark.fast_cells(ids=["W4A16-bfloat16", "FP8_BLOCK-bfloat16"])
 @pytest.mark.parametrize("scheme, dtype", INVARIANCE_CELLS)
 def test_rows_bitwise_equal_alone_and_in_any_batch(checkpoints, scheme, dtype):
     model = make_invariant(_load(checkpoints[scheme, dtype], dtype))

@@ -72,6 +72,7 @@ def _schedule_vs_alone(model) -> list[bool]:
     return [_same(out, alone.generate([prompt], PARAMS)[0]) for out, prompt in zip(mixed, prompts)]
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("fmt", ["W4A16_ASYM", "fp8", "fp8-moe"])
 def test_engine_schedules_with_prefix_hits_equal_each_request_alone(checkpoints, fmt):
     assert all(_schedule_vs_alone(_model(checkpoints[fmt])))
@@ -118,6 +119,7 @@ def test_serve_reads_the_format_from_the_checkpoint(checkpoints, tmp_path, fmt):
         assert choice["logprobs"]["token_logprobs"] == alone.logprobs
 
 
+@pytest.mark.heavy
 def test_demo_shows_the_weight_bytes(checkpoints, capsys):
     assert demo_cli.run(demo_cli.argparse.Namespace(model=str(checkpoints["fp8"]), family="qwen2", dtype="bf16",
                                                      device="cpu", seed=0)) == 0

@@ -41,6 +41,7 @@ def _load(path, dtype=torch.bfloat16, device="cpu"):
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_bitwise_equal_alone_and_in_any_batch(checkpoints, dtype):
     model = make_invariant(_load(checkpoints[dtype], dtype))

@@ -14,6 +14,7 @@ def _per_tensor(x2, dtype, group=None):
     return q, scale.reshape(1, 1).expand(x2.shape[0], 1 if group is None else x2.shape[1] // group).contiguous()
 
 
+@pytest.mark.heavy
 def test_a_batch_variant_activation_scale_moves_the_quantized_digests(monkeypatch, tmp_path):
     recorded = golden.load()["cpu-interpreter"]
     mine = {k: v for k, v in recorded["digests"].items() if k.startswith("quant/FP8_DYNAMIC/")}
@@ -24,6 +25,7 @@ def test_a_batch_variant_activation_scale_moves_the_quantized_digests(monkeypatc
     assert problem is not None and "moved:   quant/FP8_DYNAMIC/bf16/left_pad" in problem
 
 
+@pytest.mark.heavy
 def test_a_batch_variant_activation_scale_in_the_experts_moves_the_fp8_moe_digests(monkeypatch, tmp_path):
     """The fp8 MoE model's experts alone take the per-tensor scale (over every routed row)."""
     import invariant_infer.model.quantized_experts as quantized_experts

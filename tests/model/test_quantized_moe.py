@@ -58,6 +58,7 @@ def _experts_modules(model):
     return [layer.mlp.experts for layer in model.model.layers]
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rows_bitwise_equal_alone_and_in_any_batch(checkpoints, family):
     dtype = FAMILIES[family][1]

@@ -49,6 +49,7 @@ def test_plan_batches_respects_budget_and_keeps_every_index():
     assert plan_batches(lengths, 1) == [[1], [3], [5], [4], [0], [6], [2]]
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_bitwise_equal_for_any_batching_and_close_to_stock(tiny_checkpoint, stock_fp32, dtype):
     model = make_invariant(load_model(tiny_checkpoint, dtype))

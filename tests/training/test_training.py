@@ -30,6 +30,7 @@ def alone_logits(model, sample):
         return model.eval()(input_ids=sample[None]).logits[0]
 
 
+@pytest.mark.fast_cells(3)
 @pytest.mark.parametrize("dtype", TRAIN_DTYPES, ids=str)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_train_mode_forward_with_grad_gives_inference_bits(family_checkpoints, family, dtype):
@@ -72,6 +73,7 @@ def input_gradient_mismatches(model, samples):
     return found
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family, dtype", [(f, torch.bfloat16) for f in FAMILY_NAMES] + [("qwen2", torch.float32)])
 def test_a_samples_input_gradient_is_the_same_in_any_batch(family_checkpoints, family, dtype):
     """Every backward kernel is row-invariant, attention's dK/dV included (a sample's keys get
@@ -100,6 +102,7 @@ def parameter_grads(model, ids, mask):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_same_micro_batch_gives_the_same_parameter_gradients_twice(family_checkpoints, family):
     model = trainable(family_checkpoints(family), torch.bfloat16)
@@ -181,6 +184,7 @@ def packed_embeds_grads(model, samples, cotangents, flash_kwargs):
     return logits.detach(), [embeds.grad[0, a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_packed_forward_and_backward_equal_each_sequence_alone(family_checkpoints, family):
     model = trainable(family_checkpoints(family), torch.bfloat16)

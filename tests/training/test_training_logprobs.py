@@ -39,6 +39,7 @@ def trainer_logprobs(model, sequences, prompt_lengths, micro_batch, side, temper
     return [values[p - 1:].tolist() for values, p in zip(found, prompt_lengths)]
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family, dtype", [(f, torch.bfloat16) for f in FAMILY_NAMES] + [("qwen2", torch.float32)])
 def test_trainer_logprobs_equal_the_engines_at_any_micro_batch(family_checkpoints, family, dtype):
     model = make_invariant(load_model(family_checkpoints(family), dtype))

@@ -72,6 +72,7 @@ def logged(trainer, name: str) -> list[float]:
     return [float(entry[name]) for entry in trainer.state.log_history if name in entry]
 
 
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("device", DEVICES)
 def test_sampler_and_trainer_logprobs_are_bitwise_equal(checkpoint, tmp_path, device):
     trainer = trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path, use_cpu=device == "cpu"), device)
@@ -92,6 +93,7 @@ def test_sampler_and_trainer_logprobs_are_bitwise_equal(checkpoint, tmp_path, de
         trainer.vllm_generation.sync_weights()
 
 
+@pytest.mark.heavy
 def test_rollouts_replay_from_the_seed(checkpoint, tmp_path):
     """Each rollout's sampling seed is a function of (args.seed, step, call): the same run samples the same
     completions, another seed others."""
@@ -226,6 +228,7 @@ def test_unknown_trl_version_is_refused(checkpoint, tmp_path, monkeypatch):
     check_trl_version()  # the explicit opt-in
 
 
+@pytest.mark.heavy
 def test_kl_to_a_reference_model(checkpoint, tmp_path):
     trainer = trainer_for(InvariantGRPOTrainer, checkpoint, config(tmp_path, beta=0.04, max_steps=1))
     assert trainer.ref_model is not None and is_invariant(trainer.ref_model)
