@@ -31,6 +31,7 @@ def expected_rows(batchings: int, families, dtypes, seed: int = 0) -> int:
     return sum(len(fuzz.draw(seed, i, families, dtypes, lengths, max_batch=4).members) for i in range(batchings))
 
 
+@pytest.mark.heavy
 def test_fuzz_finds_no_mismatch(tmp_path, capsys):
     out = tmp_path / "fuzz.json"
     assert fuzz.main(["--batchings", "20", "--out", str(out), *SMALL]) == 0
@@ -50,6 +51,7 @@ def test_fuzz_finds_no_mismatch(tmp_path, capsys):
 NARROW = ["--batchings", "4", "--families", "qwen2", "--dtypes", "fp32", *SMALL]
 
 
+@pytest.mark.heavy
 def test_negative_control_is_caught(tmp_path):
     """The same batchings, with a linear that picks BLOCK_K by M: rows differ, and that is the
     negative control's success (exit status 0)."""
@@ -64,6 +66,7 @@ def test_negative_control_is_caught(tmp_path):
 MOE = ["--batchings", "2", "--families", "qwen3_moe", "--dtypes", "fp32", *SMALL]
 
 
+@pytest.mark.heavy
 def test_fuzz_covers_a_moe_family(tmp_path, monkeypatch):
     """qwen3_moe batchings (a sparse block, 8 experts, top-4): every row bitwise alone. The same batchings
     with only the experts' grouped GEMM keyed by its most crowded expert differ, so the fuzz sees batch

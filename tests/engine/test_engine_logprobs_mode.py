@@ -110,6 +110,7 @@ def engine_step_keyed_linear(x, weight, bias=None, config=None):
     return linear(x, weight, bias, config=config)
 
 
+@pytest.mark.heavy
 def test_negative_control_m_dependent_linear_changes_processed_logprobs(models, monkeypatch):
     """The same comparison with projections that pick BLOCK_K by M: some request's logprobs differ
     from the sequence alone (fp32, where a reordered sum shows)."""

@@ -100,6 +100,7 @@ def test_mixed_adapters_and_base_rows_equal_each_request_alone(adapter_dirs, alo
 @pytest.mark.fast_cells(1)
 @pytest.mark.parametrize(("order", "max_loras", "max_lora_rank"), [(("c", "b", "a"), 1, 8), (("b", "a", "c"), 2, 32)],
                          ids=["one-slot-evicting", "two-slots-rank-32"])
+@pytest.mark.heavy
 def test_slots_load_order_and_rank_padding_change_no_bit(adapter_dirs, alone, order, max_loras, max_lora_rank):
     engine = lora_engine(adapter_dirs, order=order, max_loras=max_loras, max_lora_rank=max_lora_rank)
     ids = [engine.add_request(p, mixed_params(i), lora=name) for i, (p, name) in enumerate(zip(prompts(len(MIXED)),
@@ -116,6 +117,7 @@ def test_slots_load_order_and_rank_padding_change_no_bit(adapter_dirs, alone, or
         assert {("a",), ("b",), ("c",)} <= resident
 
 
+@pytest.mark.heavy
 def test_speculative_decoding_with_adapters_changes_no_bit(adapter_dirs, alone):
     """ngram proposals verified under each row's own adapter: still each request alone, unspeculated."""
     engine = lora_engine(adapter_dirs, speculative={"method": "ngram", "num_speculative_tokens": 2,

@@ -132,7 +132,7 @@ FAMILY_CELLS = [matrix_cell(family, torch.bfloat16, in_cover=family in FAST_BF16
                                                                               id="qwen2-float32")]
 
 
-@pytest.mark.fast_cells(ids=["qwen2_moe-bfloat16"])
+@pytest.mark.heavy
 @pytest.mark.parametrize("family, dtype", FAMILY_CELLS)
 def test_families_speculate_bitwise(family_checkpoints, family, dtype):
     """Dense and MoE families in bf16, and one in fp32: greedy and seeded requests side by side, the

@@ -35,7 +35,7 @@ def generate_rows(model, prompts, cache=None, seeds=None):
     return [(out.sequences[row, ids.shape[1]:], logits[row]) for row in range(len(prompts))]
 
 
-@pytest.mark.fast_cells(2)
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("cache", [None, "static"], ids=["dynamic", "static"])
 def test_generate_batched_equals_alone_and_decode_equals_prefill(family_checkpoint, cache):
     model = make_invariant(load_model(family_checkpoint, torch.bfloat16))
@@ -50,7 +50,7 @@ def test_generate_batched_equals_alone_and_decode_equals_prefill(family_checkpoi
         assert torch.equal(logits, forward.float()), "decode != prefill"
 
 
-@pytest.mark.fast_cells(2)
+@pytest.mark.fast_cells(1)
 def test_seeded_sampling_batched_equals_alone(family_checkpoint):
     model = make_invariant(load_model(family_checkpoint, torch.bfloat16))
     prompts = prompts_for(model.config.vocab_size, lengths=(5, 9))
@@ -61,7 +61,7 @@ def test_seeded_sampling_batched_equals_alone(family_checkpoint):
         assert torch.equal(batched[i][0], tokens) and torch.equal(batched[i][1], logits)
 
 
-@pytest.mark.fast_cells(2)
+@pytest.mark.fast_cells(1)
 def test_score_sequences_independent_of_batching(family_checkpoint):
     model = make_invariant(load_model(family_checkpoint, torch.bfloat16))
     sequences = prompts_for(model.config.vocab_size, lengths=(7, 12, 3, 9), seed=2)

@@ -66,7 +66,7 @@ def alone(request, model, prompts):
     return request.param, [run_generate(model, [p], cache=request.param)[0] for p in prompts]
 
 
-@pytest.mark.fast_cells(2)
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("batching", BATCHINGS, ids=str)
 def test_batched_generate_equals_alone(model, prompts, alone, batching):
     cache, reference = alone

@@ -185,6 +185,7 @@ def test_negative_control_batch_dependent_linear_is_caught(checkpoints, tasks, o
     assert differ, "a batch-dependent linear should change some loglikelihood at batch size 8"
 
 
+@pytest.mark.heavy
 def test_negative_control_per_tensor_activation_scale_is_caught(checkpoints, task_manager, offline, reference_store,
                                                                 monkeypatch):
     """The quantized layers with a dynamic per-tensor activation scale (the max over every token of

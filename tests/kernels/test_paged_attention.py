@@ -112,6 +112,7 @@ def _full_prefill(dtype, device, heads):
     return seqs, _padded(seqs), paged
 
 
+@pytest.mark.fast_cells(3)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads", HEADS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -132,6 +133,7 @@ PLANS = {
 }
 
 
+@pytest.mark.fast_cells(3)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads", HEADS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

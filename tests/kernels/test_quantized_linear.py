@@ -106,6 +106,7 @@ def test_weight_only_row_alone_equals_row_in_any_batch(act, fmt):
     _assert_rows_invariant(lambda x: quantized_linear(x, weight, b), act)
 
 
+@pytest.mark.fast_cells(2)
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt,target,group", W8A8)
 def test_w8a8_row_alone_equals_row_in_any_batch(act, fmt, target, group):

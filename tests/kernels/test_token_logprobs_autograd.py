@@ -70,6 +70,7 @@ def test_gradient_of_a_row_does_not_depend_on_the_other_rows(dtype):
     assert row_mismatches(lambda *a: kernel_grad(*a, 0.7), *inputs(40, 9000, dtype, "cpu")) == []
 
 
+@pytest.mark.heavy
 def test_negative_control_rows_keyed_vocab_block_is_caught():
     """A vocabulary block width picked by the row count (the forward's reduction, whose lse the
     backward uses) gives a row alone other gradient bits than in the batch."""

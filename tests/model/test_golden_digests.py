@@ -14,25 +14,32 @@ pytestmark = pytest.mark.file_minutes(1.1)  # measured on 2 cores: start it earl
 
 
 def _check(device: str, part: str | None = None) -> None:
-    """The digests of one part (a family, or "quant": the quantized formats), or of all, against the
-    recorded entry's digests of that part."""
+    """The digests of one part ("family/dtype", or "quant": the quantized formats), or of all,
+    against the recorded entry's digests of that part."""
     key = golden.backend_key(device)
     if part is None:
         current = golden.compute(device)
     elif part == "quant":
         current = golden.compute(device, families=[], quantized=True)
     else:
-        current = golden.compute(device, families=[part], quantized=False)
+        family, dtype = part.split("/")
+        current = golden.compute(device, families=[family], dtypes=[dtype], quantized=False)
     entry = golden.load().get(key)
     if entry is not None and part is not None:
-        entry = {**entry, "digests": {k: v for k, v in entry["digests"].items() if k.split("/")[0] == part}}
+        entry = {**entry, "digests": {k: v for k, v in entry["digests"].items() if part_of(k) == part}}
     problem = golden.explain(key, entry, current, golden.environment(device))
     if problem:
         pytest.fail(problem, pytrace=False)
 
 
-# qwen2 first (with the engine's digest): the fast tier runs it, the heavy tier the rest.
-PARTS = ["qwen2", "qwen3_moe", *sorted(set(golden.CONFIGS) - {"qwen2", "qwen3_moe"}), "quant"]
+def part_of(digest_key: str) -> str:
+    family, dtype = digest_key.split("/")[:2]
+    return "quant" if family == "quant" else f"{family}/{dtype}"
+
+
+# qwen2 in fp32 (with the engine's digest) first: the fast tier runs it, the heavy tier the rest.
+PARTS = ["qwen2/fp32"] + [f"{family}/{dtype}" for family in golden.CONFIGS for dtype in golden.DTYPES
+                          if (family, dtype) != ("qwen2", "fp32")] + ["quant"]
 
 
 @pytest.mark.fast_cells(1)
@@ -45,7 +52,7 @@ def test_cpu_digests_equal_golden(part):
 
 def test_the_parts_cover_every_recorded_digest():
     recorded = golden.load()["cpu-interpreter"]["digests"]
-    assert {k.split("/")[0] for k in recorded} == set(PARTS)
+    assert {part_of(k) for k in recorded} == set(PARTS)
 
 
 @pytest.mark.gpu

@@ -121,7 +121,7 @@ def test_invariant_at_real_widths(real_width_checkpoint, device):
     assert torch.equal(batch0, single0)
 
 
-@pytest.mark.fast_cells(2)
+@pytest.mark.fast_cells(1)
 def test_negative_control_m_dependent_matmul_is_caught(family_checkpoint, monkeypatch):
     """The same test fails when the linear picks its tiles by M."""
     model = make_invariant(load_model(family_checkpoint, torch.float32))

@@ -50,7 +50,7 @@ def unequal(got, want) -> list[int]:
     return [i for i, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
 
 
-@pytest.mark.fast_cells(2)
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family, dtype", family_dtype_cells(FAMILY_NAMES, PACKED_DTYPES))
 def test_packed_sequences_equal_alone(family_checkpoints, family, dtype, device):

@@ -87,6 +87,7 @@ def test_negative_control_per_tensor_activation_scale_changes_engine_outputs(che
     assert not all(_schedule_vs_alone(model))
 
 
+@pytest.mark.heavy
 def test_score_cli_reads_the_format_from_the_checkpoint(checkpoints, tmp_path):
     path = checkpoints["fp8"]
     g = torch.Generator().manual_seed(5)

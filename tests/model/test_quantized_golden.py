@@ -1,6 +1,7 @@
 """The quantized formats' golden digests (``benchmarks.golden_digests.quantized_digests``, checked with the others by
 ``test_golden_digests.py``): a batch-variant activation scale moves them, and the check names them."""
 import compressed_tensors  # noqa: F401  (the test extra pins it: a missing install fails, never skips)
+import pytest
 import torch
 
 import invariant_infer.model.quantization as quantization

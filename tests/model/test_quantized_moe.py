@@ -149,6 +149,7 @@ def _per_tensor_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return routed_forward(hidden_states, top_k_index, top_k_weights, self.num_experts, run_sorted)
 
 
+@pytest.mark.heavy
 def test_negative_control_per_tensor_activation_scale_in_the_experts_is_caught(checkpoints):
     model = make_invariant(_load(checkpoints["qwen3_moe"], torch.bfloat16))
     for experts in _experts_modules(model):

@@ -30,7 +30,7 @@ def alone_logits(model, sample):
         return model.eval()(input_ids=sample[None]).logits[0]
 
 
-@pytest.mark.fast_cells(3)
+@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("dtype", TRAIN_DTYPES, ids=str)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_train_mode_forward_with_grad_gives_inference_bits(family_checkpoints, family, dtype):
@@ -127,6 +127,7 @@ def test_parameter_gradients_match_float64(tiny_checkpoint):
         assert err < FP32_GRAD_TOLERANCE, (name, err)
 
 
+@pytest.mark.heavy
 def test_gradient_checkpointing_accumulation_clipping_and_an_optimizer_step(tiny_checkpoint):
     model = trainable(tiny_checkpoint, torch.bfloat16)
     ids, mask = pad_sequences(make_samples(model.config.vocab_size, lengths=(9, 4, 12)), side="left")

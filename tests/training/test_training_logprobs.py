@@ -123,6 +123,7 @@ def test_bad_arguments_are_refused(tiny_checkpoint):
         token_logprobs(model, ids, temperature=0.0)
 
 
+@pytest.mark.heavy
 def test_packed_rows_give_the_engines_logprobs(tiny_checkpoint):
     """One packed row (position_ids restarting at each sequence, as DataCollatorWithFlattening builds it)."""
     model = make_invariant(load_model(tiny_checkpoint, torch.bfloat16))

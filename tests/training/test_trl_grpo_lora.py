@@ -48,6 +48,7 @@ def trainer_for(checkpoint, tmp_path, peft_config):
                                 peft_config=peft_config)
 
 
+@pytest.mark.heavy
 def test_lora_grpo_rollout_and_training_logprobs_are_bitwise_equal(checkpoint, tmp_path):
     trainer = trainer_for(checkpoint, tmp_path, LoraConfig(**LORA))
     assert is_peft_model(trainer.model) and is_invariant(trainer.model)
