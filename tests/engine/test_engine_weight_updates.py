@@ -149,7 +149,7 @@ def assert_state_equal(model, other) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.fast_cells(1)
+@pytest.mark.heavy
 @pytest.mark.parametrize("device", DEVICES)
 def test_load_weights_from_disk_sharded_and_cast(checkpoint, tmp_path, device):
     """A sharded bf16 checkpoint into an fp32 model: bitwise what from_pretrained(dtype=fp32) loads,

@@ -77,6 +77,7 @@ def test_batched_generate_equals_alone(model, prompts, alone, batching):
         assert torch.equal(logits, reference[i][1]), f"prompt {i}: logits differ"
 
 
+@pytest.mark.fast_cells(1)
 def test_decode_equals_forward(model, prompts, alone):
     cache, reference = alone
     for i, prompt in enumerate(prompts):
@@ -173,6 +174,7 @@ def test_row_repetition_penalty_matches_hf_on_unpadded_rows():
                        RepetitionPenaltyLogitsProcessor(1.3)(ids, scores))
 
 
+@pytest.mark.heavy
 def test_max_length_with_padding_equals_alone(model, prompts, alone):
     """max_length counts the padded width, shared by every row: each row gets max_length - width new
     tokens, bitwise those it gets alone (lm-eval's generate_until passes width + max_gen_toks)."""

@@ -166,6 +166,7 @@ def test_gradients_of_a_sample_alone_equal_it_in_any_padded_batch(dtype):
     assert batch_mismatches(dtype) == []
 
 
+@pytest.mark.heavy
 def test_negative_control_batch_dependent_query_tile_breaks_invariance():
     """dK/dV with a query tile picked by the batch size: a key's sum is regrouped, dK changes."""
     base = attention_backward_config("cpu", torch.float32, 32)
@@ -177,6 +178,7 @@ def test_negative_control_batch_dependent_query_tile_breaks_invariance():
     assert batch_mismatches(torch.float32, configs_for) == [batch for batch in BATCHES if batch[1]]
 
 
+@pytest.mark.heavy
 def test_negative_control_query_tiles_from_row_0_break_invariance_under_left_padding():
     """dK/dV with query tiles starting at row 0 instead of the first real query: a left pad that is
     not a multiple of the tile moves the tile boundaries over the sample's queries."""

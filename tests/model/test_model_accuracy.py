@@ -36,6 +36,7 @@ def logits():
     return get
 
 
+@pytest.mark.fast_cells(4)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_invariant_error_at_most_twice_stock_error(family_checkpoint, dtype, logits):
     reference = logits(family_checkpoint, torch.float64)

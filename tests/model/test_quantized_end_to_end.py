@@ -80,6 +80,7 @@ def test_engine_schedules_with_prefix_hits_equal_each_request_alone(checkpoints,
 
 
 
+@pytest.mark.heavy
 def test_negative_control_per_tensor_activation_scale_changes_engine_outputs(checkpoints):
     model = _model(checkpoints["fp8"])
     for module in quantized_layers(model):

@@ -262,6 +262,7 @@ def test_text_lines_without_tokenizer_fail_alone(model_dir, tmp_path, capsys):
     assert score(bare, inp, tmp_path / "out2.jsonl", "--dtype", "fp32", "--tokenizer", str(model_dir)) == 0
 
 
+@pytest.mark.heavy
 def test_registered_as_invariant_infer_subcommand(model_dir, main_job, tmp_path):
     from invariant_infer.cli import main
     _, inp, big = main_job

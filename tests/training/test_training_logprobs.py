@@ -50,6 +50,7 @@ def test_trainer_logprobs_equal_the_engines_at_any_micro_batch(family_checkpoint
         assert got == list(engine_logps), (family, dtype, micro_batch, side)
 
 
+@pytest.mark.heavy
 def test_negative_control_m_dependent_sampler_is_caught(tiny_checkpoint, monkeypatch):
     """A sampler whose projections pick their tiles by the step's row count (decode steps have few);
     fp32, where a reordered sum shows."""
