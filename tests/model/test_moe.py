@@ -86,7 +86,6 @@ def test_invariant_at_real_widths_and_control(family, monkeypatch):
 
 
 @pytest.mark.heavy
-@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family, dtype", family_dtype_cells(MOE_FAMILY_NAMES, DTYPES))
 def test_crowded_and_empty_experts(family_checkpoints, family, dtype):
     """Every token on a few experts (many rows each), the last experts with none."""
