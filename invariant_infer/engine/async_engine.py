@@ -117,13 +117,12 @@ class AsyncEngine:
         call it off the event loop."""
         if self.engine.tensor_parallel_size > 1:
             raise UnsupportedOperationError("weight updates are not supported under tensor parallelism (the other "
-                                            "ranks "
-                                            "hold their own shards)")
+                                            "ranks hold their own shards)")
         with self._lock:
             self._apply_aborts()
             if self.engine.has_unfinished():
-                raise EngineBusyError(f"cannot update the weights with {len(self.engine.sequences)} requests "
-                                      "in the engine")
+                raise EngineBusyError(f"cannot update the weights with {len(self.engine.sequences)} requests in the "
+                                      "engine")
             try:
                 return update(self.engine.model)
             finally:

@@ -79,8 +79,8 @@ def _check_config(config) -> None:
         if getattr(config, option, None):
             raise LoraAdapterError(why)
     if config.modules_to_save:
-        raise LoraAdapterError(f"modules_to_save ({config.modules_to_save}) are not served (every row shares the "
-                               "base modules); merge them or run the PeftModel itself")
+        raise LoraAdapterError(f"modules_to_save ({config.modules_to_save}) are not served (every row shares the base "
+                               "modules); merge them or run the PeftModel itself")
     if config.alpha_pattern:
         raise LoraAdapterError("alpha_pattern is not supported here")
 
@@ -125,7 +125,7 @@ class LoraSlots:
             module, _, part = key.removeprefix("base_model.model.").rpartition(".lora_")
             if part not in ("A.weight", "B.weight") or module not in self.layers:
                 raise LoraAdapterError(f"adapter {name!r}: {key} is not a LoRA A/B weight of a projection of this "
-                                       f"model (targets: attention and MLP projections)")
+                                       "model (targets: attention and MLP projections)")
             pairs.setdefault(module, {})[part[0]] = tensor
         if not pairs:
             raise LoraAdapterError(f"adapter {name!r} has no LoRA weights")
@@ -164,8 +164,8 @@ class LoraSlots:
         if adapter is None:
             raise LoraAdapterError(f"no adapter named {name!r} is loaded")
         if in_use:
-            raise LoraAdapterError(f"adapter {name!r} is in use by {in_use} unfinished requests; finish or abort "
-                                   "them first")
+            raise LoraAdapterError(f"adapter {name!r} is in use by {in_use} unfinished requests; finish or abort them "
+                                   "first")
         if adapter.slot is not None:
             self.owners[adapter.slot] = None
         self.adapters = {key: value for key, value in self.adapters.items() if key != name}

@@ -142,9 +142,8 @@ class ModelRunner:
         if any(type(b) is not int or b < 1 for b in self.decode_buckets):
             raise InvalidArgumentError(f"decode_buckets must be positive integers, got {decode_buckets!r}")
         if self.decode_buckets and config.max_position_embeddings < page_size:
-            raise InvalidArgumentError("decode_buckets: padding rows take positions up to the page size "
-                                       f"{page_size}, more than max_position_embeddings "
-                                       f"{config.max_position_embeddings}")
+            raise InvalidArgumentError(f"decode_buckets: padding rows take positions up to the page size {page_size}, "
+                                       f"more than max_position_embeddings {config.max_position_embeddings}")
         # Padding row i writes slot i of the scratch pages that follow the block manager's pages.
         max_bucket = max(self.decode_buckets, default=0)
         self.scratch_pages = -(-max_bucket // page_size)

@@ -48,7 +48,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise SpeculativeConfigError(f"speculative must be a dict or a SpeculativeConfig, got "
+            raise SpeculativeConfigError("speculative must be a dict or a SpeculativeConfig, got "
                                          f"{type(value).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
@@ -179,8 +179,7 @@ def speculative_decoder(engine, value, kernels: str) -> SpeculativeDecoder | Non
     config.check(engine.max_positions, engine.scheduler.max_num_batched_tokens)
     if kernels != "invariant":
         raise SpeculativeConfigError("speculative decoding is exact only with kernels='invariant' (stock kernels give "
-                                     "a "
-                                     "verify step other logits than decode steps)")
+                                     "a verify step other logits than decode steps)")
     from .proposers import DraftModelProposer, NgramProposer  # noqa: PLC0415  (it imports the runner)
     if config.method == "ngram":
         return SpeculativeDecoder(config, NgramProposer(*config.lookup_range), engine.max_positions)
@@ -211,12 +210,10 @@ def load_draft(model, engine):
         raise SpeculativeConfigError("the draft model must be a causal LM (AutoModelForCausalLM)")
     if draft.config.vocab_size != engine.vocab_size:
         raise SpeculativeConfigError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from "
-                                     "the "
-                                     f"target's ({engine.vocab_size}): its proposals would be other tokens")
+                                     f"the target's ({engine.vocab_size}): its proposals would be other tokens")
     if draft.get_output_embeddings().weight.device != head.device:
         raise SpeculativeConfigError(f"the draft model is on {draft.get_output_embeddings().weight.device}, the "
-                                     "target on "
-                                     f"{head.device}: put them on one device")
+                                     f"target on {head.device}: put them on one device")
     return draft
 
 
@@ -228,5 +225,4 @@ def check_same_tokenizer(path: str, tokenizer) -> None:
         return  # a checkpoint without tokenizer files: its vocabulary size was checked
     if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise SpeculativeConfigError(f"the draft model's tokenizer ({path}) differs from the target's: the same ids "
-                                     "would "
-                                     "be other tokens")
+                                     "would be other tokens")

@@ -85,19 +85,18 @@ def _check(x, weight, offsets, bias, name):
     if x.dim() != 2 or x.shape[1] != k:
         raise InvalidArgumentError(f"{name}: x must be [T, {k}] for weight {tuple(weight.shape)}, got {tuple(x.shape)}")
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise InvalidDtypeError(f"{name}: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
-                                f"{'' if bias is None else ', ' + str(bias.dtype)}")
+        raise InvalidDtypeError(f"{name}: x, weight and bias must share a dtype, got {x.dtype}, "
+                                f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
     if bias is not None and bias.shape != (experts, n):
         raise InvalidArgumentError(f"{name}: bias must be [E, N] = [{experts}, {n}], got {tuple(bias.shape)}")
     if offsets.dtype not in (torch.int32, torch.int64) or offsets.shape != (experts + 1,):
-        raise InvalidArgumentError(f"{name}: expert_offsets must be int32/int64 [E + 1] = [{experts + 1}], "
-                                   f"got {offsets.dtype} {tuple(offsets.shape)}")
+        raise InvalidArgumentError(f"{name}: expert_offsets must be int32/int64 [E + 1] = [{experts + 1}], got "
+                                   f"{offsets.dtype} {tuple(offsets.shape)}")
     if len({x.device, weight.device, offsets.device} | ({bias.device} if bias is not None else set())) != 1:
         raise InvalidArgumentError(f"{name}: x, weight, expert_offsets and bias must be on one device")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         raise UnsupportedOperationError(f"{name} has no backward: call it under torch.no_grad() or "
-                                        "torch.inference_mode() "
-                                        "(training mixture-of-experts layers is not supported)")
+                                        "torch.inference_mode() (training mixture-of-experts layers is not supported)")
     # Offsets on the host are checked here; on CUDA they are not read (that would sync the host).
     if not x.is_cuda and experts and (offsets[0] != 0 or offsets[-1] != x.shape[0]
                                       or bool((offsets[1:] < offsets[:-1]).any())):

@@ -50,17 +50,14 @@ def _grouped_quantized_linear_kernel(
 def _check(x, weight, offsets, x_scale):
     experts = weight.experts
     if experts is None or weight.scale.dim() != 3 or weight.scale.shape[0] != experts:
-        raise InvalidArgumentError(f"grouped_quantized_linear: weight must stack the experts' tensors ([E, ...]), got "
-                                   "data "
-                                   f"{tuple(weight.data.shape)} and scales {tuple(weight.scale.shape)}")
+        raise InvalidArgumentError("grouped_quantized_linear: weight must stack the experts' tensors ([E, ...]), got "
+                                   f"data {tuple(weight.data.shape)} and scales {tuple(weight.scale.shape)}")
     if x.dim() != 2 or (x_scale is not None and (x_scale.dim() != 2 or x_scale.shape[0] != x.shape[0])):
-        raise InvalidArgumentError(f"grouped_quantized_linear: x must be [T, K] with x_scale [T, groups], got "
-                                   f"{tuple(x.shape)}"
-                                   f"{'' if x_scale is None else ' and ' + str(tuple(x_scale.shape))}")
+        raise InvalidArgumentError("grouped_quantized_linear: x must be [T, K] with x_scale [T, groups], got "
+                                   f"{tuple(x.shape)}{'' if x_scale is None else ' and ' + str(tuple(x_scale.shape))}")
     if offsets.dtype not in (torch.int32, torch.int64) or offsets.shape != (experts + 1,):
-        raise InvalidArgumentError(f"grouped_quantized_linear: expert_offsets must be int32/int64 [E + 1] = "
-                                   f"[{experts + 1}], "
-                                   f"got {offsets.dtype} {tuple(offsets.shape)}")
+        raise InvalidArgumentError("grouped_quantized_linear: expert_offsets must be int32/int64 [E + 1] = "
+                                   f"[{experts + 1}], got {offsets.dtype} {tuple(offsets.shape)}")
     if len({x.device, weight.data.device, offsets.device}) != 1:
         raise InvalidArgumentError("grouped_quantized_linear: x, weight and expert_offsets must be on one device")
     # Offsets on the host are checked here; on CUDA they are not read (that would sync the host).

@@ -135,8 +135,8 @@ def _chunk_combine_kernel(
 
 def _check_operands(x, weight, bias):
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise InvalidDtypeError(f"linear: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
-                                f"{'' if bias is None else ', ' + str(bias.dtype)}")
+        raise InvalidDtypeError(f"linear: x, weight and bias must share a dtype, got {x.dtype}, "
+                                f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
     if x.device != weight.device:
         raise InvalidArgumentError(f"linear: x on {x.device} but weight on {weight.device}")
     if x.shape[-1] != weight.shape[1]:

@@ -67,12 +67,10 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tup
     t, e = router_logits.shape
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= min(e, MAX_TOP_K):
         raise InvalidArgumentError(f"moe_routing: top_k must be an int in [1, min(E, {MAX_TOP_K})] = [1, "
-                                   f"{min(e, MAX_TOP_K)}], "
-                                   f"got {top_k!r}")
+                                   f"{min(e, MAX_TOP_K)}], got {top_k!r}")
     if router_logits.requires_grad and torch.is_grad_enabled():
         raise UnsupportedOperationError("moe_routing has no backward: call it under torch.no_grad() or "
-                                        "torch.inference_mode() "
-                                        "(training mixture-of-experts layers is not supported)")
+                                        "torch.inference_mode() (training mixture-of-experts layers is not supported)")
     weights = torch.empty((t, top_k), device=router_logits.device, dtype=torch.float32)
     experts = torch.empty((t, top_k), device=router_logits.device, dtype=torch.int64)
     if t == 0:

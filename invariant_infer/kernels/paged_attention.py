@@ -129,8 +129,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fixed per-shape config (tests use it for a negative control); bitwise equality with
     ``attention`` holds for the default one, which ``attention`` also uses."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise InvalidArgumentError(f"paged_attention: expected q [T, Hq, D] and caches [pages, page_size, Hkv, D], got "
-                                   f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
+        raise InvalidArgumentError("paged_attention: expected q [T, Hq, D] and caches [pages, page_size, Hkv, D], "
+                                   f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
                                    f"{tuple(v_cache.shape)}")
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
@@ -138,14 +138,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise InvalidArgumentError(f"paged_attention: incompatible q {tuple(q.shape)} and k_cache "
                                    f"{tuple(k_cache.shape)}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise InvalidDtypeError(f"paged_attention: q/k_cache/v_cache dtypes differ: "
-                                f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise InvalidDtypeError(f"paged_attention: q/k_cache/v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
+                                f"{v_cache.dtype}")
     S = seq_lens.shape[0]
     if seq_lens.dim() != 1 or query_starts.shape != (S + 1,) or block_tables.dim() != 2 \
             or block_tables.shape[0] != S:
-        raise InvalidArgumentError(f"paged_attention: expected seq_lens [S], query_starts [S + 1], block_tables [S, "
-                                   "pages], got "
-                                   f"{tuple(seq_lens.shape)}, {tuple(query_starts.shape)}, {tuple(block_tables.shape)}")
+        raise InvalidArgumentError("paged_attention: expected seq_lens [S], query_starts [S + 1], block_tables [S, "
+                                   f"pages], got {tuple(seq_lens.shape)}, {tuple(query_starts.shape)}, "
+                                   f"{tuple(block_tables.shape)}")
     for name, t in (("query_starts", query_starts), ("seq_lens", seq_lens), ("block_tables", block_tables)):
         if t.dtype != torch.int32:
             raise InvalidDtypeError(f"paged_attention: {name} must be int32, got {t.dtype}")
@@ -182,11 +182,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k.shape != v.shape or k_cache.shape != v_cache.shape or k.dim() != 3 or k_cache.dim() != 4 \
             or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != (k.shape[0],):
         raise InvalidArgumentError(f"write_kv: incompatible k {tuple(k.shape)}, v {tuple(v.shape)}, k_cache "
-                                   f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, "
-                                   f"slot_mapping {tuple(slot_mapping.shape)}")
+                                   f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, slot_mapping "
+                                   f"{tuple(slot_mapping.shape)}")
     if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        raise InvalidDtypeError(f"write_kv: dtypes differ: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, "
-                                f"v_cache {v_cache.dtype} (a cast here would change the bits attention reads)")
+        raise InvalidDtypeError(f"write_kv: dtypes differ: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, v_cache "
+                                f"{v_cache.dtype} (a cast here would change the bits attention reads)")
     slots = slot_mapping.long()
     _, _, Hkv, D = k_cache.shape
     # view (never reshape): a copy would swallow the writes.

@@ -278,8 +278,8 @@ def check_activations(name: str, x: torch.Tensor, weight: QuantizedWeight, x_sca
     if x_scale is not None:
         expected = torch.int8 if weight.format == "int8" else torch.float8_e4m3fn
         if x.dtype != expected or out_dtype is None:
-            raise InvalidDtypeError(f"{name}: {weight.format} weights take {expected} activations and an "
-                                    f"out_dtype, got {x.dtype}")
+            raise InvalidDtypeError(f"{name}: {weight.format} weights take {expected} activations and an out_dtype, "
+                                    f"got {x.dtype}")
         if weight.format == "packed" or (weight.format == "int8" and weight.scale_group_k < k):
             raise InvalidArgumentError("quantized activations take fp8 or per-channel int8 weights")
         groups = x_scale.shape[-1]
@@ -348,8 +348,7 @@ def quantized_linear_partials(x: torch.Tensor, weight: QuantizedWeight, k_chunks
     chunk_k = k // k_chunks
     if k_chunks < 1 or k % k_chunks or chunk_k % weight.scale_group_k:
         raise InvalidArgumentError(f"quantized_linear_partials: {k_chunks} chunks of K = {k} do not hold whole scale "
-                                   "groups "
-                                   f"of {weight.scale_group_k}")
+                                   f"groups of {weight.scale_group_k}")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -69,8 +69,8 @@ def launch_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatu
     """(logprobs fp32 [R], argmax int32 [R], lse fp32 [R] or None, the rows as reduced, int64 targets).
     ``block_v`` replaces the vocabulary block width (tests only: a width that is not V's alone)."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise InvalidArgumentError(f"token_logprobs: expected logits [R, V] and targets [R], got {tuple(logits.shape)} "
-                                   f"and {tuple(targets.shape)}")
+        raise InvalidArgumentError("token_logprobs: expected logits [R, V] and targets [R], got "
+                                   f"{tuple(logits.shape)} and {tuple(targets.shape)}")
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise InvalidDtypeError(f"token_logprobs: logits dtype {logits.dtype} is not bf16, fp16 or fp32")
     temperature = check_temperature(temperature)

@@ -50,8 +50,7 @@ def is_worker_command(function) -> bool:
 def check_worker_command(function) -> None:
     if not is_worker_command(function):
         raise InvalidArgumentError(f"{getattr(function, '__qualname__', function)!r} is not a worker command: "
-                                   "register it "
-                                   "with @worker_command")
+                                   "register it with @worker_command")
 
 
 class Executor(Protocol):

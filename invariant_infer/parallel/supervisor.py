@@ -216,9 +216,8 @@ class TensorParallelRanks:
         if not self._in_call:
             raise TensorParallelError("rank 0's model of TensorParallelRanks runs only through its executor, the "
                                       "ranks (each step must run on every rank; rank 0 alone would wait for ranks "
-                                      "that never join it): pass executor=ranks, as in Engine(ranks.model, "
-                                      "tokenizer, executor=ranks) and score_sequences(ranks.model, sequences, "
-                                      "executor=ranks)")
+                                      "that never join it): pass executor=ranks, as in Engine(ranks.model, tokenizer, "
+                                      "executor=ranks) and score_sequences(ranks.model, sequences, executor=ranks)")
 
     # ---- failures ------------------------------------------------------------------------------
 

@@ -155,8 +155,8 @@ class RayBackend:
         except ActorDiedError as exc:
             reason = str(exc).splitlines()[0]
             restarts = "its restarts" if self.max_restarts == -1 else f"{self.max_restarts} restarts"
-            raise JobError(f"a Ray worker died after {restarts} (--max-restarts): {reason}; "
-                           "the rows written so far are kept: re-run to resume") from None
+            raise JobError(f"a Ray worker died after {restarts} (--max-restarts): {reason}; the rows written so far "
+                           "are kept: re-run to resume") from None
         except Exception as exc:
             raise JobError(f"the Ray job failed: {type(exc).__name__}: {exc}") from None
 

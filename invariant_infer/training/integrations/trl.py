@@ -105,9 +105,8 @@ class _NoVLLM:
     def __getattr__(self, name):
         if name.startswith("__"):  # copy / pickle probes: plainly absent
             raise AttributeError(name)
-        raise UnsupportedOperationError(f"InvariantGRPOTrainer samples with the invariant engine; TRL tried to use "
-                                        "vLLM "
-                                        f"(vllm_generation.{name}), which this TRL version must not do (see "
+        raise UnsupportedOperationError("InvariantGRPOTrainer samples with the invariant engine; TRL tried to use "
+                                        f"vLLM (vllm_generation.{name}), which this TRL version must not do (see "
                                         "TESTED_TRL_VERSIONS)")
 
 
