@@ -95,7 +95,8 @@ def test_refusals_from_each_layer_are_caught_by_the_base():
 
 
 def test_names_users_import():
-    from invariant_infer import generate_invariant, make_invariant, restore, score_sequences, seeded_sampling  # noqa: F401
+    from invariant_infer import (generate_invariant, make_invariant, restore, score_sequences,  # noqa: F401
+                                 seeded_sampling)
     from invariant_infer.engine import AsyncEngine, Engine, EngineBusyError, RequestError, SamplingParams  # noqa: F401
     from invariant_infer.kernels import attention, linear, rms_norm, token_logprobs  # noqa: F401
     from invariant_infer.parallel import TensorParallelRanks  # noqa: F401
