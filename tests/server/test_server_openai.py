@@ -1,10 +1,9 @@
 """``invariant-infer serve`` through the official ``openai`` client and raw HTTP, on the app in process
 and on the real server (a subprocess on an ephemeral localhost port; tests/server/conftest.py): echo
-and logprobs, prompt logprobs equal to
-``score_sequences``, ``logprobs_mode``, streaming equal to whole responses, ``n`` choices equal to
-their seeds alone, and concurrent load bitwise equal to each request alone. Every comparison of
-text, tokens and logprobs is exact ``==`` (logprobs are float32 values written as JSON floats,
-which round-trip exactly)."""
+and logprobs, prompt logprobs equal to ``score_sequences``, ``logprobs_mode``, streaming equal to
+whole responses, ``n`` choices equal to their seeds alone, and concurrent load bitwise equal to each
+request alone. Every comparison of text, tokens and logprobs is exact ``==`` (logprobs are float32
+values written as JSON floats, which round-trip exactly)."""
 from __future__ import annotations
 
 import random
