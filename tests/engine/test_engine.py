@@ -147,6 +147,7 @@ def test_engine_score_equals_score_sequences(family_models):
         assert torch.equal(a.token_logprobs, b.token_logprobs) and a.greedy == b.greedy and a.digest == b.digest
 
 
+@pytest.mark.heavy
 def test_prefix_cache_hit_equals_miss(family_models):
     model = family_models("llama")
     engine = Engine(model, max_num_batched_tokens=64)

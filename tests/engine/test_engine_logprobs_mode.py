@@ -86,7 +86,7 @@ def mismatches(model, outputs) -> list[int]:
 MODES = ["processed_logprobs", "raw_logprobs"] * 3  # processed for even requests, raw for odd ones
 
 
-@pytest.mark.fast_cells(1)
+@pytest.mark.heavy
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_processed_and_raw_logprobs_equal_the_sequence_alone(models, dtype):
     model = models(dtype)

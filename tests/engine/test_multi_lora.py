@@ -97,7 +97,6 @@ def test_mixed_adapters_and_base_rows_equal_each_request_alone(adapter_dirs, alo
     assert all(outcome(p)[2] != a[2] for p, a, name in zip(plain, alone, MIXED) if name)
 
 
-@pytest.mark.fast_cells(1)
 @pytest.mark.parametrize(("order", "max_loras", "max_lora_rank"), [(("c", "b", "a"), 1, 8), (("b", "a", "c"), 2, 32)],
                          ids=["one-slot-evicting", "two-slots-rank-32"])
 @pytest.mark.heavy

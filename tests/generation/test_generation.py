@@ -120,6 +120,7 @@ def sample(model, prompts, seeds, cache=None):
                                                  logits_processor=seeded_sampling(seeds, **SAMPLING))]
 
 
+@pytest.mark.heavy
 def test_seeded_sampling_is_batch_invariant(model, prompts):
     seeds = [11, 22, 33, 44]
     reference = sample(model, prompts, seeds)

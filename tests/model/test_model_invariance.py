@@ -89,6 +89,7 @@ def halved_block_k_at_small_m(x, weight, bias=None, config=None):
     return linear(x, weight, bias, config=replace(base, block_k=block_k))
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_negative_control_m_dependent_config_at_real_widths_is_caught(real_width_checkpoint, monkeypatch):
     """The real-width comparison fails when the config depends on M: the 1-token sample alone

@@ -72,7 +72,7 @@ def test_packed_accuracy_against_alone_stock(family_checkpoints):
             assert (g - r).abs().max().item() < 1e-4, family
 
 
-@pytest.mark.fast_cells(1)
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", FAMILY_NAMES + MOE_FAMILY_NAMES)
 def test_several_packed_rows(family_checkpoints, family):
     """[B, T] packed rows (each row a concatenation, a sequence never spanning two rows), with

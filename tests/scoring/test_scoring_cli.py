@@ -98,7 +98,7 @@ def test_digests_independent_of_max_batch_tokens(model_dir, main_job, tmp_path):
     assert (tmp_path / "one.jsonl").read_bytes() == big.read_bytes()
 
 
-@pytest.mark.fast_cells(1)
+@pytest.mark.heavy
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_close_to_stock_fp32_log_softmax(model_dir, main_job, tokenizer, tmp_path, dtype):
     requests_, inp, big = main_job
