@@ -33,16 +33,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # so every dtype meets a family; the families meet every dtype in the tests that run them all in bf16
 # or fp32 (engine, speculation, training, digests). The other cells are marked heavy: the heavy tier
 # (pytest -m heavy) runs them.
-def matrix_cell(*values, in_cover: bool, id: str | None = None):
-    """One cell of a test matrix: in the fast tier if ``in_cover``, else in the heavy tier."""
-    return pytest.param(*values, id=id, marks=() if in_cover else pytest.mark.heavy)
-
-
 def family_dtype_cells(families: list[str], dtypes: list[torch.dtype]) -> list:
     """Every (family, dtype) parameter; those outside the cover above are marked heavy."""
     cover = {(families[i % len(families)], dtypes[i % len(dtypes)]) for i in range(max(len(families), len(dtypes)))}
-    return [matrix_cell(f, d, in_cover=(f, d) in cover, id=f"{f}-{str(d).removeprefix('torch.')}")
-            for f, d in product(families, dtypes)]
+    return [pytest.param(f, d, id=f"{f}-{str(d).removeprefix('torch.')}",
+                         marks=() if (f, d) in cover else pytest.mark.heavy) for f, d in product(families, dtypes)]
 
 
 def load_model(path, dtype: torch.dtype, device: str = "cpu"):
