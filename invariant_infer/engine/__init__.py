@@ -5,11 +5,13 @@ result is bitwise what the same request gives alone, and what ``model.generate``
 Files: ``sequence`` (a request's state), ``sampling_params``, ``block_manager`` (pages, prefix
 cache), ``scheduler`` (continuous batching, chunked prefill, preemption), ``model_runner`` (one
 packed forward over the paged cache), ``logprob_rows``, ``speculative`` and ``proposers``
-(speculative decoding, bitwise lossless), ``engine`` (the API) and ``async_engine`` (for servers).
+(speculative decoding, bitwise lossless), ``output`` (each step's deltas, and the outputs built
+from them: text, stop strings, output kinds), ``engine`` (the API) and ``async_engine`` (for servers).
 """
 from .async_engine import AsyncEngine
 from ..errors import EngineBusyError, RequestError
 from .engine import Engine, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["Engine", "AsyncEngine", "EngineBusyError", "RequestOutput", "RequestError", "SamplingParams"]
+__all__ = ["Engine", "AsyncEngine", "EngineBusyError", "RequestOutput", "RequestOutputKind", "RequestError",
+           "SamplingParams"]

@@ -1,5 +1,10 @@
-"""asyncio front for the engine: one background thread runs steps while requests are in
-flight; each request is an async iterator of its outputs, one per step it advanced in.
+"""asyncio front for the engine: one background thread runs the core's steps while requests are
+in flight; each request is an async iterator of its outputs, of its ``output_kind``.
+
+The engine's lock holds only the core: tokenizing a prompt, decoding the text, stop strings and
+building outputs run outside it (the frontend: each request's ``OutputProcessor``, in its own
+iterator), so one long prompt or a slow client never stalls a step. The core hands each request
+its deltas; a stop string found by the frontend aborts the request in the core.
 
 The event loop never waits for a step: adding a request waits for the engine's lock in an
 executor thread, and an abort is queued for the engine thread to apply before its next step.
@@ -14,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from .engine import Engine, RequestOutput
+from .output import OutputProcessor, end_delta
 from .sampling_params import SamplingParams
 from ..errors import EngineBusyError, UnsupportedOperationError
 
@@ -24,6 +30,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._lock = threading.Lock()          # the engine is not thread-safe: one caller at a time
+        self._encode_lock = threading.Lock()   # prompts are encoded one at a time, off the event loop
         self._wake = threading.Event()
         self._aborts: list[str] = []           # request ids to abort, applied by the engine thread
         self._aborts_lock = threading.Lock()
@@ -41,19 +48,17 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 try:
-                    outputs = self.engine.step()
+                    deltas = self.engine.step_deltas()
                 except Exception as exc:  # noqa: BLE001  (the loop must survive; fail what is in flight)
-                    outputs = [self.engine.abort(rid) for rid in list(self._streams)]
-                    for out in outputs:
-                        if out is not None:
-                            out.finish_reason, out.error = "error", f"{type(exc).__name__}: {exc}"
-            for out in outputs:
-                if out is None:
-                    continue
-                stream = self._streams.get(out.request_id)
+                    deltas = []
+                    for rid in list(self._streams):
+                        self.engine.abort(rid)
+                        deltas.append(end_delta(rid, "error", f"{type(exc).__name__}: {exc}"))
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
                 if stream is not None:
                     loop, queue = stream
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                    loop.call_soon_threadsafe(queue.put_nowait, delta)
 
     def _apply_aborts(self) -> None:
         with self._aborts_lock:
@@ -67,31 +72,44 @@ class AsyncEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
-    def _add(self, prompt, params, request_id, loop, queue, lora=None) -> str:
+    def _add(self, prompt, params, request_id, loop, queue, lora=None) -> tuple[str, int, list[int]]:
+        """(request id, seed, prompt ids): the prompt is tokenized before the engine's lock is taken."""
+        if isinstance(prompt, str):
+            with self._encode_lock:
+                prompt_ids = self.engine.encode(prompt)
+        else:
+            prompt_ids = self.engine.encode(prompt)
         with self._lock:
-            request_id = self.engine.add_request(prompt, params, request_id, lora=lora)
+            request_id, seed = self.engine.add_token_request(prompt_ids, params, request_id, lora=lora)
             self._streams[request_id] = (loop, queue)
-        return request_id
+        return request_id, seed, prompt_ids
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        lora: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Add a request (on adapter ``lora``; ``RequestError`` for a bad one) and yield its outputs until it finishes.
-        Leaving the iteration early (a client that went away) aborts it and frees its pages."""
+        """Add a request (on adapter ``lora``; ``RequestError`` for a bad one) and yield its outputs (of its
+        ``output_kind``) until it finishes. Leaving the iteration early (a client that went away)
+        aborts it and frees its pages."""
+        params = params or SamplingParams()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         adding = loop.run_in_executor(None, self._add, prompt, params, request_id, loop, queue, lora)
         try:
-            request_id = await asyncio.shield(adding)
+            request_id, seed, prompt_ids = await asyncio.shield(adding)
         except asyncio.CancelledError:  # the caller left while the request was being added
-            adding.add_done_callback(lambda f: f.cancelled() or f.exception() or self._abort_later(f.result()))
+            adding.add_done_callback(lambda f: f.cancelled() or f.exception() or self._abort_later(f.result()[0]))
             raise
         self._wake.set()
+        processor = OutputProcessor(request_id, prompt_ids, params, seed, self.engine.tokenizer)
         finished = False
         try:
             while not finished:
-                out = await queue.get()
-                finished = out.finished
-                yield out
+                delta = await queue.get()
+                out, stopped = processor.process(delta)
+                if stopped:  # a stop string ended it: the core stops it before its next step
+                    self._abort_later(request_id)
+                finished = processor.finished
+                if out is not None:
+                    yield out
         finally:
             if finished:
                 self._streams.pop(request_id, None)

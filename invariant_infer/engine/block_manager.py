@@ -6,6 +6,10 @@ over the token ids of its sequence up to its end: the KV of a token depends only
 before it (and blocks are aligned to the sequence start), so two sequences with the same prefix
 may share those pages and get bitwise the same attention. Freed pages keep their hash and stay
 findable until they are reused, least recently freed first.
+
+The block table: each sequence holding pages owns a row of it (``seq.block_row``), and every page
+appended to a sequence is logged as a write ``(row, column, page)`` in ``table_writes``, which the
+model runner applies to its persistent copy on the device; no step rebuilds a sequence's row.
 """
 from __future__ import annotations
 
@@ -15,7 +19,13 @@ from collections import OrderedDict
 import numpy as np
 
 from .sequence import Sequence
-from ..errors import EngineBusyError
+from ..errors import EngineBusyError, InternalError
+
+
+def block_table_rows(max_num_seqs: int) -> int:
+    """Rows of the block table: one per running sequence, and one for the waiting sequence that
+    holds prefix pages while its admission is tried."""
+    return max_num_seqs + 1
 
 
 def page_hash(previous: bytes, tokens: list[int]) -> bytes:
@@ -23,8 +33,13 @@ def page_hash(previous: bytes, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 num_table_rows: int | None = None):
         self.num_pages, self.page_size = num_pages, page_size
+        # A sequence holding pages holds at least one, so num_pages rows always suffice.
+        self.num_table_rows = num_pages if num_table_rows is None else num_table_rows
+        self.free_rows = list(range(self.num_table_rows - 1, -1, -1))
+        self.table_writes: list[tuple[int, int, int]] = []  # (row, column, page), until the runner takes them
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self.hash_of: list[bytes | None] = [None] * num_pages
@@ -43,6 +58,19 @@ class BlockManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def _add_page(self, seq: Sequence, page: int) -> None:
+        if seq.block_row is None:
+            if not self.free_rows:
+                raise InternalError(f"more than {self.num_table_rows} sequences hold KV pages")
+            seq.block_row = self.free_rows.pop()
+        self.table_writes.append((seq.block_row, len(seq.pages), page))
+        seq.pages.append(page)
+
+    def take_table_writes(self) -> list[tuple[int, int, int]]:
+        """The block-table writes since the last call (the runner applies them in order)."""
+        writes, self.table_writes = self.table_writes, []
+        return writes
+
     def _take_free(self) -> int:
         page, _ = self.free.popitem(last=False)  # least recently freed
         old = self.hash_of[page]
@@ -58,7 +86,7 @@ class BlockManager:
         while len(seq.page_hashes) <= j:
             k = len(seq.page_hashes)
             previous = seq.page_hashes[-1] if k else seq.hash_seed
-            seq.page_hashes.append(page_hash(previous, seq.tokens[k * self.page_size:(k + 1) * self.page_size]))
+            seq.page_hashes.append(page_hash(previous, seq.token_ids[k * self.page_size:(k + 1) * self.page_size]))
         return seq.page_hashes[j]
 
     def match_prefix(self, seq: Sequence) -> None:
@@ -74,7 +102,7 @@ class BlockManager:
             if self.ref_counts[page] == 0:
                 del self.free[page]
             self.ref_counts[page] += 1
-            seq.pages.append(page)
+            self._add_page(seq, page)
         seq.num_computed = seq.num_hashed_pages = len(seq.pages)
         seq.num_computed *= self.page_size
         self.prefix_hits += seq.num_computed
@@ -88,7 +116,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Pages for the sequence's next ``num_new_tokens`` tokens (call ``can_allocate`` first)."""
         for _ in range(self.pages_missing(seq, num_new_tokens)):
-            seq.pages.append(self._take_free())
+            self._add_page(seq, self._take_free())
 
     def register_full_pages(self, seq: Sequence) -> None:
         """After a step: make the sequence's newly completed pages findable by their prefix."""
@@ -131,3 +159,6 @@ class BlockManager:
                 self.free[page] = None
         seq.pages = []
         seq.num_computed = seq.num_hashed_pages = 0
+        if seq.block_row is not None:  # its row's entries are never read again: a new owner writes its own
+            self.free_rows.append(seq.block_row)
+            seq.block_row = None

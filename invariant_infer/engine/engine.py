@@ -5,7 +5,13 @@
     scores = engine.score([[1, 2, 3, 4]])              # == score_sequences(model, ...)
 
 ``add_request`` / ``step`` / ``abort`` drive it one step at a time (a server does);
-``generate`` and ``score`` run until their requests finish.
+``generate`` and ``score`` run until their requests finish. Each request's outputs are of its
+``SamplingParams.output_kind``: cumulative (the default), deltas, or the final one only.
+
+The core (``add_token_request``, ``step_deltas``) takes token ids and returns each step's
+``SequenceDelta``s; an ``OutputProcessor`` per request decodes the text, applies stop strings and
+builds its outputs. ``step`` does both; ``AsyncEngine`` runs the core on its engine thread and the
+processors outside the engine's lock.
 
 On ``TensorParallelRanks`` (``invariant_infer.parallel``), ``Engine(ranks.model, tokenizer,
 executor=ranks)`` runs in rank 0's process: it schedules, samples and keeps the requests; every
@@ -13,6 +19,7 @@ step's forward and logits run on all ranks in step, and each result is bitwise t
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 from collections.abc import Sequence as SequenceABC
@@ -24,17 +31,17 @@ from ..errors import (DeviceError, EngineBusyError, InvalidArgumentError, Reques
                       TensorParallelError, raise_if_device_failure)
 from ..model.executor import Executor, executor_for
 from ..model.patch import is_invariant, make_invariant
-from ..generation.sampling import sample_next_token
 from ..scoring.core import ScoreResult
-from .block_manager import BlockManager
+from .block_manager import BlockManager, block_table_rows
 from .lora_slots import LoraRequests
 from .model_runner import ModelRunner
-from .logprob_rows import record_prompt_logprobs, row_logprobs, top_logprobs
-from .output import Detokenizer, RequestOutput, finish_reason, request_output
-from .sampling_params import SamplingParams
+from .logprob_rows import record_prompt_logprobs, record_top_logprobs, row_logprobs
+from .output import OutputProcessor, RequestOutput, SequenceDelta, end_delta
+from .sampler import pick_alone, pick_rows, picks_alone
+from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import Sequence, Status
-from .speculative import speculative_decoder
+from .speculative import speculative_decoder, verify
 from .step_timer import NULL_TIMER, StepTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
@@ -86,10 +93,12 @@ class Engine(LoraRequests):
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   decode_buckets=decode_buckets, executor=executor)
-        self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching)
+        self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching,
+                                   num_table_rows=block_table_rows(max_num_seqs))
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self._init_loras(max_loras, max_lora_rank)  # LoRA adapter slots (lora_slots.py); 0 serves none
         self.sequences: dict[str, Sequence] = {}
+        self.processors: dict[str, OutputProcessor] = {}  # of the requests add_request queued
         self._arrivals = itertools.count()
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         eos = tokenizer.eos_token_id if eos is None and tokenizer is not None else eos
@@ -107,7 +116,8 @@ class Engine(LoraRequests):
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    def _encode(self, prompt) -> list[int]:
+    def encode(self, prompt) -> list[int]:
+        """A prompt's token ids (a string needs the tokenizer; a list of ids is checked and copied)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("a text prompt needs a tokenizer: Engine(model, tokenizer)")
@@ -136,9 +146,24 @@ class Engine(LoraRequests):
             raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)", param="stop")
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, lora=None) -> str:
-        """Queue a request on adapter ``lora`` (None: the base model); returns its id, or raises ``RequestError``."""
+        """Queue a request on adapter ``lora`` (None: the base model); returns its id, or raises ``RequestError``.
+        ``step`` returns its outputs, with text and stop strings when the engine has a tokenizer."""
         params = params or SamplingParams()
-        prompt_ids, lora_fields = self._encode(prompt), self._lora_fields(lora)
+        seq = self._add(self.encode(prompt), params, request_id, lora)
+        self.processors[seq.request_id] = OutputProcessor(seq.request_id, seq.prompt_ids, params, seq.seed,
+                                                          self.tokenizer)
+        return seq.request_id
+
+    def add_token_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                          lora=None) -> tuple[str, int]:
+        """Queue a request for the core alone: ``step_deltas`` returns its deltas, which the caller
+        turns into outputs (its text and stop strings too: the core does not decode). Returns its id
+        and seed."""
+        seq = self._add(list(prompt_ids), params, request_id, lora)
+        return seq.request_id, seq.seed
+
+    def _add(self, prompt_ids: list[int], params: SamplingParams, request_id, lora) -> Sequence:
+        lora_fields = self._lora_fields(lora)
         self.check_request(prompt_ids, params)
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)
@@ -146,14 +171,14 @@ class Engine(LoraRequests):
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(request_id, prompt_ids, params, seed, arrival, **lora_fields)
-        if self.tokenizer is not None:
-            seq.detokenizer = Detokenizer(self.tokenizer, params.stop)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
-        return request_id
+        return seq
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its pages; returns its output so far (None if unknown)."""
+        """Stop a request and free its pages; returns its output (of its output kind: for DELTA,
+        what the last output did not hold; None for an unknown request or one ``add_token_request``
+        queued)."""
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return None
@@ -161,7 +186,8 @@ class Engine(LoraRequests):
         self._release_draft(seq)
         if not seq.finished:
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        return self._output(seq)
+        processor = self.processors.pop(request_id, None)
+        return processor.process(self._delta(seq))[0] if processor is not None else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -179,8 +205,31 @@ class Engine(LoraRequests):
     # ---- one step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of every request that advanced (finished ones last time).
-        Out of memory or a device error raises ``DeviceError`` (no request's fault: none is retried)."""
+        """Run one step; returns the outputs of the requests ``add_request`` queued that advanced
+        (of each one's output kind: FINAL_ONLY requests only when they finish). Out of memory or a
+        device error raises ``DeviceError`` (no request's fault: none is retried)."""
+        outputs = []
+        for delta in self.step_deltas():
+            processor = self.processors.get(delta.request_id)
+            if processor is None:
+                continue
+            out, stopped = processor.process(delta)
+            if stopped:  # a stop string: the core stops it now
+                self._stop(delta.request_id)
+            if processor.finished:
+                del self.processors[delta.request_id]
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _stop(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self._finish(seq, "stop")
+
+    def step_deltas(self) -> list[SequenceDelta]:
+        """Run one step of the core; returns what it added to every request that advanced (see
+        ``step``). O(new tokens) per request, whatever its length."""
         timer = self.timer
         timer.start()
         if self.speculative is not None:
@@ -204,12 +253,21 @@ class Engine(LoraRequests):
                 for chunk in group:
                     self._finish(chunk.seq, "error", error=f"{type(exc).__name__}: {exc}")
                     advanced.append(chunk.seq)
-        outputs = [self._output(seq) for seq in advanced]
+        deltas = [self._delta(seq) for seq in advanced]
         for seq in advanced:
             if seq.finished:
                 self.sequences.pop(seq.request_id, None)
         timer.end_step("output")
-        return outputs
+        return deltas
+
+    @staticmethod
+    def _delta(seq: Sequence) -> SequenceDelta:
+        """What the sequence gained since its last delta (copies of those entries only)."""
+        t, p = seq.num_reported_tokens, seq.num_reported_prompt_logprobs
+        seq.num_reported_tokens, seq.num_reported_prompt_logprobs = seq.num_output_tokens, len(seq.prompt_logprobs)
+        return SequenceDelta(seq.request_id, seq.token_ids[seq.num_prompt_tokens + t:], seq.logprobs[t:],
+                             seq.top_logprobs[t:], seq.prompt_logprobs[p:], seq.prompt_top_logprobs[p:],
+                             seq.prompt_greedy[p:], seq.finished, seq.finish_reason, seq.error)
 
     def _forward(self, chunks: list[ScheduledChunk]):
         """(chunks, hidden, error) triples: the whole step at once, or, if that raises, each request
@@ -219,7 +277,7 @@ class Engine(LoraRequests):
         and device errors raise ``DeviceError``: no request is at fault, none is retried alone."""
         timer = self.timer
         try:
-            inputs = self.runner.prepare(chunks)
+            inputs = self.runner.prepare(chunks, self.blocks.take_table_writes())
             timer.mark("metadata")
             hidden = self.runner.forward(inputs)
             timer.mark("forward")
@@ -272,67 +330,66 @@ class Engine(LoraRequests):
             record_prompt_logprobs(self.runner, logits[prompt_rows], prompt_targets, prompt_owners)
             timer.mark("logprobs")
         advanced, picked = [], []
-        greedy = [r + i for r, seq, draft in sample_rows if self._plain_greedy(seq) for i in range(len(draft) + 1)]
-        # One argmax over every plain greedy row: per row the same first maximum as sample_next_token's,
-        # in one call (and one device sync) instead of one per sequence.
-        if greedy:
-            timer.mark("sampling")
-            argmax = dict(zip(greedy, logits[greedy].float().argmax(-1).tolist()))
-            timer.mark("forward")  # device work, charged with the model's
-        else:
-            argmax = {}
+        timer.mark("sampling")
+        # Every row whose pick depends on its own logits alone, in one pass (sampler.py).
+        try:
+            known = pick_rows(logits, [(r + i, seq, seq.num_output_tokens + i) for r, seq, draft in sample_rows
+                                       if not picks_alone(seq) for i in range(len(draft) + 1)])
+        except Exception as exc:  # noqa: BLE001  (each row again alone: a failure stays its request's)
+            raise_if_device_failure(exc, "the engine's sampling")
+            known = {}
         for row, seq, draft in sample_rows:
             advanced.append(seq)
             try:
-                tokens = self.speculative.verify(self, seq, logits, row, draft, argmax) if draft else \
-                    [self._pick(seq, logits[row], argmax.get(row))]
+                tokens = self._pick(seq, logits, row, draft, known)
             except Exception as exc:  # noqa: BLE001  (one request's failure stays its own)
                 raise_if_device_failure(exc, "the engine's sampling")
                 self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
                 continue
-            picked += [(row + i, seq, token) for i, token in enumerate(tokens) if token is not None]
+            picked += [(row + i, seq, token) for i, token in enumerate(tokens)]
         timer.mark("sampling")
         if picked:  # the sampled tokens' logprobs, one launch per temperature they are taken at
             values = row_logprobs(self.runner, logits[[row for row, _, _ in picked]], [t for _, _, t in picked],
                                   [seq.params.logprob_temperature for _, seq, _ in picked])[0]
             timer.mark("logprobs")
+            kept = []
             for (row, seq, token), value in zip(picked, values):
                 if not seq.finished:  # a verified step's tokens after a stop are not kept
-                    self._append(seq, token, value, logits[row])
+                    self._append(seq, token, value)
+                    kept.append((row, seq))
+            wants_top = [(row, seq) for row, seq in kept if seq.params.logprobs]
+            if wants_top:
+                record_top_logprobs(self.runner, logits, wants_top)
         if self.speculative is not None:
             self.speculative.settle(self.blocks, chunks)
         return advanced
 
-    @staticmethod
-    def _plain_greedy(seq: Sequence) -> bool:
-        """Its next token is the argmax of its logits (greedy, no penalty, tokens still to come)."""
-        params = seq.params
-        return params.temperature == 0 and params.repetition_penalty == 1.0 and len(seq.output_ids) < params.max_tokens
-
-    def _pick(self, seq: Sequence, logits_row: torch.Tensor, argmax: int | None = None) -> int | None:
-        """The sequence's next token (``argmax`` when a plain greedy one's is already known), or None
-        when it has all it asked for (max_tokens = 0)."""
-        params = seq.params
-        if len(seq.output_ids) >= params.max_tokens:
+    def _pick(self, seq: Sequence, logits: torch.Tensor, row: int, draft: list[int], known: dict[int, int]) -> list[int]:
+        """The sequence's next token(s): row ``row``'s, and with proposals, those verification keeps;
+        none when it has all it asked for (max_tokens = 0). ``known``: the rows already picked."""
+        room = seq.params.max_tokens - seq.num_output_tokens
+        if room <= 0:
             self._finish(seq, "length")
-            return None
-        if argmax is not None:
-            return argmax
-        return sample_next_token(logits_row.float(), seq.tokens, step=len(seq.output_ids), seed=seq.seed,
-                                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                 repetition_penalty=params.repetition_penalty)
+            return []
 
-    def _append(self, seq: Sequence, token: int, logprob: float, logits_row: torch.Tensor) -> None:
-        """Record a sampled token and finish the sequence if it stops here."""
+        def pick(i: int, before: list[int]) -> int | None:
+            if i >= room:
+                return None
+            if row + i in known:
+                return known[row + i]
+            return pick_alone(seq, logits[row + i], seq.num_output_tokens + i, before)
+        return verify(draft, pick)
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        """Record a sampled token and finish the sequence if it stops here (a stop token, EOS or its
+        length; stop strings are the output processor's)."""
         params = seq.params
-        seq.output_ids.append(token)
+        seq.append_token(token)
         seq.logprobs.append(logprob)
-        if params.logprobs:
-            seq.top_logprobs.append(top_logprobs(self.runner, logits_row, params.logprobs,
-                                                 params.logprob_temperature))
-        reason = finish_reason(seq, token, self.eos_token_ids, self.max_positions)
-        if reason is not None:
-            self._finish(seq, reason)
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            self._finish(seq, "stop")
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_positions:
+            self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
@@ -343,9 +400,6 @@ class Engine(LoraRequests):
         if self.speculative is not None:  # a draft model's copy of the sequence frees its pages now
             self.speculative.proposer.release(seq.request_id)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        return request_output(seq, with_text=self.tokenizer is not None)
-
     # ---- offline jobs --------------------------------------------------------------------------------
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -354,13 +408,15 @@ class Engine(LoraRequests):
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidArgumentError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        encoded, loras = [self._encode(p) for p in prompts], self._loras_for(lora, len(prompts))
+        encoded, loras = [self.encode(p) for p in prompts], self._loras_for(lora, len(prompts))
         for i, (ids, p) in enumerate(zip(encoded, params_list)):
             try:
                 self.check_request(ids, p)
             except RequestError as exc:
                 raise RequestError(f"request {i}: {exc}", param=exc.param) from None
-        ids = [self.add_request(prompt, p, lora=name) for prompt, p, name in zip(encoded, params_list, loras)]
+        # One output per request, when it finishes: no step copies a request's output so far.
+        final = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        ids = [self.add_request(prompt, p, lora=name) for prompt, p, name in zip(encoded, final, loras)]
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         with tqdm(total=len(ids), unit="req", disable=not progress) as bar:  # disabled: every call does nothing
@@ -374,7 +430,7 @@ class Engine(LoraRequests):
     def score(self, sequences, prompt_lengths: list[int] | None = None, lora=None) -> list[ScoreResult]:
         """Logprobs of every token after ``prompt_lengths[i]`` (default 1): bitwise what
         ``score_sequences`` gives for the same model (with ``lora``: its ``PeftModel``)."""
-        sequences = [self._encode(s) for s in sequences]
+        sequences = [self.encode(s) for s in sequences]
         prompt_lengths = prompt_lengths or [1] * len(sequences)
         if any(not 1 <= start < len(seq) for seq, start in zip(sequences, prompt_lengths)):
             raise RequestError("each sequence needs 1 <= prompt_length < its length")

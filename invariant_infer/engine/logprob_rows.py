@@ -22,16 +22,36 @@ def row_logprobs(runner, logits: torch.Tensor, targets: list[int], temperatures:
 def record_prompt_logprobs(runner, logits, targets, owners) -> None:
     """Append each prompt row's logprob (and top alternatives, if asked) to its sequence."""
     values, is_argmax = row_logprobs(runner, logits, targets, [seq.params.logprob_temperature for seq in owners])
-    for i, (seq, value, greedy) in enumerate(zip(owners, values, is_argmax)):
+    for seq, value, greedy in zip(owners, values, is_argmax):
         seq.prompt_logprobs.append(value)
         seq.prompt_greedy.append(greedy)
-        if seq.params.prompt_logprobs:
-            seq.prompt_top_logprobs.append(top_logprobs(runner, logits[i], seq.params.prompt_logprobs,
-                                                        seq.params.logprob_temperature))
+    wanted = [(i, seq) for i, seq in enumerate(owners) if seq.params.prompt_logprobs]
+    for (_, seq), top in zip(wanted, top_logprobs_rows(runner, logits, [(i, seq.params.prompt_logprobs,
+                                                                           seq.params.logprob_temperature)
+                                                                          for i, seq in wanted])):
+        seq.prompt_top_logprobs.append(top)
 
 
-def top_logprobs(runner, logits_row: torch.Tensor, k: int, temperature: float) -> dict[int, float]:
-    """The k most likely tokens and their logprobs, from the same kernel as a sampled token's."""
-    ids = torch.topk(logits_row.float(), k).indices
-    values = runner.logprobs(logits_row[None].expand(k, -1), ids, temperature)[0].tolist()
-    return dict(zip(ids.tolist(), values))
+def record_top_logprobs(runner, logits, rows) -> None:
+    """Append the top alternatives of each sampled row ``(row, seq)`` to its sequence, in order."""
+    tops = top_logprobs_rows(runner, logits, [(row, seq.params.logprobs, seq.params.logprob_temperature)
+                                              for row, seq in rows])
+    for (_, seq), top in zip(rows, tops):
+        seq.top_logprobs.append(top)
+
+
+def top_logprobs_rows(runner, logits: torch.Tensor, rows: list[tuple[int, int, float]]) -> list[dict[int, float]]:
+    """For rows ``(row, k, temperature)``: the k most likely tokens and their logprobs, from the same
+    kernel as a sampled token's. Rows of one (k, temperature) go in one topk and one launch; each
+    row's values are its own (the kernel reduces each row alone)."""
+    tops: list[dict[int, float] | None] = [None] * len(rows)
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, (_, k, temperature) in enumerate(rows):
+        groups.setdefault((k, temperature), []).append(i)
+    for (k, temperature), members in groups.items():
+        group = logits[[rows[i][0] for i in members]]
+        ids = torch.topk(group.float(), k).indices                        # [R, k]
+        values = runner.logprobs(group.repeat_interleave(k, dim=0), ids.flatten(), temperature)[0]
+        for i, row_ids, row_values in zip(members, ids.tolist(), values.view(-1, k).tolist()):
+            tops[i] = dict(zip(row_ids, row_values))
+    return tops

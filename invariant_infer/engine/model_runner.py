@@ -37,6 +37,7 @@ from ..kernels import attention_config, paged_attention, token_logprobs, write_k
 from ..model.padding import sequence_bounds
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
+from .block_manager import block_table_rows
 from .scheduler import ScheduledChunk
 from ..errors import InvalidArgumentError
 
@@ -104,7 +105,9 @@ class StepMetadata:
     slots: list[int]
     query_starts: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
+    table_rows: list[int]          # each sequence's row of the persistent block table
+    table_width: int               # pages of the longest sequence
+    table_writes: list[tuple[int, int, int]]  # (row, column, page) to apply first (block_manager.py)
     num_real_tokens: int
     lora_groups: list = field(default_factory=list)  # (slot, packed rows) per LoRA adapter (engine.lora_slots)
 
@@ -161,6 +164,18 @@ class ModelRunner:
         self.slot_mapping = buffer(max_tokens, dtype=torch.int64)
         self.query_starts, self.seq_lens = buffer(max_seqs + 1, dtype=torch.int32), buffer(max_seqs, dtype=torch.int32)
         self.block_tables = buffer(max_seqs, max_pages, dtype=torch.int32)
+        # The persistent block table: a row per sequence holding pages (updated by the block
+        # manager's writes), then one per scratch page, which padding rows read.
+        self.num_table_rows = block_table_rows(max_num_seqs)
+        self.table = buffer(self.num_table_rows + self.scratch_pages, max_pages, dtype=torch.int32)
+        self.table[self.num_table_rows:, 0] = torch.arange(num_pages, num_pages + self.scratch_pages, dtype=torch.int32)
+        self.table_row_ids = buffer(max_seqs, dtype=torch.long)
+        # Every step's metadata goes to the device in one copy, from a pinned staging buffer on CUDA.
+        self.max_staged = 3 * max_tokens + 3 * max_seqs + 1
+        self.staged = buffer(self.max_staged, dtype=torch.long)
+        self.staging = torch.zeros(self.max_staged, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.staging_copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.pending_writes: list[tuple[int, int, int]] = []  # taken from the block manager, not yet applied
         if not invariant:
             AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, _paged_stock_attention)
             model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
@@ -192,55 +207,85 @@ class ModelRunner:
                     return size
         return len(chunks)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+    def prepare(self, chunks: list[ScheduledChunk], table_writes: list[tuple[int, int, int]]) -> StepInputs:
+        """The step's inputs; ``table_writes``: the block manager's writes since the last step."""
+        self.pending_writes += table_writes
         metadata = self.step_metadata(chunks)
         if self.loras is not None:
             metadata.lora_groups = self.loras.groups_for(chunks)
-        return self.load(metadata)
+        inputs = self.load(metadata)
+        self.pending_writes = []
+        return inputs
 
     def step_metadata(self, chunks: list[ScheduledChunk]) -> StepMetadata:
-        """The chunks' packed tokens and pages. Padding rows (one token each, at position
-        i % page_size of scratch page i // page_size, attending to the scratch keys before it)
-        compute alone, like every row, so no real row's bits change."""
-        ids, positions, slots, starts, lens, tables = [], [], [], [0], [], []
+        """The chunks' packed tokens and pages: O(tokens + sequences) work, whatever the lengths.
+        Padding rows (one token each, at position i % page_size of scratch page i // page_size,
+        attending to the scratch keys before it) compute alone, like every row, so no real row's
+        bits change."""
+        page_size = self.page_size
+        ids, positions, slots, starts, lens, rows = [], [], [], [0], [], []
+        width = 1
         for chunk in chunks:
-            seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
             ids += chunk.token_ids
-            span = range(chunk.start, end)
-            positions += span
-            slots += [seq.pages[p // self.page_size] * self.page_size + p % self.page_size for p in span]
+            positions += range(start, end)
+            pages = seq.pages
+            slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
             starts.append(starts[-1] + chunk.num_tokens)
             lens.append(end)
-            tables.append(seq.pages)
+            rows.append(seq.block_row)
+            width = max(width, -(-end // page_size))
         num_real = len(ids)
         for i in range(self.bucket(chunks) - len(chunks)):
-            page, offset = self.num_pages + i // self.page_size, i % self.page_size
+            page, offset = self.num_pages + i // page_size, i % page_size
             ids.append(0)
             positions.append(offset)
-            slots.append(page * self.page_size + offset)
+            slots.append(page * page_size + offset)
             starts.append(starts[-1] + 1)
             lens.append(offset + 1)
-            tables.append([page])
+            rows.append(self.num_table_rows + i // page_size)
         self.padding_rows += len(ids) - num_real
-        return StepMetadata(ids, positions, slots, starts, lens, tables, num_real)
+        return StepMetadata(ids, positions, slots, starts, lens, rows, width, list(self.pending_writes), num_real)
 
     def load(self, metadata: StepMetadata) -> StepInputs:
-        """Copy a step's metadata into the persistent buffers."""
-        ids, positions, slots, starts, lens, tables = (metadata.ids, metadata.positions, metadata.slots,
-                                                      metadata.query_starts, metadata.seq_lens, metadata.block_tables)
-        tokens, seqs, width = len(ids), len(lens), max(map(len, tables))
-        for buf, values in ((self.input_ids, ids), (self.positions, positions), (self.slot_mapping, slots),
-                            (self.query_starts, starts), (self.seq_lens, lens)):
-            buf[:len(values)].copy_(torch.tensor(values, dtype=buf.dtype))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        self.block_tables[:seqs, :width].copy_(table)
+        """Apply the block-table writes and copy the step's metadata into the persistent buffers:
+        one host-to-device copy, then copies on the device."""
+        m = metadata
+        tokens, seqs, width = len(m.ids), len(m.seq_lens), m.table_width
+        writes = m.table_writes
+        flat = m.ids + m.positions + m.slots + m.query_starts + m.seq_lens + m.table_rows
+        flat += [value for write in writes for value in write]
+        if len(flat) > self.max_staged:  # many writes at once (a long prefix hit): a larger staging copy
+            staged = torch.tensor(flat, dtype=torch.long).to(self.device)
+        else:
+            host = torch.tensor(flat, dtype=torch.long)
+            if self.staging_copied is not None:
+                self.staging_copied.synchronize()  # the last step's copy has left the staging buffer
+                self.staging[:len(flat)].copy_(host)
+                host = self.staging[:len(flat)]
+            staged = self.staged[:len(flat)]
+            staged.copy_(host, non_blocking=True)
+            if self.staging_copied is not None:
+                self.staging_copied.record()
+        pieces = torch.split(staged, [tokens, tokens, tokens, seqs + 1, seqs, seqs, 3 * len(writes)])
+        if writes:
+            write = pieces[6].view(-1, 3)
+            self.table[write[:, 0], write[:, 1]] = write[:, 2].to(torch.int32)
+        self.input_ids[:tokens].copy_(pieces[0])
+        self.positions[:tokens].copy_(pieces[1])
+        self.slot_mapping[:tokens].copy_(pieces[2])
+        self.query_starts[:seqs + 1].copy_(pieces[3])
+        self.seq_lens[:seqs].copy_(pieces[4])
+        self.table_row_ids[:seqs].copy_(pieces[5])
+        self.block_tables[:seqs, :width].copy_(self.table[:, :width].index_select(0, self.table_row_ids[:seqs]))
+        starts = m.query_starts
         batch = PagedBatch(self.k_caches, self.v_caches, self.slot_mapping[:tokens], self.query_starts[:seqs + 1],
                            self.seq_lens[:seqs], self.block_tables[:seqs, :width],
-                           max(starts[s + 1] - starts[s] for s in range(seqs)), starts, lens, self.invariant)
+                           max(starts[s + 1] - starts[s] for s in range(seqs)), starts, m.seq_lens, self.invariant)
         lora_rows = [(slot, torch.tensor(rows, dtype=torch.long, device=self.device))
-                     for slot, rows in metadata.lora_groups]
+                     for slot, rows in m.lora_groups]
         return StepInputs(self.input_ids[:tokens][None], self.positions[:tokens][None], batch,
-                          metadata.num_real_tokens, metadata, lora_rows)
+                          m.num_real_tokens, m, lora_rows)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states [T, H] of the step's real packed tokens (on every rank, in step)."""
@@ -257,7 +302,7 @@ class ModelRunner:
         return out.last_hidden_state[0, :inputs.num_real_tokens]
 
     def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        return self.forward(self.prepare(chunks))
+        return self.forward(self.prepare(chunks, []))
 
     def logits_of(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits [R, V] of the rows ``rows`` of a forward's hidden states (on every rank, in step:

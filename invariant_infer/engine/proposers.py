@@ -12,7 +12,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..model.patch import is_invariant, make_invariant
-from .block_manager import BlockManager
+from .block_manager import BlockManager, block_table_rows
 from .model_runner import ModelRunner
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
@@ -41,7 +41,7 @@ class NgramProposer:
         """Nothing is kept per sequence."""
 
     def propose(self, wanted: list[tuple[Sequence, int]], running) -> list[tuple[Sequence, list[int]]]:
-        drafts = [(seq, prompt_lookup(seq.tokens, room, self.low, self.high)) for seq, room in wanted]
+        drafts = [(seq, prompt_lookup(seq.token_ids, room, self.low, self.high)) for seq, room in wanted]
         return [(seq, draft) for seq, draft in drafts if draft]
 
 
@@ -71,7 +71,8 @@ class DraftModelProposer:
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         self.runner = ModelRunner(draft.eval(), num_pages=num_pages, page_size=page_size, invariant=invariant,
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=self.budget)
-        self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching=False)
+        self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching=False,
+                                   num_table_rows=block_table_rows(max_num_seqs))
         self.copies: dict[str, Sequence] = {}  # request id -> its tokens and KV pages in the draft's cache
         self.num_forwards = 0
 
@@ -82,14 +83,19 @@ class DraftModelProposer:
             self.blocks.release(copy)
 
     def _sync(self, seq: Sequence) -> Sequence:
-        """The draft's copy of ``seq``, its KV kept only where its tokens are still the target's."""
+        """The draft's copy of ``seq``, its KV kept only where its tokens are still the target's. The
+        copy's prompt is the target's tokens, its outputs its proposals; only the tokens after the
+        last sync are compared and copied (a sequence's tokens are only ever appended)."""
         copy = self.copies.get(seq.request_id)
         if copy is None:
             copy = self.copies[seq.request_id] = Sequence(seq.request_id, [], seq.params, 0, 0)
-        tokens = seq.tokens
+        tokens, synced = seq.token_ids, copy.num_prompt_tokens
+        same = synced + shared_prefix(copy.token_ids[synced:], tokens[synced:len(copy.token_ids)])
         # Its last token's logits are needed, so its KV is recomputed even when no token came since.
-        copy.num_computed = min(copy.num_computed, shared_prefix(copy.tokens, tokens), len(tokens) - 1)
-        copy.prompt_ids, copy.output_ids = tokens, []
+        copy.num_computed = min(copy.num_computed, same, len(tokens) - 1)
+        copy.truncate(same)
+        copy.token_ids += tokens[same:]
+        copy.num_prompt_tokens = len(tokens)
         self.blocks.trim(copy)
         return copy
 
@@ -118,7 +124,7 @@ class DraftModelProposer:
                     budget -= count
             if not chunks:
                 break
-            hidden = self.runner.forward(self.runner.prepare(chunks))
+            hidden = self.runner.forward(self.runner.prepare(chunks, self.blocks.take_table_writes()))
             self.num_forwards += 1
             ends, offset = [], 0
             for chunk in chunks:
@@ -129,7 +135,7 @@ class DraftModelProposer:
             if ends:
                 tokens = self.runner.logits_of(hidden, [row for row, _ in ends]).float().argmax(-1).tolist()
                 for (_, copy), token in zip(ends, tokens):
-                    copy.output_ids.append(token)
-            active = [(seq, copy, room) for seq, copy, room in kept if len(copy.output_ids) < room]
+                    copy.append_token(token)
+            active = [(seq, copy, room) for seq, copy, room in kept if copy.num_output_tokens < room]
         return [(seq, list(copy.output_ids)) for seq, copy in results
-                if copy.output_ids and seq.request_id in self.copies]
+                if copy.num_output_tokens and seq.request_id in self.copies]

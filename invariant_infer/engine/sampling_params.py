@@ -1,6 +1,7 @@
 """Per-request sampling parameters, checked at admission."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from ..errors import RequestError
@@ -8,6 +9,13 @@ from ..errors import RequestError
 
 MAX_LOGPROBS = 20
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request holds (vLLM's names and values)."""
+    CUMULATIVE = 0   # everything so far, in every output
+    DELTA = 1        # only what is new since the last output
+    FINAL_ONLY = 2   # one output, when the request finishes
 
 
 @dataclass
@@ -30,6 +38,7 @@ class SamplingParams:
     # repetition_penalty != 1 is refused rather than reported for a distribution it was not sampled from.
     logprobs_mode: str = "raw_logprobs"
     speculative: bool = True         # False: this request never speculates (in an engine that does)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     @property
     def logprob_temperature(self) -> float:
@@ -63,6 +72,8 @@ class SamplingParams:
             need(value is None or (type(value) is int and 0 <= value <= MAX_LOGPROBS), name,
                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         need(type(self.speculative) is bool, "speculative", f"speculative must be a bool, got {self.speculative!r}")
+        need(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         need(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
              f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.logprobs_mode == "processed_logprobs":

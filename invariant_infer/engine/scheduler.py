@@ -32,7 +32,8 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.tokens[self.start:self.start + self.num_tokens - len(self.draft)] + self.draft
+        tokens = self.seq.token_ids[self.start:self.start + self.num_tokens - len(self.draft)]
+        return tokens + self.draft if self.draft else tokens
 
 
 class Scheduler:

@@ -16,6 +16,7 @@ once its computed, accepted positions fill it), and the next step overwrites the
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -107,6 +108,22 @@ class SpeculativeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+def verify(draft: list[int], pick: Callable[[int, list[int]], int | None]) -> list[int]:
+    """The tokens plain decoding picks at a verify step's rows 0 .. len(draft): ``pick(i, before)``
+    is row i's token with proposals 0 .. i-1 in place (``before``: the tokens picked ahead of it,
+    which a repetition penalty sees; None: the sequence has no room for it). Up to and including
+    the first that differs from its proposal."""
+    picked: list[int] = []
+    for i in range(len(draft) + 1):
+        token = pick(i, picked)
+        if token is None:
+            break
+        picked.append(token)
+        if i == len(draft) or token != draft[i]:
+            break
+    return picked
+
+
 class SpeculativeDecoder:
     """One engine's speculation: proposes before each step, verifies after its forward."""
 
@@ -116,7 +133,7 @@ class SpeculativeDecoder:
 
     def wants(self, seq: Sequence) -> bool:
         """The sequence decodes (its one uncomputed token is a generated one) and speculates."""
-        return seq.params.speculative and bool(seq.output_ids) and seq.num_computed == seq.num_tokens - 1
+        return seq.params.speculative and seq.num_output_tokens > 0 and seq.num_computed == seq.num_tokens - 1
 
     def propose(self, running: list[Sequence]) -> None:
         """Set each running sequence's ``draft_ids``: at most k proposals, none past its max_tokens
@@ -124,31 +141,12 @@ class SpeculativeDecoder:
         wanted = []
         for seq in running:
             seq.draft_ids = []
-            room = min(self.config.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1,
+            room = min(self.config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_positions - seq.num_tokens)
             if room > 0 and self.wants(seq):
                 wanted.append((seq, room))
         for seq, draft in self.proposer.propose(wanted, running):
             seq.draft_ids = draft
-
-    @staticmethod
-    def verify(engine, seq: Sequence, logits, first_row: int, draft: list[int], argmax: dict) -> list[int]:
-        """The tokens plain decoding picks at rows first_row .. first_row + len(draft): row i's with
-        proposals 0 .. i-1 in place (the seeded draw's step and a repetition penalty see them), up to
-        and including the first that differs from its proposal."""
-        picked: list[int] = []
-        try:
-            for i in range(len(draft) + 1):
-                if len(seq.output_ids) >= seq.params.max_tokens:
-                    break
-                token = engine._pick(seq, logits[first_row + i], argmax.get(first_row + i))
-                picked.append(token)
-                seq.output_ids.append(token)
-                if i == len(draft) or token != draft[i]:
-                    break
-        finally:  # the engine appends them (with their logprobs and stop checks)
-            del seq.output_ids[len(seq.output_ids) - len(picked):]
-        return picked
 
     def settle(self, blocks, chunks) -> None:
         """After the step's tokens are appended: count the accepted positions' KV as computed, register

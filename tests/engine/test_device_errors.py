@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import invariant_infer.engine.engine as engine_module
+import invariant_infer.engine.sampler as sampler_module
 from helpers.models import load_model
 from invariant_infer import make_invariant
 from invariant_infer.engine import Engine, SamplingParams
@@ -63,7 +63,7 @@ def test_engine_step_ends_on_a_device_failure_without_retrying_each_request(mode
 def test_engine_sampling_device_failure_is_not_one_requests_error(model, monkeypatch, make_error, kind):
     def sample(*args, **kwargs):
         raise make_error()
-    monkeypatch.setattr(engine_module, "sample_next_token", sample)
+    monkeypatch.setattr(sampler_module, "seeded_scores", sample)
     engine = Engine(model)
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, temperature=1.0, seed=1))
     with pytest.raises(DeviceError, match=kind):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import invariant_infer.engine.engine as engine_module
+import invariant_infer.engine.sampler as sampler_module
 import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
 from helpers.models import FAMILY_NAMES, MOE_FAMILY_NAMES, load_model
@@ -225,13 +225,13 @@ def test_request_that_can_never_fit_is_refused_at_admission(family_models):
 
 def test_an_exception_in_one_request_fails_only_that_request(family_models, monkeypatch):
     model = family_models("qwen2")
-    real = engine_module.sample_next_token
+    real = sampler_module.seeded_scores
 
-    def failing(scores, tokens, *, seed, **kwargs):
+    def failing(scores, seed, *args, **kwargs):
         if seed == 666:
             raise RuntimeError("boom")
-        return real(scores, tokens, seed=seed, **kwargs)
-    monkeypatch.setattr(engine_module, "sample_next_token", failing)
+        return real(scores, seed, *args, **kwargs)
+    monkeypatch.setattr(sampler_module, "seeded_scores", failing)
     prompts = prompts_for(model.config.vocab_size, (5, 6), seed=6)
     outputs = Engine(model).generate(prompts, [SamplingParams(max_tokens=3, temperature=1.0, seed=666),
                                                SamplingParams(max_tokens=3, ignore_eos=True)])

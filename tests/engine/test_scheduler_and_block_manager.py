@@ -17,10 +17,14 @@ PAGE = 4
 _arrivals = itertools.count()
 
 
-def sequence(prompt_len: int, *, first_token: int = 0, request_id: str | None = None, **params) -> Sequence:
+def sequence(prompt_len: int, *, first_token: int = 0, request_id: str | None = None, changed: dict | None = None,
+             **params) -> Sequence:
+    """A waiting sequence of prompt tokens first_token, first_token + 1, ... (``changed``: {position: token})."""
     arrival = next(_arrivals)
-    return Sequence(request_id or f"r{arrival}", list(range(first_token, first_token + prompt_len)),
-                    SamplingParams(**params), seed=0, arrival=arrival)
+    prompt = list(range(first_token, first_token + prompt_len))
+    for position, token in (changed or {}).items():
+        prompt[position] = token
+    return Sequence(request_id or f"r{arrival}", prompt, SamplingParams(**params), seed=0, arrival=arrival)
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7) -> list[tuple[str, int, int]]:
@@ -31,7 +35,7 @@ def run_step(scheduler: Scheduler, next_token: int = 7) -> list[tuple[str, int, 
         seq.num_computed += chunk.num_tokens - len(chunk.draft)
         scheduler.blocks.register_full_pages(seq)
         if chunk.completes:
-            seq.output_ids.append(next_token)
+            seq.append_token(next_token)
     return [(chunk.seq.request_id, chunk.start, chunk.num_tokens) for chunk in chunks]
 
 
@@ -101,8 +105,7 @@ def test_no_hit_across_hash_seeds_with_prompt_logprobs_or_with_caching_off():
 def test_a_different_token_breaks_the_chain_at_its_page():
     blocks = BlockManager(num_pages=16, page_size=PAGE)
     computed(blocks, sequence(13))
-    diverges = sequence(13)
-    diverges.prompt_ids[PAGE + 1] = 999  # inside page 1
+    diverges = sequence(13, changed={PAGE + 1: 999})  # inside page 1
     blocks.match_prefix(diverges)
     assert diverges.num_computed == PAGE
 
@@ -178,10 +181,10 @@ def test_a_long_prefill_runs_in_chunks_beside_decode_tokens():
     long = sequence(20)
     scheduler.add(long)
     assert run_step(scheduler) == [(short.request_id, 2, 1), (long.request_id, 0, 7)]
-    assert long.output_ids == []  # no token until its prefill completes
+    assert long.output_ids == ()  # no token until its prefill completes
     assert run_step(scheduler) == [(short.request_id, 3, 1), (long.request_id, 7, 7)]
     assert run_step(scheduler) == [(short.request_id, 4, 1), (long.request_id, 14, 6)]
-    assert long.output_ids == [7] and long.num_computed == 20
+    assert long.output_ids == (7,) and long.num_computed == 20
 
 
 def test_preemption_frees_the_latest_admitted_and_recomputes_it_first():
@@ -198,7 +201,7 @@ def test_preemption_frees_the_latest_admitted_and_recomputes_it_first():
     assert scheduler.num_preemptions == 1
     assert late.status is Status.WAITING and late.pages == [] and late.num_computed == 0
     assert list(scheduler.waiting) == [late, queued]  # first in line, before the one that never ran
-    assert late.output_ids == [7]  # its sampled token stays: it is recomputed from its tokens
+    assert late.output_ids == (7,)  # its sampled token stays: it is recomputed from its tokens
     scheduler.remove(early)
     # its first page is still cached (freed, not reused): it recomputes from there
     assert run_step(scheduler) == [(late.request_id, PAGE, 2), (queued.request_id, 0, 2)]
