@@ -172,13 +172,14 @@ def host_overhead_markdown(results: dict) -> str:
               "\n> **Host phases are meaningful on CPU** (the same Python as on a GPU); **the device phases "
               "(forward, logprobs) run through the Triton interpreter here: NOT meaningful.**\n")
     out = [f"\n## Engine host overhead{model}: µs per decode step, per phase\n\n"
-           "`running` sequences decode together, one token each per step, greedy; per phase the median of the timed steps, host µs = the sum of the host medians. "
+           "`running` sequences of `tokens so far` tokens decode together, one token each per step, greedy, outputs as deltas; per phase the median of the timed steps, host µs = the sum of the host medians. "
            "Host: schedule (scheduler), metadata (packing the step into the runner's buffers), sampling (each "
            "sequence's next token), output (bookkeeping, stop checks, outputs); device: forward (model + "
            "lm_head) and logprobs (the token-logprob kernel), each phase boundary synchronized on CUDA. host µs "
            f"/ seq = host µs ÷ running.\n{device}"]
     out.append(table(rows, [
-        ("kernels", "kernels"), ("running", "running"), ("steps", "steps"), ("schedule", "schedule_us"),
+        ("kernels", "kernels"), ("running", "running"), ("tokens so far", "context"), ("steps", "steps"),
+        ("schedule", "schedule_us"),
         ("metadata", "metadata_us"), ("sampling", "sampling_us"), ("output", "output_us"),
         ("host µs", "host_us"), ("host µs / seq", "host_us_per_seq"), ("forward", "forward_us"),
         ("logprobs", "logprobs_us"), ("host share", "host_fraction")]))

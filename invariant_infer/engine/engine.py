@@ -36,7 +36,7 @@ from .block_manager import BlockManager, block_table_rows
 from .lora_slots import LoraRequests
 from .model_runner import ModelRunner
 from .logprob_rows import record_prompt_logprobs, record_top_logprobs, row_logprobs
-from .output import OutputProcessor, RequestOutput, SequenceDelta, end_delta
+from .output import OutputProcessor, RequestOutput, SequenceDelta
 from .sampler import pick_alone, pick_rows, picks_alone
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler

@@ -123,7 +123,8 @@ class ChoiceRunner:
                 task.cancel()
 
     async def gather(self, request: Request, choices: list[Choice]) -> list:
-        """Each choice's last output; a client that disconnects cancels (aborts) them all."""
+        """Each choice's last output (FINAL_ONLY: its only one); a client that disconnects cancels (aborts) them
+        all."""
         last: list = [None] * len(choices)
 
         async def consume() -> None:
@@ -147,7 +148,7 @@ class ChoiceRunner:
             await asyncio.gather(task, return_exceptions=True)
 
     async def events(self, rid: str, choices: list[Choice], fmt) -> AsyncIterator[str]:
-        """The event stream: the format's opening pieces, one event per engine output, an error
+        """The event stream: the format's opening pieces, one event per engine output (a DELTA), an error
         event if a choice fails, then ``data: [DONE]``."""
         created = int(time.time())
 
@@ -157,14 +158,16 @@ class ChoiceRunner:
         for piece in fmt.opening():
             yield event(piece)
         stream = self.outputs(choices)
+        generated = [0] * len(choices)  # tokens of each choice so far (each output holds its new ones)
         try:
             async for k, out in stream:
                 if (why := failure(out)) is not None:
                     yield "data: " + json.dumps(APIError(500, f"the request failed: {why}",
                                                          code="engine_error").body()) + "\n\n"
                     break
+                generated[k] += len(out.token_ids)
                 if out.finished:
-                    self.metrics.tokens_done(len(out.token_ids))
+                    self.metrics.tokens_done(generated[k])
                 yield event(fmt.piece(k, out))
             yield "data: [DONE]\n\n"
         finally:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from ..engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
@@ -135,7 +135,9 @@ class Sampling(OpenAIRequest):
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=seed, stop=list(self.stop),
                               repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, logprobs_mode=self.logprobs_mode)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, logprobs_mode=self.logprobs_mode,
+                              # a stream sends each step's new tokens; a whole response needs the last output only
+                              output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
 class CompletionRequest(Sampling):

@@ -39,11 +39,6 @@ api = APIRouter(dependencies=[Depends(authorized)])
 public = APIRouter()
 
 
-def hold(stop: list[str]) -> int:
-    """Characters a stream holds back while a stop string may be starting."""
-    return max((len(s) for s in stop), default=0)
-
-
 @api.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, server: ServerState = Depends(server_state)):
     lora = server.check_model(body.model)
@@ -59,7 +54,7 @@ async def completions(body: CompletionRequest, request: Request, server: ServerS
             choices.append(Choice(index, p, ids, params, f"{rid}-{index}", lora))
     prompt_texts = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in body.prompt] \
         if body.echo else None
-    fmt = CompletionFormat(server.tokens, choices, prompt_texts, body.echo, body.logprobs, hold(body.stop))
+    fmt = CompletionFormat(server.tokens, choices, prompt_texts, body.echo, body.logprobs)
     return await server.runner.respond(request, rid, choices, fmt, body.stream, sum(map(len, encoded)))
 
 
@@ -76,7 +71,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
         params = body.params(max_tokens, seed, logprobs)
         server.check_request(ids, params)
         choices.append(Choice(i, 0, ids, params, f"{rid}-{i}", lora))
-    fmt = ChatFormat(server.tokens, choices, body.logprobs, hold(body.stop))
+    fmt = ChatFormat(server.tokens, choices, body.logprobs)
     return await server.runner.respond(request, rid, choices, fmt, body.stream, len(ids))
 
 

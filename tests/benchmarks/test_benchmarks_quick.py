@@ -148,14 +148,16 @@ def test_engine_rows(results):
 
 def test_host_overhead_rows(results):
     rows = results["host_overhead"]
-    assert [(r["kernels"], r["running"]) for r in rows] == [
-        (k, n) for k in host_overhead.KERNELS for n in host_overhead.QUICK_RUNNING[k]]
+    assert [(r["kernels"], r["running"], r["context"]) for r in rows] == [
+        (k, n, c) for k in host_overhead.KERNELS for n in host_overhead.QUICK_RUNNING[k]
+        for c in host_overhead.QUICK_CONTEXTS[k]]
     for row in rows:
         assert (row["preset"], row["layers"], row["steps"]) == ("qwen2:tiny", 1, host_overhead.QUICK_STEPS)
         assert row["host_meaningful"] is True and row["device_meaningful"] is False
         assert all(row[f"{phase}_us"] > 0 for phase in HOST_PHASES + DEVICE_PHASES)
         assert row["host_us"] == pytest.approx(sum(row[f"{p}_us"] for p in HOST_PHASES))  # a sum, not a bit
         assert row["host_us_per_seq"] == pytest.approx(row["host_us"] / row["running"])
+        assert all(row[f"{p}_us_per_seq"] == pytest.approx(row[f"{p}_us"] / row["running"]) for p in HOST_PHASES)
 
 
 def test_server_rows(results):
