@@ -27,13 +27,14 @@ from collections.abc import Sequence as SequenceABC
 import torch
 from tqdm import tqdm
 
-from ..errors import (DeviceError, EngineBusyError, InvalidArgumentError, RequestError, RequestFailedError,
-                      TensorParallelError, raise_if_device_failure)
+from ..errors import (DeviceError, EngineBusyError, InvalidArgumentError, LoraAdapterError, RequestError,
+                      RequestFailedError, TensorParallelError, raise_if_device_failure)
 from ..model.executor import Executor, executor_for
+from ..model.lora import is_peft_model
 from ..model.patch import is_invariant, make_invariant
 from ..scoring.core import ScoreResult
 from .block_manager import BlockManager, block_table_rows
-from .lora_slots import LoraRequests
+from .lora_slots import LoraAdapter, LoraSlots
 from .model_runner import ModelRunner
 from .logprob_rows import record_prompt_logprobs, record_top_logprobs, row_logprobs
 from .output import OutputProcessor, RequestOutput, SequenceDelta
@@ -48,7 +49,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5   # of the free memory at start
 
 
-class Engine(LoraRequests):
+class Engine:
     """Continuous batching over one causal LM (see the module's docstring).
 
     Weight updates: the engine keeps no copy of any weight, nor anything derived from one but the
@@ -90,13 +91,17 @@ class Engine(LoraRequests):
         if num_pages < 1:
             raise InvalidArgumentError(f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes "
                                        "each)")
+        if is_peft_model(model):
+            raise InvalidArgumentError("the engine runs a base model: pass the PeftModel's base and "
+                                       "engine.add_lora(name, peft_model) with max_loras >= 1")
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  decode_buckets=decode_buckets, executor=executor)
+                                  decode_buckets=decode_buckets, executor=executor, max_loras=max_loras,
+                                  max_lora_rank=max_lora_rank)
+        self.loras: LoraSlots | None = self.runner.loras  # LoRA adapter slots (lora_slots.py); None serves none
         self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching,
                                    num_table_rows=block_table_rows(max_num_seqs))
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        self._init_loras(max_loras, max_lora_rank)  # LoRA adapter slots (lora_slots.py); 0 serves none
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission=self.loras)
         self.sequences: dict[str, Sequence] = {}
         self.processors: dict[str, OutputProcessor] = {}  # of the requests add_request queued
         self._arrivals = itertools.count()
@@ -399,6 +404,43 @@ class Engine(LoraRequests):
     def _release_draft(self, seq: Sequence) -> None:
         if self.speculative is not None:  # a draft model's copy of the sequence frees its pages now
             self.speculative.proposer.release(seq.request_id)
+
+    # ---- LoRA adapters -------------------------------------------------------------------------------
+
+    def _slots(self) -> LoraSlots:
+        if self.loras is None:
+            raise LoraAdapterError("this engine serves no adapters: build it with Engine(..., max_loras=N)")
+        return self.loras
+
+    def add_lora(self, name: str, source) -> LoraAdapter:
+        """Load an adapter under ``name``: a PEFT adapter folder, a ``PeftModel`` (its active adapter),
+        or a ``(LoraConfig, state_dict)`` pair. Raises ``LoraAdapterError`` and changes nothing if it
+        does not fit (targets, shapes, rank over ``max_lora_rank``, options not supported)."""
+        return self._slots().add(name, source)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; refused while unfinished requests use it."""
+        self._slots().remove(name, sum(seq.lora == name for seq in self.sequences.values() if not seq.finished))
+
+    def list_loras(self) -> list[LoraAdapter]:
+        return list(self.loras.adapters.values()) if self.loras is not None else []
+
+    def _lora_fields(self, name: str | None) -> dict:
+        """The Sequence fields of a request for adapter ``name`` (None: the base model)."""
+        if name is None:
+            return {}
+        if self.loras is None:
+            raise RequestError("this engine serves no adapters (Engine(..., max_loras=N))", param="lora")
+        return {"lora": name, "hash_seed": bytes.fromhex(self.loras.get(name).sha256)}
+
+    def _loras_for(self, lora, count: int) -> list:
+        """One adapter name (or None) per prompt, checked before any request is added."""
+        names = list(lora) if isinstance(lora, (list, tuple)) else [lora] * count
+        if len(names) != count:
+            raise InvalidArgumentError(f"{len(names)} adapter names for {count} prompts")
+        for name in names:
+            self._lora_fields(name)
+        return names
 
     # ---- offline jobs --------------------------------------------------------------------------------
 

@@ -104,7 +104,6 @@ class LoraSlots:
         self.owners: list[str | None] = [None] * max_loras
         self._last_use = [0] * max_loras
         self._uses = itertools.count(1)
-        self.running = lambda: ()  # the running sequences (the engine wires its scheduler's list)
 
     # ---- the registry --------------------------------------------------------------------------------
 
@@ -172,14 +171,14 @@ class LoraSlots:
 
     # ---- slots and rows ------------------------------------------------------------------------------
 
-    def can_admit(self, seq) -> bool:
+    def can_admit(self, seq, running) -> bool:
         """Whether the sequence's adapter is in a slot, copying it into one if one is free or holds an
-        adapter no running sequence uses (the least recently used)."""
+        adapter no sequence in ``running`` uses (the least recently used). The scheduler's admission rule."""
         if seq.lora is None:
             return True
         adapter = self.adapters[seq.lora]
         if adapter.slot is None:
-            pinned = {s.lora for s in self.running()}
+            pinned = {s.lora for s in running}
             free = [s for s, owner in enumerate(self.owners) if owner is None or owner not in pinned]
             if not free:
                 return False
@@ -247,56 +246,3 @@ def _attach_slots_on_rank(rank: RankState, payload) -> None:
 def _load_slot_on_rank(rank: RankState, payload) -> None:
     runner_id, slot, weights = payload
     rank.held[runner_id][0].loras.load(slot, torch.load(io.BytesIO(weights), weights_only=True))
-
-
-class LoraRequests:
-    """The engine's adapter methods (``Engine`` derives from it; ``max_loras=0`` serves none)."""
-
-    def _init_loras(self, max_loras: int, max_lora_rank: int) -> None:
-        self.loras = None
-        if is_peft_model(self.model):
-            raise InvalidArgumentError("the engine runs a base model: pass the PeftModel's base and "
-                                       "engine.add_lora(name, peft_model) with max_loras >= 1")
-        if not max_loras:
-            return
-        self.loras = self.runner.loras = LoraSlots(self.runner, max_loras, max_lora_rank)
-        self.loras.running = lambda: self.scheduler.running
-        self.scheduler.can_admit = self.loras.can_admit
-
-    def _slots(self) -> LoraSlots:
-        if self.loras is None:
-            raise LoraAdapterError("this engine serves no adapters: build it with Engine(..., max_loras=N)")
-        return self.loras
-
-    def add_lora(self, name: str, source) -> LoraAdapter:
-        """Load an adapter under ``name``: a PEFT adapter folder, a ``PeftModel`` (its active adapter),
-        or a ``(LoraConfig, state_dict)`` pair. Raises ``LoraAdapterError`` and changes nothing if it
-        does not fit (targets, shapes, rank over ``max_lora_rank``, options not supported)."""
-        return self._slots().add(name, source)
-
-    def remove_lora(self, name: str) -> None:
-        """Unload an adapter; refused while unfinished requests use it."""
-        self._slots().remove(name, sum(seq.lora == name for seq in self.sequences.values() if not seq.finished))
-
-    def list_loras(self) -> list[LoraAdapter]:
-        return list(self.loras.adapters.values()) if self.loras is not None else []
-
-    def _lora_fields(self, name: str | None) -> dict:
-        """The Sequence fields of a request for adapter ``name`` (None: the base model)."""
-        if name is None:
-            return {}
-        return {"lora": name, "hash_seed": bytes.fromhex(self._slots_for_request().get(name).sha256)}
-
-    def _slots_for_request(self) -> LoraSlots:
-        if self.loras is None:
-            raise RequestError("this engine serves no adapters (Engine(..., max_loras=N))", param="lora")
-        return self.loras
-
-    def _loras_for(self, lora, count: int) -> list:
-        """One adapter name (or None) per prompt, checked before any request is added."""
-        names = list(lora) if isinstance(lora, (list, tuple)) else [lora] * count
-        if len(names) != count:
-            raise InvalidArgumentError(f"{len(names)} adapter names for {count} prompts")
-        for name in names:
-            self._lora_fields(name)
-        return names

@@ -38,6 +38,7 @@ from ..model.padding import sequence_bounds
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
 from .block_manager import block_table_rows
+from .lora_slots import LoraSlots
 from .scheduler import ScheduledChunk
 from ..errors import InvalidArgumentError
 
@@ -125,7 +126,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, invariant: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, decode_buckets: tuple[int, ...] = (), executor: Executor | None = None):
+                 max_num_batched_tokens: int, decode_buckets: tuple[int, ...] = (), executor: Executor | None = None,
+                 max_loras: int = 0, max_lora_rank: int = 16):
         self.model, self.invariant = model, invariant
         self.executor = executor_for(model, executor)
         config = model.config
@@ -176,16 +178,19 @@ class ModelRunner:
         self.staging = torch.zeros(self.max_staged, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.staging_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.pending_writes: list[tuple[int, int, int]] = []  # taken from the block manager, not yet applied
-        if not invariant:
+        if not invariant:  # the stock baseline's paged attention, until the runner goes
             AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, _paged_stock_attention)
+            weakref.finalize(self, model.set_attn_implementation, model.config._attn_implementation)
             model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
         # Every other rank builds the same runner over its shard, held there under runner_id.
         self.runner_id = next(_RUNNER_IDS)
-        self.loras = None  # the engine's LoraSlots (rank 0) or ModelSlots (other ranks), when it serves adapters
         options = dict(num_pages=num_pages, page_size=page_size, invariant=invariant, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, decode_buckets=tuple(decode_buckets))
         self.executor.collective_rpc(_start_runner, (self.runner_id, options), lambda: None)
         weakref.finalize(self, self.executor.release, self.runner_id)
+        # LoRA adapter slots (max_loras 0: none): this runner's registry and slots, which give every
+        # other rank's runner its slots over its shard (lora_slots.py).
+        self.loras = LoraSlots(self, max_loras, max_lora_rank) if max_loras else None
 
     @staticmethod
     def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:

@@ -37,13 +37,17 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 admission=None):
+        """``admission``: whatever else a waiting sequence needs before it runs, an object whose
+        ``can_admit(seq, running)`` says whether it has it (the engine's LoRA slots: a slot for its
+        adapter); None: nothing else."""
         self.blocks = block_manager
+        self.admission = admission
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
-        self.can_admit = lambda seq: True  # e.g. whether its LoRA adapter has a slot (engine.lora_slots)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -109,7 +113,7 @@ class Scheduler:
         budget = self._add_proposals(chunks, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.can_admit(seq):
+            if self.admission is not None and not self.admission.can_admit(seq, self.running):
                 break
             if not seq.pages:
                 self.blocks.match_prefix(seq)

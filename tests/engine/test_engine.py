@@ -272,3 +272,15 @@ def test_text_prompts_and_stop_strings(family_models, tmp_path):
     stopped = engine.generate(["the cat runs"], SamplingParams(max_tokens=6, ignore_eos=True, stop=[stop]))[0]
     assert stopped.finish_reason == "stop" and stop not in stopped.text
     assert free.text.startswith(stopped.text) and stopped.token_ids == free.token_ids[:len(stopped.token_ids)]
+
+
+def test_the_stock_baseline_gives_the_model_its_attention_back(family_checkpoints):
+    import gc
+    model = load_model(family_checkpoints("qwen2"), torch.float32)
+    before = model.config._attn_implementation
+    engine = Engine(model, kernels="stock")
+    assert model.config._attn_implementation != before  # the engine's paged attention while it runs
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    del engine
+    gc.collect()
+    assert model.config._attn_implementation == before

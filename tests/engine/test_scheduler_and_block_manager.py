@@ -223,15 +223,25 @@ def test_a_waiting_sequence_without_pages_waits_and_gives_back_its_prefix_pages(
     assert blocks.num_used == 1     # the prefix pages it matched went back
 
 
+class Allowed:
+    """An admission rule: only the named requests run (as the LoRA slots admit those whose adapter has a slot)."""
+
+    def __init__(self, *names):
+        self.names = set(names)
+
+    def can_admit(self, seq, running) -> bool:
+        return seq.request_id in self.names
+
+
 def test_admission_waits_for_can_admit():
-    scheduler = Scheduler(BlockManager(num_pages=8, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=64)
-    allowed = {"yes"}
-    scheduler.can_admit = lambda seq: seq.request_id in allowed
+    allowed = Allowed("yes")
+    scheduler = Scheduler(BlockManager(num_pages=8, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=64,
+                          admission=allowed)
     blocked, after = sequence(2, request_id="no"), sequence(2, request_id="yes")
     scheduler.add(blocked)
     scheduler.add(after)
     assert run_step(scheduler) == []  # FCFS: the one behind it waits too
-    allowed.add("no")
+    allowed.names.add("no")
     assert [chunk[0] for chunk in run_step(scheduler)] == ["no", "yes"]
 
 
