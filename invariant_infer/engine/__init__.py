@@ -6,7 +6,8 @@ Files: ``sequence`` (a request's state), ``sampling_params``, ``block_manager`` 
 cache), ``scheduler`` (continuous batching, chunked prefill, preemption), ``model_runner`` (one
 packed forward over the paged cache), ``logprob_rows``, ``speculative`` and ``proposers``
 (speculative decoding, bitwise lossless), ``output`` (each step's deltas, and the outputs built
-from them: text, stop strings, output kinds), ``engine`` (the API) and ``async_engine`` (for servers).
+from them: text, stop strings, output kinds), ``core`` (the engine core, on token ids), ``engine``
+(the API: the core with text and offline jobs) and ``async_engine`` (for servers).
 """
 from .async_engine import AsyncEngine
 from ..errors import EngineBusyError, RequestError

@@ -108,14 +108,15 @@ class BlockManager:
         self.prefix_hits += seq.num_computed
 
     def pages_missing(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, self.pages_for(seq.num_computed + num_new_tokens) - len(seq.pages))
+        missing = -(-(seq.num_computed + num_new_tokens) // self.page_size) - len(seq.pages)
+        return missing if missing > 0 else 0
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.pages_missing(seq, num_new_tokens) <= self.num_free
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Pages for the sequence's next ``num_new_tokens`` tokens (call ``can_allocate`` first)."""
-        for _ in range(self.pages_missing(seq, num_new_tokens)):
+        for _ in range(self.pages_missing(seq, num_new_tokens)):  # none, most decode steps
             self._add_page(seq, self._take_free())
 
     def register_full_pages(self, seq: Sequence) -> None:

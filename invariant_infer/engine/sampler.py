@@ -27,7 +27,8 @@ def pick_rows(logits: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> di
     seeded = [(row, seq, step) for row, seq, step in rows if seq.params.temperature > 0]
     picked = []
     if greedy:  # per row the same first maximum as sample_next_token's
-        picked.append(logits[greedy].float().argmax(-1))
+        every_row = len(greedy) == logits.shape[0] and greedy == list(range(len(greedy)))
+        picked.append((logits if every_row else logits[greedy]).float().argmax(-1))
     if seeded:
         picked.append(torch.stack([
             seeded_scores(logits[row].float(), seq.seed, step, seq.params.temperature, seq.params.top_k,

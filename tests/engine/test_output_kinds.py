@@ -46,6 +46,7 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path)
 
 
+@pytest.mark.fast_cells(ids=["seeded"])
 @pytest.mark.parametrize("sampling", [dict(seed=3), dict(temperature=0.9, seed=3)], ids=["greedy", "seeded"])
 def test_deltas_concatenate_to_the_cumulative_output(model, tokenizer, sampling):
     engine = Engine(model, tokenizer)
