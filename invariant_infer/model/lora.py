@@ -35,9 +35,9 @@ from torch import nn
 from ..errors import NonInvariantInputError, UnsupportedModelError
 from ..kernels import linear, linear_autograd
 from ..kernels.configs import linear_config
+from .module_state import module_state, state_of
 from .tensor_parallel import gather_columns, lora_layout
 
-LORA_ATTR = "_invariant_lora"  # on a projection that adds a LoRA delta (its MLP then runs unfused)
 REFUSED_OPTIONS = {  # LoraConfig field -> why
     "use_dora": "DoRA (weight-decomposed LoRA) is not supported; use plain LoRA or merge_and_unload()",
     "lora_bias": "LoRA biases (lora_bias=True) are not supported",
@@ -69,7 +69,8 @@ def is_peft_lora_layer(module) -> bool:
 
 def has_unpatched_lora(model: nn.Module) -> bool:
     """Whether PEFT LoRA layers were added to a model after ``make_invariant`` patched it."""
-    return any(is_peft_lora_layer(module) and LORA_ATTR not in module.__dict__ for module in model.modules())
+    return any(is_peft_lora_layer(module) and not getattr(state_of(module), "peft_lora", False)
+               for module in model.modules())
 
 
 def base_linear(module):
@@ -132,6 +133,7 @@ def refuse_quantized_merge(layer, quantized) -> None:
     merged weight would not be the one the quantized GEMM reads). ``restore`` removes the refusal."""
     if layer.base_layer in quantized:
         layer.merge = types.MethodType(_refused_merge, layer)
+        module_state(layer).refuses_merge = True
 
 
 def _refused_merge(self, *args, **kwargs):
@@ -215,7 +217,8 @@ class SlotWeights:
         self.n, self.k = layer.out_features, layer.in_features  # a quantized layer's weight is compressed
         device = layer.weight_scale.device if hasattr(layer, "weight_scale") else layer.weight.device
         self.rows, self.base_forward = rows, layer.__dict__["forward"]
-        if "_invariant_tp" in layer.__dict__ and "_invariant_quantized" in layer.__dict__:
+        state = state_of(layer)
+        if state.tensor_parallel is not None and state.quantized is not None:
             raise UnsupportedModelError("adapter slots on a quantized checkpoint run at tensor-parallel size 1 only; "
                                         "serve adapters at TP > 1 on an unquantized checkpoint")
         self.layout, self.columns_sharded = lora_layout(layer)
@@ -252,7 +255,7 @@ class SlotWeights:
 
 
 def _slot_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-    slots = self.__dict__[LORA_ATTR]
+    slots = state_of(self).adapter_slots
     return slots.apply(slots.base_forward(x), x)
 
 
@@ -261,12 +264,14 @@ def attach_slots(layer: nn.Linear, rows: LoraRows, slots: int, max_rank: int, dt
     if "forward" not in layer.__dict__ or not isinstance(layer, nn.Linear):
         raise UnsupportedModelError("adapter slots go on the nn.Linear projections of a make_invariant model")
     weights = SlotWeights(layer, rows, slots, max_rank, dtype)
-    setattr(layer, LORA_ATTR, weights)
+    module_state(layer).adapter_slots = weights
     layer.forward = _slot_linear_forward.__get__(layer)
     return weights
 
 
 def detach_slots(layer: nn.Linear) -> None:
-    weights = layer.__dict__.pop(LORA_ATTR, None)
+    state = state_of(layer)
+    weights = state.adapter_slots if state is not None else None
     if weights is not None:
+        state.adapter_slots = None
         layer.forward = weights.base_forward

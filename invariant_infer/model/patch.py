@@ -27,13 +27,17 @@ What changes (and nothing process-wide):
 Every patched op is differentiable: with grad enabled it runs as an autograd Function over the same
 forward kernel (the same bits as inference) with a batch-invariant, deterministic backward, so the
 model trains on the kernels it samples with. Parameters stay the model's own ``nn.Parameter``s.
-``restore(model)`` undoes all of it.
+Each patched module keeps one ``ModuleState`` (``module_state.py``): the forward it had, and what
+its new forward reads (a TP layout, a quantized plan, rope tables, adapter slots). ``restore(model)``
+undoes all of it.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import types
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,8 +49,8 @@ from ..kernels import (linear, linear_autograd, rms_norm, rms_norm_autograd, sil
                        silu_mul_linear_autograd)
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
-from .lora import (LORA_ATTR, base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge,
-                   unwrap_peft)
+from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
+from .module_state import module_state, remove_state, state_of
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
@@ -54,6 +58,18 @@ from .quantized_experts import quantized_experts_forward
 from .tensor_parallel import tp_forwards, tp_layout
 
 _STATE_ATTR = "_invariant_infer_state"
+
+
+@dataclass
+class ModelPatch:
+    """What ``make_invariant`` changed on the model as a whole (each patched module keeps its own
+    ``ModuleState``); ``restore`` undoes it."""
+    hook: Any                         # the base model's pre-forward hook handle
+    attn_implementation: str | None   # the config's before the patch
+    experts_implementation: str | None  # likewise, for MoE families (None: not changed)
+    extensions: list                  # the (install, remove) pairs that ran
+    reattach_decompression: Any       # puts compressed-tensors' decompression hooks back (None: none taken)
+    hub_kernels: bool                 # transformers' hub kernelization was on
 
 
 # ---- per-module forwards -------------------------------------------------------------------------
@@ -89,7 +105,8 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # down_proj(silu_mul(gate, up)) gives, without writing the [tokens x intermediate] product.
     down = self.down_proj
     gate, up = self.gate_proj(x), self.up_proj(x)
-    if down.__dict__.get(LORA_ATTR) is not None:  # a LoRA delta needs the product itself
+    down_state = state_of(down)
+    if down_state is not None and down_state.adds_lora_delta:  # a LoRA delta needs the product itself
         return down(silu_mul_autograd(gate, up) if _records_grad(gate, up) else silu_mul(gate, up))
     config = row_parallel_config(gate.device.type, gate.dtype, *down.weight.shape)
     if _records_grad(gate, up, down.weight, down.bias):
@@ -104,10 +121,11 @@ def _quantized_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-    cos_table, sin_table = self._invariant_tables
+    state = state_of(self)
+    cos_table, sin_table = state.rope_tables
     if cos_table.device != x.device:
         cos_table, sin_table = cos_table.to(x.device), sin_table.to(x.device)
-        self._invariant_tables = (cos_table, sin_table)
+        state.rope_tables = (cos_table, sin_table)
     idx = position_ids.clamp(0, cos_table.shape[0] - 1)  # range is checked eagerly in the pre-hook
     return cos_table[idx].to(x.dtype), sin_table[idx].to(x.dtype)
 
@@ -156,7 +174,7 @@ def _base_pre_hook(module, args, kwargs):
     check = not torch.compiler.is_compiling()
     if check and module.training:
         _refuse_dropout(module)
-    max_positions = module.rotary_emb._invariant_tables[0].shape[0]
+    max_positions = state_of(module.rotary_emb).rope_tables[0].shape[0]
     if check and mask is None:
         # Packed rows (position_ids restarting, cu_seq_lens_*): attention regroups them per sequence.
         flash = {name: kwargs.pop(name) for name in FLASH_KWARGS if name in kwargs}
@@ -208,9 +226,10 @@ def register_instance_extension(install, remove) -> None:
         _INSTANCE_EXTENSIONS.append((install, remove))
 
 
-def _set_forward(module: nn.Module, fn, patched: list) -> None:
+def _set_forward(module: nn.Module, fn) -> None:
     # An instance-level forward already there (transformers' TP hooks) comes back on restore.
-    patched.append((module, module.__dict__.get("forward")))
+    state = module_state(module)
+    state.previous_forward, state.forward_patched = module.__dict__.get("forward"), True
     module.forward = types.MethodType(fn, module)
 
 
@@ -248,33 +267,32 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     attention_interface.register()
     hub_kernels = _turn_off_hub_kernels(model)
 
-    patched: list = []
     router_forward = experts_interface.router_forward(adapter.moe) if adapter.moe else None
     for module in model.modules():
         if module in sharded:
-            _set_forward(module, sharded[module], patched)
+            _set_forward(module, sharded[module])
         elif module in quantized or module in experts:
-            module._invariant_quantized = quantized.get(module) or experts[module]
+            module_state(module).quantized = quantized.get(module) or experts[module]
             freeze_compressed(module)
-            _set_forward(module, quantized_forward if module in quantized else quantized_experts_forward, patched)
+            _set_forward(module, quantized_forward if module in quantized else quantized_experts_forward)
         elif module in adapters:
-            setattr(module, LORA_ATTR, True)
-            _set_forward(module, peft_lora_forward, patched)
+            module_state(module).peft_lora = True
+            _set_forward(module, peft_lora_forward)
             refuse_quantized_merge(module, quantized)
         elif type(module) is nn.Linear:
-            _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward, patched)
+            _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward)
         elif type(module) is adapter.rms_norm:
-            _set_forward(module, _rms_norm_forward, patched)
+            _set_forward(module, _rms_norm_forward)
         elif adapter.mlp is not None and type(module) is adapter.mlp:
-            _set_forward(module, _quantized_mlp_forward if module.down_proj in quantized else _mlp_forward, patched)
+            _set_forward(module, _quantized_mlp_forward if module.down_proj in quantized else _mlp_forward)
         elif adapter.moe is not None and type(module) is adapter.moe.router:
-            _set_forward(module, router_forward, patched)
+            _set_forward(module, router_forward)
         elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
-            _set_forward(module, experts_interface.shared_expert_block_forward, patched)
+            _set_forward(module, experts_interface.shared_expert_block_forward)
 
     rotary = base.rotary_emb
-    rotary._invariant_tables = _rope_tables(rotary, model.config.max_position_embeddings)
-    _set_forward(rotary, _rotary_forward, patched)
+    module_state(rotary).rope_tables = _rope_tables(rotary, model.config.max_position_embeddings)
+    _set_forward(rotary, _rotary_forward)
 
     reattach_decompression = detach_decompression(model) if quantized else None
     hook = base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
@@ -288,9 +306,8 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     extensions = list(_INSTANCE_EXTENSIONS)
     for install, _ in extensions:
         install(model)
-    setattr(model, _STATE_ATTR, {"patched": patched, "hook": hook, "attn": previous_attn, "experts": previous_experts,
-                                 "rotary": rotary, "extensions": extensions, "family": adapter,
-                                 "reattach_decompression": reattach_decompression, "hub_kernels": hub_kernels})
+    setattr(model, _STATE_ATTR, ModelPatch(hook, previous_attn, previous_experts, extensions, reattach_decompression,
+                                           hub_kernels))
     return wrapper
 
 
@@ -304,25 +321,26 @@ def restore(model: nn.Module) -> nn.Module:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         return wrapper
-    for module, previous in state["patched"]:
-        del module.forward
-        module.__dict__.pop("_invariant_tp", None)
-        module.__dict__.pop("_invariant_quantized", None)
-        module.__dict__.pop(LORA_ATTR, None)
-        module.__dict__.pop("merge", None)  # refuse_quantized_merge's
-        if previous is not None:
-            module.forward = previous
-    state["hook"].remove()
-    if state["reattach_decompression"] is not None:
-        state["reattach_decompression"]()
-    del state["rotary"]._invariant_tables
-    model.set_attn_implementation(state["attn"])
-    if state["experts"] is not None:
-        model.set_experts_implementation(state["experts"])
-    for _, remove in reversed(state["extensions"]):
+    for module in model.modules():
+        module_patch = remove_state(module)
+        if module_patch is None:
+            continue
+        if module_patch.forward_patched:
+            del module.forward
+            if module_patch.previous_forward is not None:
+                module.forward = module_patch.previous_forward
+        if module_patch.refuses_merge:
+            del module.merge
+    state.hook.remove()
+    if state.reattach_decompression is not None:
+        state.reattach_decompression()
+    model.set_attn_implementation(state.attn_implementation)
+    if state.experts_implementation is not None:
+        model.set_experts_implementation(state.experts_implementation)
+    for _, remove in reversed(state.extensions):
         remove(model)
     delattr(model, _STATE_ATTR)
-    if state["hub_kernels"]:
+    if state.hub_kernels:
         model.set_use_kernels(True)  # as loaded
     return wrapper
 

@@ -26,6 +26,7 @@ from ..kernels import QuantizedWeight, quantize_activations, quantized_linear, q
 from ..kernels.linear import combine_partials
 from ..kernels.quantized_linear import QuantizedLinearConfig, quantized_linear_partials, quantized_tree_leaves
 from . import tensor_parallel
+from .module_state import state_of
 
 SUPPORTED_SCHEMES = ("FP8_DYNAMIC (fp8 weights per channel, fp8 per-token activations)",
                      "FP8_BLOCK (fp8 128x128 weight blocks, fp8 activations per 128-group)",
@@ -311,13 +312,14 @@ def quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
                 f"quantized weights are frozen (no gradient for {', '.join(trainable)}): train LoRA adapters on "
                 "them (QLoRA), freeze the base (PEFT does), or run under torch.no_grad()")
         if x.requires_grad or self.bias is not None and self.bias.requires_grad:
-            plan = self._invariant_quantized
+            plan = state_of(self).quantized
             return quantized_linear_autograd(x, plan.weight, self.bias, lambda x: _quantized_forward(self, x))
     return _quantized_forward(self, x)
 
 
 def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    plan: QuantizedLinearPlan = self._invariant_quantized
+    state = state_of(self)
+    plan: QuantizedLinearPlan = state.quantized
     bias = None if self.bias is None else local_tensor(self.bias).detach()
     x2 = x.reshape(-1, x.shape[-1])
     q, scale = x2, None
@@ -328,7 +330,7 @@ def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if plan.k_leaves > 1:  # a row-parallel layer: its K tree, this rank's leaves when K is sharded
         parts = quantized_linear_partials(q, plan.weight, plan.k_leaves // plan.k_shards, x_scale=scale)
         if plan.k_shards > 1:
-            y = tensor_parallel.exchange_partials(parts, bias, x.dtype, self._invariant_tp)
+            y = tensor_parallel.exchange_partials(parts, bias, x.dtype, state.tensor_parallel)
         else:
             y = combine_partials(parts, bias, x.dtype)
     else:

@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..kernels import QuantizedWeight, grouped_quantized_linear, quantize_activations, silu_mul
 from .experts import refuse_grad, routed_forward
+from .module_state import state_of
 
 BLOCK = 128
 # FP8Experts attributes that change the math from silu(gate) * up, and the values computed here.
@@ -92,7 +93,7 @@ def quantized_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     """[T, H], [T, k] experts, [T, k] weights -> [T, H]: each pair's row quantized per token and
     group, ``grouped_quantized_linear`` for gate_up, silu(gate) * up, quantized again, then down."""
     refuse_grad(hidden_states, top_k_weights)
-    plan: QuantizedExpertsPlan = self._invariant_quantized
+    plan: QuantizedExpertsPlan = state_of(self).quantized
     intermediate = plan.down.shape[1]
     q, scale = quantize_activations(hidden_states, torch.float8_e4m3fn, plan.activation_group)  # row-wise
 

@@ -38,6 +38,7 @@ from ..kernels.fused_linear import silu_mul_linear_partials
 from ..kernels.linear import combine_partials, linear, linear_partials
 from ..kernels.quantized_linear import quantized_linear_config
 from ..kernels.silu_mul import silu_mul
+from .module_state import module_state, state_of
 
 # The styles a module may carry, by role (the families' ``tp_plan="auto"``); any other is refused.
 COLWISE, ROWWISE, GATHER, VOCAB_EMBEDDING, REPLICATED_NORM = (
@@ -156,7 +157,7 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout,
         style = _style_of(plan, name)
         if module in quantized:
             quantized[module] = _quantized_shard_plan(name, module, quantized[module], role, layout)
-            module._invariant_tp = layout
+            module_state(module).tensor_parallel = layout
         elif role == "colwise":
             _check_param(f"{name}.weight", module.weight, Shard(0))
             forwards[module] = _colwise_forward
@@ -174,7 +175,7 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout,
     for layer in base.layers:
         forwards[layer.mlp] = _rowwise_mlp_forward
     for module in forwards:
-        module._invariant_tp = layout
+        module_state(module).tensor_parallel = layout
     return forwards
 
 
@@ -277,7 +278,7 @@ def _colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _gathered_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """This rank's vocabulary slice, then every rank's slice gathered (copies). The slices are
     torch.chunk's (DTensor's Shard(0)): ceil(V / t) columns each, the last ones fewer or none."""
-    layout = self._invariant_tp
+    layout = state_of(self).tensor_parallel
     y = _colwise_forward(self, x)
     vocab, width = self.out_features, -(-self.out_features // layout.size)
     rows = y.reshape(-1, y.shape[-1])
@@ -296,7 +297,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def lora_layout(layer: nn.Linear) -> tuple[TPLayout | None, bool]:
     """(the TP layout of a projection ``tp_forwards`` serves, or None; whether its output columns
     are sharded, i.e. column-parallel) for the adapter slots on it (``lora.SlotWeights``)."""
-    layout = getattr(layer, "_invariant_tp", None)
+    state = state_of(layer)
+    layout = state.tensor_parallel if state is not None else None
     if layout is None:
         return None, False
     return layout, tuple(layer.weight.placements) == (Shard(0),)
@@ -325,7 +327,7 @@ def _rank_config(self: nn.Linear, x: torch.Tensor, layout: TPLayout):
 
 def _rowwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     _refuse_grad(self, x)
-    layout = self._invariant_tp
+    layout = state_of(self).tensor_parallel
     weight = _local(self.weight)
     parts = linear_partials(x, weight, _rank_config(self, x, layout))
     y = exchange_partials(parts, _local(self.bias), x.dtype, layout)
@@ -338,7 +340,7 @@ def _rowwise_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     _refuse_grad(down, gate)
     if getattr(down.forward, "__func__", None) is not _rowwise_forward:  # adapter slots need the product itself
         return down(silu_mul(gate, up))
-    layout = self._invariant_tp
+    layout = state_of(self).tensor_parallel
     weight = _local(down.weight)
     parts = silu_mul_linear_partials(gate, up, weight, _rank_config(down, gate, layout))
     y = exchange_partials(parts, _local(down.bias), gate.dtype, layout)
@@ -346,7 +348,7 @@ def _rowwise_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    layout = self._invariant_tp
+    layout = state_of(self).tensor_parallel
     local = _local(self.weight)
     vocab = self.weight.shape[0]
     start = layout.rank * -(-vocab // layout.size)  # torch.chunk's shards, as DTensor's Shard(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from invariant_infer.kernels import LinearConfig, grouped_linear, linear, linear_config, quantized_linear
+from invariant_infer.model.module_state import state_of
 
 
 def m_dependent_linear(x, weight, bias=None, config=None):
@@ -32,5 +33,5 @@ def per_tensor_scaled_quantized_forward(self, x):
     scale = (x2.float().abs().amax() / 448).clamp(min=1e-12)
     q = (x2.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     scales = scale.reshape(1, 1).expand(x2.shape[0], x2.shape[1] // 128).contiguous()
-    y = quantized_linear(q, self._invariant_quantized.weight, self.bias, x_scale=scales, out_dtype=x.dtype)
+    y = quantized_linear(q, state_of(self).quantized.weight, self.bias, x_scale=scales, out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])

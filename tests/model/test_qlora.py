@@ -21,6 +21,7 @@ from invariant_infer.model import quantization
 from invariant_infer.model.quantization import prepare_for_peft
 from invariant_infer.testing.quantized_checkpoints import save_fp8_checkpoint, save_quantized_checkpoint
 from invariant_infer.testing.random_checkpoints import qwen2_config
+from invariant_infer.model.module_state import state_of
 
 import compressed_tensors  # noqa: E402,F401  (the test extra pins it: a missing install fails, never skips)
 
@@ -134,7 +135,7 @@ def test_quantized_linear_input_grad_rows_alone_and_float64(checkpoints, fmt):
     dy = torch.randn(6, layer.out_features, generator=g).to(torch.bfloat16)
     batched = _layer_grad(layer, x, dy)
     assert all(torch.equal(_layer_grad(layer, x[i:i + 1], dy[i:i + 1])[0], batched[i]) for i in range(6))
-    dense = dequantize_weight(layer._invariant_quantized.weight).double()
+    dense = dequantize_weight(state_of(layer).quantized.weight).double()
     want = dy.double() @ dense
     assert (batched.double() - want).abs().max().item() <= 0.02 * want.abs().max().item()
 

@@ -23,6 +23,7 @@ from invariant_infer.model.quantization import weight_bytes
 from invariant_infer.model.quantized_experts import quantized_experts
 from invariant_infer.testing.quantized_checkpoints import save_fp8_checkpoint, save_quantized_checkpoint
 from invariant_infer.testing.random_checkpoints import random_config
+from invariant_infer.model.module_state import state_of
 
 pytestmark = pytest.mark.file_minutes(1.0)
 
@@ -138,7 +139,7 @@ def _per_tensor(x):
 
 
 def _per_tensor_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    plan = self._invariant_quantized
+    plan = state_of(self).quantized
     intermediate = plan.down.shape[1]
 
     def run_sorted(tokens, offsets):
@@ -162,7 +163,7 @@ def test_restore_gives_back_transformers_experts(checkpoints):
     model = make_invariant(_load(checkpoints["qwen3_moe"], torch.bfloat16))
     restore(model)
     experts = model.model.layers[0].mlp.experts
-    assert "forward" not in experts.__dict__ and "_invariant_quantized" not in experts.__dict__
+    assert "forward" not in experts.__dict__ and state_of(experts) is None
 
 
 def _with_experts(model, **fields):

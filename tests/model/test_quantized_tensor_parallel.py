@@ -26,6 +26,7 @@ from invariant_infer.model.patch import make_invariant
 from invariant_infer.model.quantization import quantized_layers
 from invariant_infer.testing.quantized_checkpoints import save_quantized_checkpoint
 from invariant_infer.testing.random_checkpoints import qwen2_config
+from invariant_infer.model.module_state import state_of
 from test_tensor_parallel import RUN_TIMEOUT, WORKER, torchrun
 
 import compressed_tensors  # noqa: F401  (the test extra pins it: a missing install fails, never skips)
@@ -87,11 +88,11 @@ def test_row_parallel_layers_reduce_k_as_a_tree_of_whole_groups(checkpoints):
     model = make_invariant(AutoModelForCausalLM.from_pretrained(checkpoints["W4A16"], dtype=torch.bfloat16))
     layer = model.model.layers[0]
     plans = quantized_layers(model)  # as loaded: the leaves are make_invariant's
-    assert layer.self_attn.o_proj._invariant_quantized.k_leaves == 2  # K = 256, groups of 128
-    assert layer.mlp.down_proj._invariant_quantized.k_leaves == 4     # K = 512
-    assert layer.self_attn.q_proj._invariant_quantized.k_leaves == 1  # column-parallel: K whole
+    assert state_of(layer.self_attn.o_proj).quantized.k_leaves == 2  # K = 256, groups of 128
+    assert state_of(layer.mlp.down_proj).quantized.k_leaves == 4     # K = 512
+    assert state_of(layer.self_attn.q_proj).quantized.k_leaves == 1  # column-parallel: K whole
     assert torch.equal(dequantize_weight(plans[layer.mlp.down_proj].weight),
-                       dequantize_weight(layer.mlp.down_proj._invariant_quantized.weight))
+                       dequantize_weight(state_of(layer.mlp.down_proj).quantized.weight))
 
 
 @pytest.mark.heavy
