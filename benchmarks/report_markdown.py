@@ -176,9 +176,11 @@ def host_overhead_markdown(results: dict) -> str:
            "Host: schedule (scheduler), metadata (packing the step into the runner's buffers), sampling (each "
            "sequence's next token), output (bookkeeping, stop checks, outputs); device: forward (model + "
            "lm_head) and logprobs (the token-logprob kernel), each phase boundary synchronized on CUDA. host µs "
-           f"/ seq = host µs ÷ running.\n{device}"]
+           "/ seq = host µs ÷ running. Forward `stand-in`: random hidden states instead of the model, the host "
+           "path alone (on CPU a real forward evicts the host's data from the CPU caches, which a GPU's does not)."
+           f"\n{device}"]
     out.append(table(rows, [
-        ("kernels", "kernels"), ("running", "running"), ("tokens so far", "context"), ("steps", "steps"),
+        ("kernels", "kernels"), ("forward", "forward"), ("running", "running"), ("tokens so far", "context"), ("steps", "steps"),
         ("schedule", "schedule_us"),
         ("metadata", "metadata_us"), ("sampling", "sampling_us"), ("output", "output_us"),
         ("host µs", "host_us"), ("host µs / seq", "host_us_per_seq"), ("forward", "forward_us"),

@@ -44,7 +44,8 @@ def summary(results: dict) -> str:
                          f"÷ HF generate {fmt(r['invariant_to_hf_generate'])}"
                          + (f"; equal alone {r['invariant_rows_equal']}/{checked}" if checked else ""))
     for r in results.get("host_overhead") or []:
-        lines.append(f"host overhead {r['kernels']} running={r['running']} context={r.get('context')}: host {fmt(r['host_us'])} µs/step "
+        stand_in = " (stand-in forward)" if r.get("forward") == "stand-in" else ""
+        lines.append(f"host overhead {r['kernels']}{stand_in} running={r['running']} context={r.get('context')}: host {fmt(r['host_us'])} µs/step "
                      f"({fmt(r['host_us_per_seq'])} µs/seq; schedule {fmt(r['schedule_us'])}, metadata "
                      f"{fmt(r['metadata_us'])}, sampling {fmt(r['sampling_us'])}, output {fmt(r['output_us'])}); "
                      f"forward {fmt(r['forward_us'])} µs")

@@ -26,7 +26,7 @@ REQUIRED = {
     "engine": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "tpot_ms", "ttft_ms",
                "invariant_to_stock_engine", "invariant_to_hf_generate", "invariant_rows_checked",
                "invariant_rows_equal"),
-    "host_overhead": ("kernels", "running", "context", "steps", "schedule_us", "metadata_us", "sampling_us", "output_us",
+    "host_overhead": ("kernels", "forward", "running", "context", "steps", "schedule_us", "metadata_us", "sampling_us", "output_us",
                       "forward_us", "logprobs_us", "host_us", "device_us", "host_us_per_seq"),
     "server": ("mode", "concurrency", "requests", "output_tokens", "tokens_per_s", "requests_per_s", "p50_ms",
                "p99_ms", "errors", "invariant_to_stock", "invariant_rows_checked", "invariant_rows_equal"),

@@ -148,8 +148,9 @@ def test_engine_rows(results):
 
 def test_host_overhead_rows(results):
     rows = results["host_overhead"]
-    assert [(r["kernels"], r["running"], r["context"]) for r in rows] == [
-        (k, n, c) for k in host_overhead.KERNELS for n in host_overhead.QUICK_RUNNING[k]
+    assert [(r["kernels"], r["forward"], r["running"], r["context"]) for r in rows] == [
+        ("stock", "stand-in", n, c) for n in host_overhead.QUICK_STAND_IN_RUNNING for c in host_overhead.CONTEXTS] + [
+        (k, "model", n, c) for k in host_overhead.KERNELS for n in host_overhead.QUICK_RUNNING[k]
         for c in host_overhead.QUICK_CONTEXTS[k]]
     for row in rows:
         assert (row["preset"], row["layers"], row["steps"]) == ("qwen2:tiny", 1, host_overhead.QUICK_STEPS)
