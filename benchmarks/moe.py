@@ -34,6 +34,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from invariant_infer.kernels import QuantizedWeight
 from invariant_infer.model import experts as hf_experts
 from invariant_infer.model.families import FAMILIES
+from invariant_infer.model.module_state import module_state
 from invariant_infer.model.quantized_experts import QuantizedExpertsPlan, quantized_experts_forward
 
 from .timing import Run, free_memory, time_ms
@@ -69,7 +70,8 @@ def layer_fn(block: Qwen3MoeSparseMoeBlock, implementation: str):
     block.experts.config._experts_implementation = "invariant" if implementation == "invariant_fp8" else implementation
     if implementation == "invariant_fp8":
         experts = block.experts
-        experts._invariant_quantized = QuantizedExpertsPlan(fp8_blocks(experts.gate_up_proj), fp8_blocks(experts.down_proj))
+        module_state(experts).quantized = QuantizedExpertsPlan(fp8_blocks(experts.gate_up_proj),
+                                                               fp8_blocks(experts.down_proj))
         experts.forward = types.MethodType(quantized_experts_forward, experts)
     return lambda x: block(x[None])[0]
 
