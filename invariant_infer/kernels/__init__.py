@@ -6,9 +6,11 @@ Nothing here knows about transformers.
 """
 from .attention import attention
 from .attention_autograd import AttentionFunction, attention_autograd
+from .causal_conv1d import causal_conv1d_silu
 from .configs import (LINEAR_CONFIGS, AttentionBackwardConfig, AttentionConfig, LinearConfig, attention_backward_config,
                       attention_config, linear_config)
 from .fused_linear_autograd import SiluMulLinearFunction, silu_mul_linear_autograd
+from .gated_delta_rule import chunk_gated_delta_rule
 from .grouped_linear import grouped_linear, grouped_silu_mul_linear
 from .grouped_quantized_linear import grouped_quantized_linear
 from .linear import linear
@@ -19,7 +21,9 @@ from .quantize_activations import quantize_activations
 from .quantized_linear import QuantizedLinearConfig, QuantizedWeight, dequantize_weight, quantized_linear
 from .quantized_linear_autograd import QuantizedLinearFunction, quantized_linear_autograd
 from .rms_norm import rms_norm
+from .rms_norm_gated import rms_norm_gated
 from .rms_norm_autograd import RMSNormFunction, rms_norm_autograd
+from .sigmoid_mul import sigmoid_mul
 from .silu_mul import silu_mul
 from .silu_mul_autograd import SiluMulFunction, silu_mul_autograd
 from .token_logprobs import token_logprobs
@@ -34,7 +38,8 @@ __all__ = [
     "QuantizedLinearConfig", "QuantizedWeight", "dequantize_weight", "grouped_quantized_linear", "quantize_activations",
     "quantized_linear",
     "QuantizedLinearFunction", "quantized_linear_autograd",
-    "rms_norm", "silu_mul", "token_logprobs",
+    "rms_norm", "rms_norm_gated", "silu_mul", "token_logprobs", "causal_conv1d_silu", "chunk_gated_delta_rule",
+    "sigmoid_mul",
     "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",
     "SiluMulLinearFunction", "silu_mul_linear_autograd", "TokenLogprobsFunction", "token_logprobs_autograd",
 ]

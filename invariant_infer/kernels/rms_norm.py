@@ -1,7 +1,9 @@
 """Batch-invariant RMSNorm: each row reduced on its own, one block shape per hidden size.
 
 Arithmetic follows Hugging Face's Qwen2RMSNorm: upcast to fp32, x * rsqrt(mean(x^2) + eps),
-cast back to the input dtype, then multiply by the weight (rounded to the output dtype).
+cast back to the input dtype, then multiply by the weight (rounded to the output dtype). With
+``zero_centred`` it follows the zero-centred norms of Qwen3.5 and Qwen3-Next instead: the fp32
+normed row times (1 + weight) in fp32, rounded once to the input dtype.
 A program may hold several rows (BLOCK_ROWS, fixed per device and hidden size), but the sum
 runs along each row separately, so a row's bits never depend on its neighbours.
 """
@@ -23,14 +25,17 @@ def _row_rstd(x, N, eps):
 
 @triton.jit(do_not_specialize=["M"])
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, M, N, eps,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_CENTRED: tl.constexpr = False):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    normed = (x * _row_rstd(x, N, eps)[:, None]).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
-    y = w.to(tl.float32)[None, :] * normed.to(tl.float32)
+    if ZERO_CENTRED:
+        y = x * _row_rstd(x, N, eps)[:, None] * (1.0 + w.to(tl.float32))[None, :]
+    else:
+        normed = (x * _row_rstd(x, N, eps)[:, None]).to(x_ptr.dtype.element_ty)
+        y = w.to(tl.float32)[None, :] * normed.to(tl.float32)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -41,16 +46,18 @@ def _launch_params(device: torch.device, n: int):
     return (16 if device.type == "cpu" else 1), block_n, (4 if block_n <= 4096 else 8)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim; output dtype follows torch promotion of (weight, x), as in HF."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim; output dtype follows torch promotion of (weight, x), as in HF
+    (``zero_centred``: x's dtype, scaled by 1 + weight, as Qwen3.5's norms)."""
     n = x.shape[-1]
     if weight.shape != (n,):
         raise InvalidArgumentError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n}")
     x2 = reduction_rows(x.reshape(-1, n))
     m = x2.shape[0]
-    y = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+    dtype = x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty(x2.shape, device=x.device, dtype=dtype)
     block_rows, block_n, num_warps = _launch_params(x.device, n)
     if m:
         launch(_rms_norm_kernel, (triton.cdiv(m, block_rows),), x.device, x2, weight, y, x2.stride(0), y.stride(0),
-               m, n, eps, BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=num_warps)
+               m, n, eps, BLOCK_ROWS=block_rows, BLOCK_N=block_n, ZERO_CENTRED=zero_centred, num_warps=num_warps)
     return y.reshape(x.shape[:-1] + (n,))

@@ -24,6 +24,10 @@ paged_mod = sys.modules["invariant_infer.kernels.paged_attention"]
 rms_mod = sys.modules["invariant_infer.kernels.rms_norm"]
 silu_mod = sys.modules["invariant_infer.kernels.silu_mul"]
 logprobs_mod = sys.modules["invariant_infer.kernels.token_logprobs"]
+gdn_mod = sys.modules["invariant_infer.kernels.gated_delta_rule"]
+conv_mod = sys.modules["invariant_infer.kernels.causal_conv1d"]
+gated_norm_mod = sys.modules["invariant_infer.kernels.rms_norm_gated"]
+sigmoid_mod = sys.modules["invariant_infer.kernels.sigmoid_mul"]
 
 TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 ARCHS = [90, 89, 80]
@@ -217,6 +221,31 @@ def test_row_kernels_compile(arch, dtype):
                 {"ptr": dt, "targets_ptr": "*i64", "logprob_ptr": "*fp32", "argmax_ptr": "*i32", "lse_ptr": "*fp32",
                  "temperature": "fp32"},
                 dict(BLOCK_ROWS=1, BLOCK_V=block_v, STORE_LSE=False), 8)
+
+
+@pytest.mark.fast_cells(1)
+@pytest.mark.parametrize("arch, dtype", [(90, torch.bfloat16), (90, torch.float16), (90, torch.float32),
+                                         (89, torch.bfloat16), (80, torch.bfloat16)], ids=str)
+def test_linear_attention_kernels_compile(arch, dtype):
+    """Gated DeltaNet's kernels at Qwen3.5's head sizes (128 x 128, two value heads per key head),
+    the short convolution, the gated and zero-centred norms and the attention's output gate (the
+    scan takes about 15 s to compile on CPU, so every dtype on sm_90 and bf16 on the others)."""
+    dt = f"*{TL_DTYPE[dtype]}"
+    compile_for(gdn_mod._chunk_gated_delta_rule_kernel, arch,
+                {"ptr": dt, "state_ptr": "*fp32", "seg_start_ptr": "*i32", "seg_end_ptr": "*i32",
+                 "out_from_ptr": "*i32", "a_log_ptr": "*fp32", "dt_bias_ptr": dt, "scale": "fp32"},
+                dict(GROUP=2, CHUNK=gdn_mod.CHUNK, BLOCK_K=128,
+                     BLOCK_V=gdn_mod.launch_block_v(torch.device("cuda"), 128), DOT_PRECISION=DOT_PRECISION),
+                gdn_mod.NUM_WARPS, 1)
+    compile_for(conv_mod._causal_conv1d_silu_kernel, arch,
+                {"ptr": dt, "seg_start_ptr": "*i32", "seg_end_ptr": "*i32", "out_from_ptr": "*i32"},
+                dict(KERNEL=4, BLOCK_T=16, BLOCK_C=128))
+    block_rows, block_n, warps = rms_mod._launch_params(torch.device("cuda"), 128)
+    compile_for(gated_norm_mod._rms_norm_gated_kernel, arch, {"ptr": dt, "eps": "fp32"},
+                dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n), warps)
+    compile_for(rms_mod._rms_norm_kernel, arch, {"ptr": dt, "eps": "fp32"},
+                dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n, ZERO_CENTRED=True), warps)
+    compile_for(sigmoid_mod._sigmoid_mul_kernel, arch, {"ptr": dt}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
 
 
 def test_reduction_rows_traces_without_graph_breaks():
