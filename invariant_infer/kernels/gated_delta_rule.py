@@ -6,12 +6,13 @@ softplus(a + dt_bias) <= 0 and beta = sigmoid(b), the state S [dk, dv] follows
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,   o_t = S_t^T q_t.
 The scan cuts each sequence into chunks of CHUNK tokens **from the sequence's first token**, and
 computes a chunk from the state at its start (the boundary state) in the WY form (gamma: the chunk's
-cumulative g; L: the strictly lower beta_i (k_i . k_j) exp(gamma_i - gamma_j); T = (I + L)^-1):
+cumulative g; L: the strictly lower beta_i (k_i . k_j) exp(gamma_i - gamma_j); T = (I + L)^-1, by
+forward substitution in 16 x 16 diagonal blocks merged pairwise):
     w = T (beta k exp(gamma)),  u = T (beta v),  v_new = u - w S,
     o = (q exp(gamma)) S + causal(q k^T exp(gamma_i - gamma_j)) v_new,
     S' = S exp(gamma_last) + (k exp(gamma_last - gamma))^T v_new     (complete chunks only).
-Row i of every product depends on rows 0 .. i of its chunk alone (T by forward substitution, row
-by row; every sum over the chunk in a fixed order, with exact zeros past row i). So a chunk holding
+Row i of every product depends on rows 0 .. i of its chunk alone (every sum over the chunk in a
+fixed order, with exact zeros past row i). So a chunk holding
 only its first t + 1 rows gives row t the bits the complete chunk gives it: a decode step, or a
 prefill cut anywhere, is the same computation over "the rows since the boundary state". Callers keep
 each sequence's boundary state and the inputs of its unfinished chunk, and run the rows since the
@@ -28,6 +29,7 @@ from .errors import InvalidArgumentError, InvalidDtypeError
 from .launch import DOT_PRECISION, launch
 
 CHUNK = 64  # tokens per chunk: fixed, never chosen from the batch or the sequence lengths
+SUB = 16  # the diagonal blocks of the triangular solve, inverted row by row
 NUM_WARPS = 8  # sm_90 at 128 x 64 state tiles: 4 warps spill, and ptxas takes 3x as long
 
 
@@ -38,17 +40,35 @@ def _l2_normalize(x):
 
 
 @triton.jit
-def _unit_lower_inverse(lower, CHUNK: tl.constexpr):
-    """(I + lower)^-1 of a strictly lower [CHUNK, CHUNK] block, by forward substitution: row i is
-    e_i - sum_j lower[i, j] row_j, computed in row order; every sum over j runs over the whole block
-    (exact zeros for j >= i), so row i depends on rows 0 .. i of ``lower`` alone."""
+def _unit_lower_inverse(lower, CHUNK: tl.constexpr, SUB: tl.constexpr, MERGES: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """(I + lower)^-1 of a strictly lower [CHUNK, CHUNK] block, blocked: forward substitution inside
+    each diagonal SUB x SUB block (row i of every block at once, from the rows before it), then the
+    blocks merged pairwise, T21 = -T22 L21 T11, up to the whole chunk. Each product is a dot over the
+    whole block with exact zeros outside the triangle, so row i depends on rows 0 .. i of ``lower``
+    alone, in one order for any number of rows."""
     r = tl.arange(0, CHUNK)
     inverse = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, CHUNK):
-        row = tl.sum(tl.where(r[:, None] == i, lower, 0.0), axis=0)        # lower[i, :]
-        update = tl.sum(row[:, None] * inverse, axis=0)                     # sum_j lower[i, j] inverse[j, :]
-        inverse = tl.where(r[:, None] == i, inverse - update[None, :], inverse)
+    diagonal = tl.where((r[:, None] // SUB) == (r[None, :] // SUB), lower, 0.0)
+    for i in range(1, SUB):
+        rows = (r % SUB) == i
+        inverse = tl.where(rows[:, None], inverse - tl.dot(diagonal, inverse, input_precision=DOT_PRECISION), inverse)
+    if MERGES > 0:
+        inverse = _merge_blocks(lower, inverse, r, SUB, DOT_PRECISION)
+    if MERGES > 1:
+        inverse = _merge_blocks(lower, inverse, r, 2 * SUB, DOT_PRECISION)
+    tl.static_assert(MERGES <= 2, "CHUNK is at most 4 SUB blocks")
     return inverse
+
+
+@triton.jit
+def _merge_blocks(lower, inverse, r, SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Pairs of inverted SIZE x SIZE diagonal blocks into one of 2 SIZE: its lower-left block
+    -T22 L21 T11, from dots over the whole chunk (``inverse`` is block-diagonal in SIZE blocks)."""
+    pair = (r[:, None] // (2 * SIZE)) == (r[None, :] // (2 * SIZE))
+    below = pair & ((r[:, None] // SIZE) % 2 == 1) & ((r[None, :] // SIZE) % 2 == 0)
+    corner = tl.dot(tl.where(below, lower, 0.0), inverse, input_precision=DOT_PRECISION)
+    return tl.where(below, -tl.dot(inverse, corner, input_precision=DOT_PRECISION), inverse)
 
 
 @triton.jit(do_not_specialize=["num_segments"])
@@ -56,7 +76,8 @@ def _chunk_gated_delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr, seg_start_ptr, seg_end_ptr,
     out_from_ptr, num_segments, Hv, Dk, Dv, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, MERGES: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seg = tl.program_id(0)
@@ -103,7 +124,7 @@ def _chunk_gated_delta_rule_kernel(
         k_beta = k * beta[:, None]
         kk = tl.dot(k_beta, tl.trans(k), input_precision=DOT_PRECISION)
         lower = tl.where(strictly_lower & valid[:, None] & valid[None, :], kk * pair, 0.0)
-        inverse = _unit_lower_inverse(lower, CHUNK)
+        inverse = _unit_lower_inverse(lower, CHUNK, SUB, MERGES, DOT_PRECISION)
         w = tl.dot(inverse, k_beta * tl.exp(gamma)[:, None], input_precision=DOT_PRECISION)
         u = tl.dot(inverse, v * beta[:, None], input_precision=DOT_PRECISION)
         v_new = u - tl.dot(w, state, input_precision=DOT_PRECISION)
@@ -160,7 +181,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
            q, k, v, a, b, a_log, dt_bias, out, state, seg_start, seg_end, out_from, segments, hv, dk, dv, dk ** -0.5,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
            out.stride(0), out.stride(1),
-           GROUP=hv // hk, CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=block_v, DOT_PRECISION=DOT_PRECISION,
+           GROUP=hv // hk, CHUNK=chunk, SUB=min(SUB, chunk), MERGES=(chunk // min(SUB, chunk)).bit_length() - 1,
+           BLOCK_K=block_k, BLOCK_V=block_v, DOT_PRECISION=DOT_PRECISION,
            num_warps=NUM_WARPS, num_stages=1)
     return out
 
