@@ -65,6 +65,12 @@ CONFIGS = {
     "mixtral": dict(_COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                     num_key_value_heads=1, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                     sliding_window=None, router_jitter_noise=0.0),
+    # Two layers, one of each kind: a Gated DeltaNet layer and a gated full attention layer.
+    "qwen3_5_text": dict(_COMMON, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                         head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False, attention_bias=False,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
 }
 SAMPLE_LENGTHS = (6, 1, 11, 3)
 # name -> (members in batch order, padding side, extra padding, inputs_embeds)

@@ -19,7 +19,7 @@ import secrets
 import torch
 
 from ..errors import (DeviceError, EngineBusyError, InvalidArgumentError, LoraAdapterError, RequestError,
-                      TensorParallelError, raise_if_device_failure)
+                      TensorParallelError, UnsupportedModelError, raise_if_device_failure)
 from ..model.executor import Executor, executor_for
 from ..model.lora import is_peft_model
 from ..model.patch import is_invariant, make_invariant
@@ -65,6 +65,10 @@ class EngineCore:
                                        "first)")
         if model.get_output_embeddings() is None or not hasattr(model, "model"):
             raise InvalidArgumentError("the engine runs causal LMs (AutoModelForCausalLM), not base models")
+        if getattr(model.config, "layer_types", None) and "linear_attention" in model.config.layer_types:
+            raise UnsupportedModelError(f"{model.config.model_type}: the engine does not run models with Gated "
+                                        "DeltaNet (linear attention) layers yet; use make_invariant(model) with "
+                                        "generate, or score_sequences")
         self.model, self.tokenizer = model.eval(), tokenizer
         config = model.config
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings

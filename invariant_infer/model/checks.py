@@ -68,6 +68,12 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
             expected = [cls.__name__ for cls in (adapter.mlp, adapter.moe and adapter.moe.block) if cls]
             raise UnsupportedModelError(f"layers.{index}.mlp is {type(layer.mlp).__name__}, not the "
                                         f"{' or '.join(expected)} the {adapter.model_type} adapter patches")
+        if adapter.is_linear_attention(layer):
+            _check_linear_attention(adapter, layer.linear_attn, f"layers.{index}.linear_attn")
+            continue
+        if adapter.gated_attention is not None and type(layer.self_attn) is not adapter.gated_attention:
+            raise UnsupportedModelError(f"layers.{index}.self_attn is {type(layer.self_attn).__name__}, not the "
+                                        f"{adapter.gated_attention.__name__} the {adapter.model_type} adapter patches")
         for name in adapter.head_norms:
             if type(getattr(layer.self_attn, name, None)) is not adapter.rms_norm:
                 raise UnsupportedModelError(f"layers.{index}.self_attn.{name} is not a {adapter.rms_norm.__name__}")
@@ -88,5 +94,28 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
         if type(param.data) is not torch.Tensor and not (sharded and isinstance(param.data, DTensor)):
             raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
                                         "are supported")
+    if adapter.linear_attention is not None:
+        _refuse_on_linear_attention(adapter, sharded, quantized, experts, lora_layers(model, head, quantized, sharded))
     return adapter, base, quantized, experts, lora_layers(model, head, quantized, sharded)
+
+
+def _check_linear_attention(adapter, module, name: str) -> None:
+    if type(module) is not adapter.linear_attention.module:
+        expected = adapter.linear_attention.module.__name__
+        raise UnsupportedModelError(f"{name} is {type(module).__name__}, not the {expected} the "
+                                    f"{adapter.model_type} adapter patches")
+    if getattr(module, "activation", "silu") != "silu" or module.conv1d.bias is not None:
+        raise UnsupportedModelError(f"{name}: only the short convolution without bias followed by silu is supported")
+    if module.num_v_heads % module.num_k_heads:
+        raise UnsupportedModelError(f"{name}: {module.num_v_heads} value heads do not group over "
+                                    f"{module.num_k_heads} key heads")
+
+
+def _refuse_on_linear_attention(adapter, sharded: bool, quantized, experts, adapters) -> None:
+    """What hybrid (Gated DeltaNet) models do not run with yet, by name."""
+    what = (sharded and "tensor parallelism") or ((quantized or experts) and "quantized checkpoints") or \
+        (adapters and "PEFT LoRA adapters")
+    if what:
+        raise UnsupportedModelError(f"{adapter.model_type}: {what} on models with Gated DeltaNet layers are not "
+                                    "supported yet")
 

@@ -49,8 +49,11 @@ from ..kernels import (linear, linear_autograd, rms_norm, rms_norm_autograd, sil
                        silu_mul_linear_autograd)
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
+from .gated_attention import gated_attention_forward
+from .linear_attention import gated_delta_net_forward
 from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
 from .module_state import module_state, remove_state, state_of
+from .no_backward import without_backward
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
@@ -94,6 +97,11 @@ def _row_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias, config=config)
 
 
+def _zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return without_backward(rms_norm(hidden_states, self.weight, self.eps, zero_centred=True),
+                            [hidden_states, self.weight], "zero-centred RMSNorms (Qwen3.5, Qwen3-Next)")
+
+
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if _records_grad(hidden_states, self.weight):
         return rms_norm_autograd(hidden_states, self.weight, self.variance_epsilon)
@@ -126,6 +134,11 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
     if cos_table.device != x.device:
         cos_table, sin_table = cos_table.to(x.device), sin_table.to(x.device)
         state.rope_tables = (cos_table, sin_table)
+    if position_ids.dim() == 3:  # multimodal RoPE sections (Qwen3.5): text positions repeat one section
+        if not torch.compiler.is_compiling() and not bool((position_ids == position_ids[:1]).all()):
+            raise NonInvariantInputError("multimodal rotary positions (images, videos) are not supported yet; "
+                                         "pass text only")
+        position_ids = position_ids[0]
     idx = position_ids.clamp(0, cos_table.shape[0] - 1)  # range is checked eagerly in the pre-hook
     return cos_table[idx].to(x.dtype), sin_table[idx].to(x.dtype)
 
@@ -200,7 +213,7 @@ def _refuse_dropout(base: nn.Module) -> None:
     """Train mode applies attention dropout, whose random mask depends on where a sample sits in
     the batch: refuse it rather than train on batch-dependent numbers."""
     for index, layer in enumerate(base.layers):
-        rate = getattr(layer.self_attn, "attention_dropout", 0.0)
+        rate = getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0)
         if rate:
             raise NonInvariantInputError(
                 f"layers.{index}.self_attn has attention_dropout={rate} and the model is in train mode: dropout is "
@@ -282,7 +295,11 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
         elif type(module) is nn.Linear:
             _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward)
         elif type(module) is adapter.rms_norm:
-            _set_forward(module, _rms_norm_forward)
+            _set_forward(module, _zero_centred_rms_norm_forward if adapter.zero_centred_norms else _rms_norm_forward)
+        elif adapter.linear_attention is not None and type(module) is adapter.linear_attention.module:
+            _set_forward(module, gated_delta_net_forward)
+        elif adapter.gated_attention is not None and type(module) is adapter.gated_attention:
+            _set_forward(module, gated_attention_forward)
         elif adapter.mlp is not None and type(module) is adapter.mlp:
             _set_forward(module, _quantized_mlp_forward if module.down_proj in quantized else _mlp_forward)
         elif adapter.moe is not None and type(module) is adapter.moe.router:

@@ -17,13 +17,13 @@ from invariant_infer.model.families import FAMILIES
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-# Dense families: the FAMILY-driven tests run over these. The MoE families have their own short
-# tests (tests/model/test_moe.py), so CI time does not multiply.
-FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.moe is None)
-
-
-FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.moe is None)
+# Dense families: the FAMILY-driven tests run over these. The MoE and hybrid (Gated DeltaNet)
+# families have their own tests (tests/model/test_moe.py, tests/model/test_hybrid.py), so CI time
+# does not multiply.
+FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
+                      if adapter.moe is None and adapter.linear_attention is None)
 MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.moe is not None)
+HYBRID_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is not None)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -31,6 +31,14 @@ class MoeLayout:
 
 
 @dataclass(frozen=True)
+class LinearAttentionLayout:
+    """A hybrid family's linear-attention layers: ``layers[i].linear_attn`` (Gated DeltaNet) where
+    ``config.layer_types[i]`` is "linear_attention", ``layers[i].self_attn`` elsewhere."""
+    module: type                          # the Gated DeltaNet class, whose forward make_invariant replaces
+    projections: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+@dataclass(frozen=True)
 class FamilyAdapter:
     model_type: str                       # config.model_type
     config_class: type
@@ -47,14 +55,26 @@ class FamilyAdapter:
     presets: dict[str, dict] = field(default_factory=dict)
     refused: str = ""                     # what the family refuses, in words (the table in docs/models.md)
     moe: MoeLayout | None = None          # mixture-of-experts families only
+    linear_attention: LinearAttentionLayout | None = None  # hybrid families only
+    # Attention whose output is gated by sigmoid(gate) from a doubled q_proj (Qwen3.5, Qwen3-Next):
+    # its class, whose forward make_invariant replaces.
+    gated_attention: type | None = None
+    zero_centred_norms: bool = False      # every RMSNorm computes fp32 x (1 + weight) (Qwen3.5, Qwen3-Next)
 
     def is_sparse(self, layer: nn.Module) -> bool:
         return self.moe is not None and type(layer.mlp) is self.moe.block
 
+    def is_linear_attention(self, layer: nn.Module) -> bool:
+        return self.linear_attention is not None and hasattr(layer, "linear_attn")
+
     def projections(self, layer: nn.Module) -> dict[str, nn.Module]:
         """The layer's projections by name (``self_attn.q_proj``, ``mlp.down_proj`` ...)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        found = {f"self_attn.{name}": getattr(attn, name, None) for name in self.attention_projections}
+        mlp = layer.mlp
+        if self.is_linear_attention(layer):
+            found = {f"linear_attn.{name}": getattr(layer.linear_attn, name, None)
+                     for name in self.linear_attention.projections}
+        else:
+            found = {f"self_attn.{name}": getattr(layer.self_attn, name, None) for name in self.attention_projections}
         if not self.is_sparse(layer):
             found.update({f"mlp.{name}": getattr(mlp, name, None) for name in self.mlp_projections})
         return found
@@ -86,6 +106,6 @@ def sliding_window_refusal(config) -> str | None:
     return None
 
 
-from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe  # noqa: E402,F401  (each registers itself)
+from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe  # noqa: E402,F401  (each registers itself)
 
-__all__ = ["FAMILIES", "FamilyAdapter", "MoeLayout", "family_of", "register_family"]
+__all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "family_of", "register_family"]

@@ -1,0 +1,155 @@
+"""Gated DeltaNet layers (Qwen3.5, Qwen3-Next) on the invariant kernels: each sequence's chunks start at
+its first real token, and a forward that continues a cached sequence runs the rows since its last
+chunk boundary again (``kernels.gated_delta_rule``), so decode, a prefill cut anywhere and one
+forward over the whole prefix give every token the same bits.
+
+The layer's cache state, per sequence: the last K inputs of the short convolution (kept in the
+transformers cache's own conv state, which also counts the tokens), the fp32 state at the last
+chunk boundary and the inputs (q, k, v, a, b after the convolution) of the chunk not yet complete,
+right-aligned in a [B, CHUNK - 1] buffer. Both live beside the transformers cache object, one
+``LinearAttentionState`` per layer.
+
+Rows: a padded batch's real tokens are one run per row (left or right padding); pads never enter a
+chunk or a state. Packed rows (``PACKED_KWARG``) give one segment per sequence, and are whole
+sequences: a cache passed with them is left as it is.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import NonInvariantInputError
+from ..kernels import causal_conv1d_silu, chunk_gated_delta_rule, rms_norm_gated
+from ..kernels.gated_delta_rule import CHUNK
+from .no_backward import without_backward
+from .packing import PACKED_KWARG
+
+HISTORY = CHUNK - 1  # the most rows of an unfinished chunk
+
+
+@dataclass
+class LinearAttentionState:
+    """One layer's per-sequence state beside a transformers cache (see the module's docstring)."""
+    state: torch.Tensor     # fp32 [B, Hv, Dk, Dv]: the state at each sequence's last chunk boundary
+    rows: torch.Tensor      # [B, HISTORY, conv_dim + 2 Hv]: the unfinished chunk's q|k|v|a|b, right-aligned
+    count: torch.Tensor     # long [B]: rows of the unfinished chunk
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer index: LinearAttentionState}
+
+
+def _states_of(cache) -> dict[int, LinearAttentionState]:
+    states = _STATES.get(cache)
+    if states is None:
+        states = _STATES[cache] = {}
+    return states
+
+
+def _row_ranges(mask: torch.Tensor | None, batch: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) long [B]: each row's run of real tokens among this forward's ``length`` columns."""
+    if mask is None:
+        return (torch.zeros(batch, dtype=torch.long, device=device),
+                torch.full((batch,), length, dtype=torch.long, device=device))
+    mask = mask.to(torch.long)
+    count = mask.sum(-1)
+    start = torch.where(count > 0, mask.argmax(-1), length)
+    return start, start + count
+
+
+def _update_conv_state(cache, layer_idx: int, x: torch.Tensor, kernel: int) -> torch.Tensor:
+    """transformers' own conv-state update ([B, C, L] in, the cached inputs and the new ones out),
+    which also counts the layer's tokens for ``cache.get_seq_length``."""
+    return cache.update_conv_state(x, layer_idx, conv_kernel_size=kernel)
+
+
+def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, cache_params=None,
+                            **kwargs) -> torch.Tensor:
+    """The invariant forward of a ``Qwen3_5GatedDeltaNet`` / ``Qwen3NextGatedDeltaNet`` layer."""
+    packed = kwargs.get(PACKED_KWARG)
+    # Packed rows (training, scoring) are whole sequences: nothing continues them through a cache.
+    cache = None if packed is not None else cache if cache is not None else cache_params
+    batch, length, _ = hidden_states.shape
+    device = hidden_states.device
+    hv, dk, dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
+    value_dim = self.value_dim
+
+    start, end = _row_ranges(attention_mask if packed is None else None, batch, length, device)
+    real = (torch.arange(length, device=device)[None, :] >= start[:, None]) & \
+        (torch.arange(length, device=device)[None, :] < end[:, None])
+    mixed = self.in_proj_qkv(hidden_states) * real[..., None].to(hidden_states.dtype)  # pads are zeros
+    z = self.in_proj_z(hidden_states)
+    a, b = self.in_proj_a(hidden_states), self.in_proj_b(hidden_states)
+    kernel = self.conv_kernel_size
+    weight = self.conv1d.weight.squeeze(1)
+
+    # The short convolution over each row (cached inputs first), outputs for this forward's columns.
+    conv_in = mixed.transpose(1, 2) if cache is None else \
+        _update_conv_state(cache, self.layer_idx, mixed.transpose(1, 2), kernel)
+    width = conv_in.shape[-1]
+    flat = conv_in.transpose(1, 2).reshape(batch * width, -1)
+    row_base = torch.arange(batch, device=device, dtype=torch.long) * width
+    if packed is not None:
+        starts, ends = _packed_segments(packed)
+        conv = causal_conv1d_silu(flat, weight, starts, ends)
+    else:
+        conv = causal_conv1d_silu(flat, weight, row_base.to(torch.int32), (row_base + width).to(torch.int32),
+                                  (row_base + width - length).to(torch.int32))
+    qkv = conv.view(batch, width, -1)[:, width - length:]
+
+    # The gated delta rule: the unfinished chunk's rows, then this forward's.
+    rows = torch.cat([qkv, a, b], dim=-1)
+    layer_state = _states_of(cache).get(self.layer_idx) if cache is not None else None
+    if layer_state is None:
+        layer_state = LinearAttentionState(torch.zeros(batch, hv, dk, dv, device=device),
+                                           rows.new_zeros(batch, HISTORY, rows.shape[-1]),
+                                           torch.zeros(batch, dtype=torch.long, device=device))
+    if packed is not None:
+        seg_start, seg_end = _packed_segments(packed)
+        all_rows, seg_from, state = rows.reshape(batch * length, -1), seg_start, \
+            torch.zeros(seg_start.shape[0], hv, dk, dv, device=device)
+        out = _scan(self, all_rows, seg_start, seg_end, seg_from, state)
+        core = out.view(batch, length, hv, dv)
+    else:
+        if cache is not None and bool(((layer_state.count > 0) & (start > 0)).any()):
+            raise NonInvariantInputError("a cached sequence continued with padding before its new tokens: pass "
+                                         "left-padded prompts in the first forward only")
+        all_rows = torch.cat([layer_state.rows, rows], dim=1)                  # [B, HISTORY + L, C]
+        span = HISTORY + length
+        base = torch.arange(batch, device=device, dtype=torch.long) * span
+        seg_from = base + HISTORY + start
+        seg_start = torch.where(layer_state.count > 0, base + HISTORY - layer_state.count, seg_from)
+        seg_end = base + HISTORY + end
+        out = _scan(self, all_rows.reshape(batch * span, -1), seg_start, seg_end, seg_from, layer_state.state)
+        core = out.view(batch, span, hv, dv)[:, HISTORY:]
+        if cache is not None:  # the new unfinished chunk: the last (rows since the boundary) % CHUNK rows
+            count = (seg_end - seg_start) % CHUNK
+            slots = torch.arange(HISTORY, device=device)
+            source = (seg_end - HISTORY)[:, None] - base[:, None] + slots[None, :]
+            keep = slots[None, :] >= HISTORY - count[:, None]
+            gathered = all_rows.gather(1, source.clamp(0, span - 1)[..., None].expand(-1, -1, all_rows.shape[-1]))
+            layer_state.rows = torch.where(keep[..., None], gathered, torch.zeros((), dtype=rows.dtype, device=device))
+            layer_state.count = count
+            _states_of(cache)[self.layer_idx] = layer_state
+    normed = rms_norm_gated(core, z.view(batch, length, hv, dv), self.norm.weight, self.norm.variance_epsilon)
+    normed = without_backward(normed, [hidden_states, *self.parameters()],
+                              "Gated DeltaNet layers (Qwen3.5, Qwen3-Next)")
+    return self.out_proj(normed.reshape(batch, length, value_dim))
+
+
+def _scan(self, rows: torch.Tensor, seg_start, seg_end, seg_from, state: torch.Tensor) -> torch.Tensor:
+    key_dim, value_dim, hv = self.key_dim, self.value_dim, self.num_v_heads
+    q, k, v, a, b = torch.split(rows, [key_dim, key_dim, value_dim, hv, hv], dim=-1)
+    tokens = rows.shape[0]
+    return chunk_gated_delta_rule(
+        q.reshape(tokens, -1, self.head_k_dim), k.reshape(tokens, -1, self.head_k_dim),
+        v.reshape(tokens, hv, self.head_v_dim), a, b, self.A_log, self.dt_bias,
+        seg_start.to(torch.int32), seg_end.to(torch.int32), state, out_from=seg_from.to(torch.int32))
+
+
+def _packed_segments(packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 (start, end) over the flattened packed tokens of each packed sequence."""
+    first = packed.slot_tokens[torch.arange(packed.sequences, device=packed.lengths.device) * packed.width]
+    return first.to(torch.int32), (first + packed.lengths).to(torch.int32)
+
