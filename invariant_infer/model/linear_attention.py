@@ -35,6 +35,7 @@ class LinearAttentionState:
     state: torch.Tensor     # fp32 [B, Hv, Dk, Dv]: the state at each sequence's last chunk boundary
     rows: torch.Tensor      # [B, HISTORY, conv_dim + 2 Hv]: the unfinished chunk's q|k|v|a|b, right-aligned
     count: torch.Tensor     # long [B]: rows of the unfinished chunk
+    right_padded: bool = False  # a forward ended some row before its last column: it cannot be continued
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer index: LinearAttentionState}
@@ -100,21 +101,20 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
 
     # The gated delta rule: the unfinished chunk's rows, then this forward's.
     rows = torch.cat([qkv, a, b], dim=-1)
-    layer_state = _states_of(cache).get(self.layer_idx) if cache is not None else None
-    if layer_state is None:
-        layer_state = LinearAttentionState(torch.zeros(batch, hv, dk, dv, device=device),
-                                           rows.new_zeros(batch, HISTORY, rows.shape[-1]),
-                                           torch.zeros(batch, dtype=torch.long, device=device))
     if packed is not None:
         seg_start, seg_end = _packed_segments(packed)
-        all_rows, seg_from, state = rows.reshape(batch * length, -1), seg_start, \
-            torch.zeros(seg_start.shape[0], hv, dk, dv, device=device)
-        out = _scan(self, all_rows, seg_start, seg_end, seg_from, state)
-        core = out.view(batch, length, hv, dv)
+        state = torch.zeros(seg_start.shape[0], hv, dk, dv, device=device)
+        core = _scan(self, rows.reshape(batch * length, -1), seg_start, seg_end, seg_start, state)
+        core = core.view(batch, length, hv, dv)
     else:
-        if cache is not None and bool(((layer_state.count > 0) & (start > 0)).any()):
-            raise NonInvariantInputError("a cached sequence continued with padding before its new tokens: pass "
-                                         "left-padded prompts in the first forward only")
+        layer_state = _states_of(cache).get(self.layer_idx) if cache is not None else None
+        if layer_state is None:
+            layer_state = LinearAttentionState(torch.zeros(batch, hv, dk, dv, device=device),
+                                               rows.new_zeros(batch, HISTORY, rows.shape[-1]),
+                                               torch.zeros(batch, dtype=torch.long, device=device))
+        elif layer_state.right_padded or bool(((layer_state.count > 0) & (start > 0)).any()):
+            raise NonInvariantInputError("a cached sequence continued after right padding, or with padding before "
+                                         "its new tokens: pad prompts on the left, in the first forward only")
         all_rows = torch.cat([layer_state.rows, rows], dim=1)                  # [B, HISTORY + L, C]
         span = HISTORY + length
         base = torch.arange(batch, device=device, dtype=torch.long) * span
@@ -131,6 +131,7 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
             gathered = all_rows.gather(1, source.clamp(0, span - 1)[..., None].expand(-1, -1, all_rows.shape[-1]))
             layer_state.rows = torch.where(keep[..., None], gathered, torch.zeros((), dtype=rows.dtype, device=device))
             layer_state.count = count
+            layer_state.right_padded = bool((end < length).any())
             _states_of(cache)[self.layer_idx] = layer_state
     normed = rms_norm_gated(core, z.view(batch, length, hv, dv), self.norm.weight, self.norm.variance_epsilon)
     normed = without_backward(normed, [hidden_states, *self.parameters()],
