@@ -29,7 +29,8 @@ LAYERS = [
 # Cycles a package's registration needs: families/__init__ imports each family module, which
 # registers itself with the package.
 ALLOWED_CYCLE_EDGES = {(f"invariant_infer.model.families.{name}", "invariant_infer.model.families")
-                       for name in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_moe")}
+                       for name in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_5",
+                                    "qwen3_moe")}
 
 
 def module_files() -> dict[str, Path]:

@@ -309,8 +309,9 @@ class EngineCore:
         if picked:  # the sampled tokens' logprobs, one launch per temperature they are taken at
             picked_rows = [row for row, _, _ in picked]
             every_row = len(picked_rows) == logits.shape[0] and picked_rows == list(range(len(picked_rows)))
+            temperatures = [seq.params.logprob_temperature for _, seq, _ in picked]
             values = row_logprobs(self.runner, logits if every_row else logits[picked_rows],
-                                  [t for _, _, t in picked], [seq.params.logprob_temperature for _, seq, _ in picked])[0]
+                                  [t for _, _, t in picked], temperatures)[0]
             timer.mark("logprobs")
             kept = []
             for (row, seq, token), value in zip(picked, values):

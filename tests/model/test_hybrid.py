@@ -184,7 +184,7 @@ def test_a_qwen3_5_checkpoint_loads_as_its_text_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert model.config.model_type == "qwen3_5_text"
     make_invariant(model)
-    assert batch_mismatches(model, samples_for(model), BATCHINGS[:2]) == []
+    assert batch_mismatches(model, samples_for(model, (9, 1, 12, 5)), BATCHINGS[:1]) == []
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILY_NAMES)

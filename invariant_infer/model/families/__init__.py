@@ -106,6 +106,7 @@ def sliding_window_refusal(config) -> str | None:
     return None
 
 
-from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe  # noqa: E402,F401  (each registers itself)
+# Each family module registers itself.
+from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_moe  # noqa: E402,F401
 
 __all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "family_of", "register_family"]
