@@ -45,9 +45,12 @@ def split(model: str) -> tuple[str, str | None]:
 
 def model_names(families, formats) -> list[str]:
     """The fuzz's models: each family in each format, in that order (``none``: the family itself).
-    MoE families in ``none`` and ``fp8`` only: make_invariant refuses compressed-tensors MoE models."""
-    return [f if fmt == "none" else f"{f}:{fmt}" for f in families for fmt in formats
-            if fmt in ("none", "fp8") or FAMILIES[f].moe is None]
+    MoE families in ``none`` and ``fp8`` only: make_invariant refuses compressed-tensors MoE models;
+    hybrid families in ``none`` only: it refuses quantized hybrid models."""
+    def runs(family: str, fmt: str) -> bool:
+        adapter = FAMILIES[family]
+        return fmt == "none" or (adapter.linear_attention is None and (fmt == "fp8" or adapter.moe is None))
+    return [f if fmt == "none" else f"{f}:{fmt}" for f in families for fmt in formats if runs(f, fmt)]
 
 
 def quant_overrides(family: str) -> dict:

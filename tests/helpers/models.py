@@ -22,7 +22,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # does not multiply.
 FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
                       if adapter.moe is None and adapter.linear_attention is None)
-MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.moe is not None)
+MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
+                          if adapter.moe is not None and adapter.linear_attention is None)
 HYBRID_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is not None)
 
 
