@@ -39,6 +39,18 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5   # of the free memory at start
 
 
+def _check_hybrid(model_type: str, kernels: str, enable_prefix_caching, speculative, max_loras: int) -> None:
+    """What the engine does not run yet with Gated DeltaNet (linear attention) layers, refused by name."""
+    refused = [what for what, asked in (
+        ("kernels='stock'", kernels != "invariant"),
+        ("prefix caching (a hit would need the layers' state at the cached prefix)", enable_prefix_caching),
+        ("speculative decoding (a rejected draft token would have to leave the layers' state)", speculative),
+        ("LoRA adapters", max_loras)) if asked]
+    if refused:
+        raise UnsupportedModelError(f"{model_type}: the engine does not run models with Gated DeltaNet (linear "
+                                    f"attention) layers with {'; '.join(refused)} yet")
+
+
 class EngineCore:
     """Continuous batching over one causal LM, on token ids (see the module's docstring).
 
@@ -50,7 +62,7 @@ class EngineCore:
     result equals that of an engine freshly built on the updated model, bitwise."""
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
+                 kv_cache_memory: int | None = None, enable_prefix_caching: bool | None = None, kernels: str = "invariant",
                  decode_buckets: tuple[int, ...] = (), executor: Executor | None = None, speculative=None,
                  max_loras: int = 0, max_lora_rank: int = 16):
         executor = executor_for(model, executor)  # where each step runs (default: this process)
@@ -65,10 +77,11 @@ class EngineCore:
                                        "first)")
         if model.get_output_embeddings() is None or not hasattr(model, "model"):
             raise InvalidArgumentError("the engine runs causal LMs (AutoModelForCausalLM), not base models")
-        if getattr(model.config, "layer_types", None) and "linear_attention" in model.config.layer_types:
-            raise UnsupportedModelError(f"{model.config.model_type}: the engine does not run models with Gated "
-                                        "DeltaNet (linear attention) layers yet; use make_invariant(model) with "
-                                        "generate, or score_sequences")
+        hybrid = "linear_attention" in (getattr(model.config, "layer_types", None) or ())
+        if hybrid:
+            _check_hybrid(model.config.model_type, kernels, enable_prefix_caching, speculative, max_loras)
+        if enable_prefix_caching is None:  # the default: on, but for hybrid models
+            enable_prefix_caching = not hybrid
         self.model, self.tokenizer = model.eval(), tokenizer
         config = model.config
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings

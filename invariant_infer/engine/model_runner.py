@@ -5,7 +5,9 @@ The Hugging Face modules run unchanged (one engine for every family): projection
 MLP see ``T`` packed rows, which is all they need since each row is computed alone; RoPE looks up
 each token's absolute position; attention receives a ``paged_batch`` keyword that the model's
 forward passes through to its attention function (``invariant_infer.model.attention``), which
-writes the step's K/V into the pages and attends over each sequence's own pages.
+writes the step's K/V into the pages and attends over each sequence's own pages. On hybrid models
+the same batch carries the Gated DeltaNet layers' step (``LinearAttentionStep``): each sequence's
+state slot is its block-table row, and only the attention layers hold pages.
 
 Under tensor parallelism (a model that ``TensorParallelRanks`` drives), each rank holds its shard of
 the KV heads in its own pages; rank 0 schedules, and each step's metadata (plain lists: token ids,
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from ..model.attention import PAGED_BATCH_KWARG
+from ..model.linear_attention import LinearAttentionSlots, LinearAttentionStep
 from ..model.logits import head_logits
 from ..kernels import attention_config, paged_attention, token_logprobs, write_kv
 from ..model.padding import sequence_bounds
@@ -48,6 +51,12 @@ _RUNNER_IDS = itertools.count()  # names a runner to the other ranks (one engine
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _attention_layers(config) -> list[int]:
+    """The layers that hold KV pages: all but the linear-attention (Gated DeltaNet) ones."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [i for i in range(config.num_hidden_layers) if kinds[i] != "linear_attention"]
 
 
 def _paged_stock_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -69,6 +78,7 @@ class PagedBatch:
     host_query_starts: list[int]
     host_seq_lens: list[int]
     invariant: bool
+    linear_attention: LinearAttentionStep | None = None  # hybrid models: the Gated DeltaNet layers' step
 
     def attend(self, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
         """q [1, Hq, T, D], k/v [1, Hkv, T, D] (this step's tokens) -> [1, T, Hq, D]."""
@@ -154,8 +164,13 @@ class ModelRunner:
         self.scratch_pages = -(-max_bucket // page_size)
         self.padding_rows = 0  # padding rows run, since start
         shape = (num_pages + self.scratch_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        attention_layers = set(_attention_layers(config))
+
+        def pages(layer: int) -> torch.Tensor:
+            size = shape if layer in attention_layers else (0,)
+            return torch.zeros(size, dtype=self.dtype, device=self.device)
+        self.k_caches = [pages(layer) for layer in range(self.num_layers)]
+        self.v_caches = [pages(layer) for layer in range(self.num_layers)]
         # Step metadata lives in buffers allocated once (a captured graph reads fixed addresses).
         max_tokens, max_seqs = max(max_num_batched_tokens, max_bucket), max(max_num_seqs, max_bucket)
         max_pages = -(-config.max_position_embeddings // page_size)
@@ -172,6 +187,12 @@ class ModelRunner:
         self.table = buffer(self.num_table_rows + self.scratch_pages, max_pages, dtype=torch.int32)
         self.table[self.num_table_rows:, 0] = torch.arange(num_pages, num_pages + self.scratch_pages, dtype=torch.int32)
         self.table_row_ids = buffer(max_seqs, dtype=torch.long)
+        # Gated DeltaNet layers (hybrid models): a state slot per block-table row, so a sequence's
+        # slot is its row (held from its first page until it finishes, is aborted or preempted).
+        self.linear_slots = None
+        if len(attention_layers) < self.num_layers:
+            self.linear_slots = LinearAttentionSlots.for_layers(
+                self.base.layers, self.num_table_rows + self.scratch_pages, self.device, self.dtype)
         # Every step's metadata goes to the device in one copy, from a pinned staging buffer on CUDA.
         self.max_staged = 3 * max_tokens + 3 * max_seqs + 1
         self.staged = buffer(self.max_staged, dtype=torch.long)
@@ -202,7 +223,7 @@ class ModelRunner:
         """Bytes of one page on one rank (a rank holds 1 / tp_size of the KV heads)."""
         element = torch.empty((), dtype=dtype).element_size()
         kv_heads = config.num_key_value_heads // tp_size
-        return 2 * config.num_hidden_layers * page_size * kv_heads * _head_dim(config) * element
+        return 2 * len(_attention_layers(config)) * page_size * kv_heads * _head_dim(config) * element
 
     def bucket(self, chunks: list[ScheduledChunk]) -> int:
         """Rows of the step: a decode-only step is padded to the smallest bucket that holds it."""
@@ -287,6 +308,11 @@ class ModelRunner:
         batch = PagedBatch(self.k_caches, self.v_caches, self.slot_mapping[:tokens], self.query_starts[:seqs + 1],
                            self.seq_lens[:seqs], self.block_tables[:seqs, :width],
                            max(starts[s + 1] - starts[s] for s in range(seqs)), starts, m.seq_lens, self.invariant)
+        if self.linear_slots is not None:
+            query_lens = [starts[s + 1] - starts[s] for s in range(seqs)]
+            computed = [length - new for length, new in zip(m.seq_lens, query_lens)]
+            fresh = [done == 0 or row >= self.num_table_rows for done, row in zip(computed, m.table_rows)]
+            batch.linear_attention = self.linear_slots.step(m.table_rows, computed, query_lens, fresh, self.device)
         lora_rows = [(slot, torch.tensor(rows, dtype=torch.long, device=self.device))
                      for slot, rows in m.lora_groups]
         return StepInputs(self.input_ids[:tokens][None], self.positions[:tokens][None], batch,

@@ -12,6 +12,11 @@ right-aligned in a [B, CHUNK - 1] buffer. Both live beside the transformers cach
 Rows: a padded batch's real tokens are one run per row (left or right padding); pads never enter a
 chunk or a state. Packed rows (``PACKED_KWARG``) give one segment per sequence, and are whole
 sequences: a cache passed with them is left as it is.
+
+A serving engine's step (``PAGED_BATCH_KWARG`` whose batch carries a ``LinearAttentionStep``) keeps
+the same per-sequence state in ``LinearAttentionSlots``, one slot per sequence, and runs the same
+computation: the convolution over the slot's last K - 1 inputs and the new ones, the scan over the
+unfinished chunk's rows and the new ones from the boundary state.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 from ..errors import NonInvariantInputError
 from ..kernels import causal_conv1d_silu, chunk_gated_delta_rule, rms_norm_gated
 from ..kernels.gated_delta_rule import CHUNK
+from .attention import PAGED_BATCH_KWARG
 from .no_backward import without_backward
 from .packing import PACKED_KWARG
 
@@ -68,6 +74,9 @@ def _update_conv_state(cache, layer_idx: int, x: torch.Tensor, kernel: int) -> t
 def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, cache_params=None,
                             **kwargs) -> torch.Tensor:
     """The invariant forward of a ``Qwen3_5GatedDeltaNet`` / ``Qwen3NextGatedDeltaNet`` layer."""
+    step = getattr(kwargs.get(PAGED_BATCH_KWARG), "linear_attention", None)
+    if step is not None:
+        return _engine_step_forward(self, hidden_states, step)
     packed = kwargs.get(PACKED_KWARG)
     # Packed rows (training, scoring) are whole sequences: nothing continues them through a cache.
     cache = None if packed is not None else cache if cache is not None else cache_params
@@ -154,3 +163,112 @@ def _packed_segments(packed) -> tuple[torch.Tensor, torch.Tensor]:
     first = packed.slot_tokens[torch.arange(packed.sequences, device=packed.lengths.device) * packed.width]
     return first.to(torch.int32), (first + packed.lengths).to(torch.int32)
 
+
+
+# ---- a serving engine's step ------------------------------------------------------------------------
+
+@dataclass
+class LinearAttentionSlots:
+    """Every Gated DeltaNet layer's per-sequence state for a serving engine, in slots (the engine
+    gives each running sequence one, and a scratch slot to its padding rows): per layer, the last
+    K - 1 inputs of the convolution, the fp32 state at the last chunk boundary and the unfinished
+    chunk's rows, right-aligned (how many: the sequence's computed tokens % CHUNK)."""
+    conv: dict[int, torch.Tensor]    # [slots, K - 1, conv_dim]
+    state: dict[int, torch.Tensor]   # fp32 [slots, Hv, Dk, Dv]
+    rows: dict[int, torch.Tensor]    # [slots, HISTORY, conv_dim + 2 Hv]
+    kernel: int
+
+    @classmethod
+    def for_layers(cls, layers, num_slots: int, device, dtype) -> LinearAttentionSlots:
+        """Zeroed slots for the ``linear_attn`` modules of ``layers`` (the others have none)."""
+        conv, state, rows = {}, {}, {}
+        kernel = 0
+        for index, layer in enumerate(layers):
+            gdn = getattr(layer, "linear_attn", None)
+            if gdn is None:
+                continue
+            kernel = gdn.conv_kernel_size
+            conv[index] = torch.zeros(num_slots, kernel - 1, gdn.conv_dim, device=device, dtype=dtype)
+            state[index] = torch.zeros(num_slots, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device)
+            rows[index] = torch.zeros(num_slots, HISTORY, gdn.conv_dim + 2 * gdn.num_v_heads, device=device,
+                                      dtype=dtype)
+        return cls(conv, state, rows, kernel)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.conv, self.state, self.rows) for t in d.values())
+
+    def step(self, slot_ids: list[int], computed: list[int], query_lens: list[int], fresh: list[bool],
+             device) -> LinearAttentionStep:
+        """The layout of one step whose sequence s (slot ``slot_ids[s]``, ``computed[s]`` tokens
+        before this step, ``fresh[s]``: its state starts empty) brings ``query_lens[s]`` tokens,
+        packed in that order. A few small device ops, the same for every layer."""
+        host = torch.tensor([slot_ids, computed, query_lens, fresh], dtype=torch.long).to(device)
+        slots, done, n, new = host.unbind(0)
+        tokens = sum(query_lens)
+        fresh_mask = new.bool()
+        offset = torch.arange(tokens, device=device) - torch.repeat_interleave(n.cumsum(0) - n, n,
+                                                                                output_size=tokens)
+
+        def layout(history: int):
+            width = history + n
+            base = width.cumsum(0) - width
+            span = torch.arange(history, device=device)
+            return dict(total=tokens + history * len(slot_ids), history_at=(base[:, None] + span).flatten(),
+                        new_at=torch.repeat_interleave(base + history, n, output_size=tokens) + offset,
+                        tail_at=(base + width - history)[:, None] + span, start=base, end=base + width,
+                        out_from=base + history)
+        count = torch.where(fresh_mask, 0, done % CHUNK)
+        scan = layout(HISTORY)
+        scan["start"] = scan["out_from"] - count
+        keep = torch.arange(HISTORY, device=device)[None, :] >= HISTORY - ((count + n) % CHUNK)[:, None]
+        return LinearAttentionStep(self, slots, fresh_mask, layout(self.kernel - 1), scan, keep)
+
+
+@dataclass
+class LinearAttentionStep:
+    """One engine step's layout: where each sequence's cached and new rows sit in the packed
+    convolution and scan inputs (``LinearAttentionSlots.step``)."""
+    slots: LinearAttentionSlots
+    slot_ids: torch.Tensor   # long [S]
+    fresh: torch.Tensor      # bool [S]: the sequence's state starts empty
+    conv: dict               # total, history_at, new_at, tail_at, start, end, out_from
+    scan: dict
+    keep: torch.Tensor       # bool [S, HISTORY]: rows of the new unfinished chunk
+
+
+def _engine_step_forward(self, hidden_states: torch.Tensor, step: LinearAttentionStep) -> torch.Tensor:
+    """``hidden_states`` [1, T, H]: the step's packed tokens."""
+    hidden = hidden_states[0]
+    tokens = hidden.shape[0]
+    hv, layer = self.num_v_heads, self.layer_idx
+    slots, ids, fresh = step.slots, step.slot_ids, step.fresh
+    mixed = self.in_proj_qkv(hidden)
+    z = self.in_proj_z(hidden)
+    a, b = self.in_proj_a(hidden), self.in_proj_b(hidden)
+
+    # The convolution over each slot's last K - 1 inputs (zeros for a fresh sequence), then the new ones.
+    c = step.conv
+    history = slots.conv[layer].index_select(0, ids).masked_fill_(fresh[:, None, None], 0)
+    conv_in = mixed.new_empty(c["total"], mixed.shape[-1])
+    conv_in[c["history_at"]] = history.flatten(0, 1)
+    conv_in[c["new_at"]] = mixed
+    conv = causal_conv1d_silu(conv_in, self.conv1d.weight.squeeze(1), c["start"].to(torch.int32),
+                              c["end"].to(torch.int32), c["out_from"].to(torch.int32))
+    slots.conv[layer].index_copy_(0, ids, conv_in[c["tail_at"]])
+
+    # The scan from each slot's boundary state over its unfinished chunk's rows, then the new ones.
+    r = step.scan
+    rows = torch.cat([conv[c["new_at"]], a, b], dim=-1)
+    scan_in = rows.new_zeros(r["total"], rows.shape[-1])
+    scan_in[r["history_at"]] = slots.rows[layer].index_select(0, ids).flatten(0, 1)
+    scan_in[r["new_at"]] = rows
+    state = slots.state[layer].index_select(0, ids).masked_fill_(fresh[:, None, None, None], 0)
+    core = _scan(self, scan_in, r["start"], r["end"], r["out_from"], state)[r["new_at"]]
+    slots.state[layer].index_copy_(0, ids, state)
+    unfinished = torch.where(step.keep[..., None], scan_in[r["tail_at"]], torch.zeros((), dtype=rows.dtype,
+                                                                                     device=rows.device))
+    slots.rows[layer].index_copy_(0, ids, unfinished)
+
+    normed = rms_norm_gated(core, z.view(tokens, hv, self.head_v_dim), self.norm.weight, self.norm.variance_epsilon)
+    return self.out_proj(normed.reshape(1, tokens, self.value_dim))
