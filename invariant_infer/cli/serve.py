@@ -60,8 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=1, metavar="N",
                    help="adapters on the device at once (default: 1); a request waits for a slot")
     p.add_argument("--max-lora-rank", type=int, default=16, metavar="R", help="the largest adapter rank (default: 16)")
-    p.add_argument("--disable-prefix-caching", action="store_true",
-                   help="turn prefix caching off (it is off by default for hybrid, Gated DeltaNet, models)")
+    p.add_argument("--disable-prefix-caching", action="store_true")
     p.add_argument("--speculative-config", type=json_object, metavar="JSON",
                    help='speculative decoding, bitwise lossless: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3} or {"method": "draft_model", "model": PATH, '
@@ -95,7 +94,7 @@ def run(args) -> int:
         max_body_bytes=args.max_body_bytes, stream_write_timeout=args.stream_write_timeout, model=args.model,
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False if args.disable_prefix_caching else None,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.disable_prefix_caching,
         kernels=args.kernels, speculative_config=args.speculative_config, host=args.host, port=args.port,
         log_level=args.log_level, lora_modules=loras, enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank)

@@ -34,7 +34,9 @@ def page_hash(previous: bytes, tokens: list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 num_table_rows: int | None = None):
+                 num_table_rows: int | None = None, prefix_states=None):
+        """``prefix_states``: for hybrid models, the saved linear-attention states (``PrefixStates``):
+        a hit then ends where one is saved, and the sequence's slot gets it."""
         self.num_pages, self.page_size = num_pages, page_size
         # A sequence holding pages holds at least one, so num_pages rows always suffice.
         self.num_table_rows = num_pages if num_table_rows is None else num_table_rows
@@ -46,6 +48,7 @@ class BlockManager:
         self.page_of_hash: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((page, None) for page in range(num_pages))
         self.prefix_hits = 0   # tokens served from the cache, since start
+        self.prefix_states = prefix_states
 
     @property
     def num_free(self) -> int:
@@ -95,10 +98,17 @@ class BlockManager:
         assert not seq.pages and seq.num_computed == 0
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return
-        for j in range((seq.num_tokens - 1) // self.page_size):
-            page = self.page_of_hash.get(self._hash(seq, j))
-            if page is None:
-                break
+        matched = 0
+        while matched < (seq.num_tokens - 1) // self.page_size and self._hash(seq, matched) in self.page_of_hash:
+            matched += 1
+        states = self.prefix_states
+        if states is not None:  # only up to a position whose linear-attention state is saved
+            per = states.interval // self.page_size
+            matched -= matched % per
+            while matched and self._hash(seq, matched - 1) not in states:
+                matched -= per
+        for j in range(matched):
+            page = self.page_of_hash[self._hash(seq, j)]
             if self.ref_counts[page] == 0:
                 del self.free[page]
             self.ref_counts[page] += 1
@@ -106,6 +116,8 @@ class BlockManager:
         seq.num_computed = seq.num_hashed_pages = len(seq.pages)
         seq.num_computed *= self.page_size
         self.prefix_hits += seq.num_computed
+        if states is not None and matched:
+            states.restore(self._hash(seq, matched - 1), seq.block_row)
 
     def pages_missing(self, seq: Sequence, num_new_tokens: int) -> int:
         missing = -(-(seq.num_computed + num_new_tokens) // self.page_size) - len(seq.pages)
@@ -124,6 +136,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed // self.page_size
+        states = self.prefix_states
+        if states is not None and seq.num_computed and seq.num_computed % states.interval == 0:
+            states.save(self._hash(seq, full - 1), seq.block_row)
         if full <= seq.num_hashed_pages:
             return
         for j in range(seq.num_hashed_pages, full):
@@ -150,6 +165,8 @@ class BlockManager:
         dropped = len(self.page_of_hash)
         self.hash_of = [None] * self.num_pages
         self.page_of_hash.clear()
+        if self.prefix_states is not None:
+            self.prefix_states.clear()
         return dropped
 
     def release(self, seq: Sequence) -> None:

@@ -26,6 +26,7 @@ from ..model.patch import is_invariant, make_invariant
 from .block_manager import BlockManager, block_table_rows
 from .lora_slots import LoraAdapter, LoraSlots
 from .model_runner import ModelRunner
+from .prefix_states import PrefixStates, saved_state_interval
 from .logprob_rows import record_prompt_logprobs, record_top_logprobs, row_logprobs
 from .output import SequenceDelta
 from .sampler import pick_alone, pick_rows, picks_alone
@@ -39,11 +40,10 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5   # of the free memory at start
 
 
-def _check_hybrid(model_type: str, kernels: str, enable_prefix_caching, speculative, max_loras: int) -> None:
+def _check_hybrid(model_type: str, kernels: str, speculative, max_loras: int) -> None:
     """What the engine does not run yet with Gated DeltaNet (linear attention) layers, refused by name."""
     refused = [what for what, asked in (
         ("kernels='stock'", kernels != "invariant"),
-        ("prefix caching (a hit would need the layers' state at the cached prefix)", enable_prefix_caching),
         ("speculative decoding (a rejected draft token would have to leave the layers' state)", speculative),
         ("LoRA adapters", max_loras)) if asked]
     if refused:
@@ -62,7 +62,7 @@ class EngineCore:
     result equals that of an engine freshly built on the updated model, bitwise."""
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int | None = None, enable_prefix_caching: bool | None = None, kernels: str = "invariant",
+                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
                  decode_buckets: tuple[int, ...] = (), executor: Executor | None = None, speculative=None,
                  max_loras: int = 0, max_lora_rank: int = 16):
         executor = executor_for(model, executor)  # where each step runs (default: this process)
@@ -79,9 +79,7 @@ class EngineCore:
             raise InvalidArgumentError("the engine runs causal LMs (AutoModelForCausalLM), not base models")
         hybrid = "linear_attention" in (getattr(model.config, "layer_types", None) or ())
         if hybrid:
-            _check_hybrid(model.config.model_type, kernels, enable_prefix_caching, speculative, max_loras)
-        if enable_prefix_caching is None:  # the default: on, but for hybrid models
-            enable_prefix_caching = not hybrid
+            _check_hybrid(model.config.model_type, kernels, speculative, max_loras)
         self.model, self.tokenizer = model.eval(), tokenizer
         config = model.config
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
@@ -104,11 +102,18 @@ class EngineCore:
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   decode_buckets=decode_buckets, executor=executor, max_loras=max_loras,
-                                  max_lora_rank=max_lora_rank)
+                                  max_lora_rank=max_lora_rank,
+                                  saved_states=max_num_seqs if hybrid and enable_prefix_caching else 0)
         self.loras: LoraSlots | None = self.runner.loras  # LoRA adapter slots (lora_slots.py); None serves none
+        # Hybrid models' prefix caching: the linear-attention state saved where prefill chunks end at a
+        # multiple of the chunk and page sizes (prefix_states.py).
+        prefix_states = None
+        if hybrid and enable_prefix_caching:
+            prefix_states = PrefixStates(self.runner.linear_slots, max_num_seqs, saved_state_interval(page_size))
         self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching,
-                                   num_table_rows=block_table_rows(max_num_seqs))
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission=self.loras)
+                                   num_table_rows=block_table_rows(max_num_seqs), prefix_states=prefix_states)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission=self.loras,
+                                   prefill_boundary=prefix_states.interval if prefix_states is not None else None)
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None

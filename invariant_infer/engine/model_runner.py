@@ -137,7 +137,9 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, invariant: bool, max_num_seqs: int,
                  max_num_batched_tokens: int, decode_buckets: tuple[int, ...] = (), executor: Executor | None = None,
-                 max_loras: int = 0, max_lora_rank: int = 16):
+                 max_loras: int = 0, max_lora_rank: int = 16, saved_states: int = 0):
+        """``saved_states``: room for that many saved linear-attention states (hybrid models' prefix
+        caching)."""
         self.model, self.invariant = model, invariant
         self.executor = executor_for(model, executor)
         config = model.config
@@ -192,7 +194,7 @@ class ModelRunner:
         self.linear_slots = None
         if len(attention_layers) < self.num_layers:
             self.linear_slots = LinearAttentionSlots.for_layers(
-                self.base.layers, self.num_table_rows + self.scratch_pages, self.device, self.dtype)
+                self.base.layers, self.num_table_rows + self.scratch_pages, self.device, self.dtype, saved_states)
         # Every step's metadata goes to the device in one copy, from a pinned staging buffer on CUDA.
         self.max_staged = 3 * max_tokens + 3 * max_seqs + 1
         self.staged = buffer(self.max_staged, dtype=torch.long)
@@ -330,6 +332,8 @@ class ModelRunner:
         with self.loras.selecting(inputs.lora_rows) if self.loras is not None else contextlib.nullcontext():
             out = self.base(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=mask,
                             use_cache=False, **{PAGED_BATCH_KWARG: inputs.batch})
+        if inputs.batch.linear_attention is not None:
+            inputs.batch.linear_attention.commit()
         return out.last_hidden_state[0, :inputs.num_real_tokens]
 
     def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -38,13 +38,16 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 admission=None):
+                 admission=None, prefill_boundary: int | None = None):
         """``admission``: whatever else a waiting sequence needs before it runs, an object whose
         ``can_admit(seq, running)`` says whether it has it (the engine's LoRA slots: a slot for its
-        adapter); None: nothing else."""
+        adapter); None: nothing else. ``prefill_boundary``: a chunk that passes a multiple of it ends
+        at the last one it reaches (hybrid models' prefix caching saves states there only); None:
+        chunks end where the budget does."""
         self.blocks = block_manager
         self.admission = admission
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefill_boundary = prefill_boundary
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -93,6 +96,15 @@ class Scheduler:
                 budget -= extra
         return budget
 
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        count = min(seq.num_tokens - seq.num_computed, budget)
+        if self.prefill_boundary:
+            start, boundary = seq.num_computed, self.prefill_boundary
+            last = (start + count) // boundary * boundary  # the last multiple the chunk reaches
+            if start < last < start + count:
+                count = last - start
+        return count
+
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -101,7 +113,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted below to make room for an earlier one
                 continue
-            count = min(seq.num_tokens - seq.num_computed, budget)
+            count = self._chunk_size(seq, budget)
             while not self.blocks.can_allocate(seq, count):
                 if self.preempt_latest() is seq:
                     break
@@ -117,7 +129,7 @@ class Scheduler:
                 break
             if not seq.pages:
                 self.blocks.match_prefix(seq)
-            count = min(seq.num_tokens - seq.num_computed, budget)
+            count = self._chunk_size(seq, budget)
             if not self.blocks.can_allocate(seq, count):
                 self.blocks.release(seq)  # give back any prefix pages it took; it retries next step
                 break

@@ -172,31 +172,52 @@ class LinearAttentionSlots:
     """Every Gated DeltaNet layer's per-sequence state for a serving engine, in slots (the engine
     gives each running sequence one, and a scratch slot to its padding rows): per layer, the last
     K - 1 inputs of the convolution, the fp32 state at the last chunk boundary and the unfinished
-    chunk's rows, right-aligned (how many: the sequence's computed tokens % CHUNK)."""
+    chunk's rows, right-aligned (how many: the sequence's computed tokens % CHUNK). Besides, saved
+    states: the convolution's inputs and the state of a sequence at a chunk boundary (no unfinished
+    rows), which ``restore`` puts in another sequence's slot (the engine's prefix caching)."""
     conv: dict[int, torch.Tensor]    # [slots, K - 1, conv_dim]
     state: dict[int, torch.Tensor]   # fp32 [slots, Hv, Dk, Dv]
     rows: dict[int, torch.Tensor]    # [slots, HISTORY, conv_dim + 2 Hv]
+    saved_conv: dict[int, torch.Tensor]   # [saved, K - 1, conv_dim]
+    saved_state: dict[int, torch.Tensor]  # fp32 [saved, Hv, Dk, Dv]
     kernel: int
 
     @classmethod
-    def for_layers(cls, layers, num_slots: int, device, dtype) -> LinearAttentionSlots:
-        """Zeroed slots for the ``linear_attn`` modules of ``layers`` (the others have none)."""
-        conv, state, rows = {}, {}, {}
+    def for_layers(cls, layers, num_slots: int, device, dtype, num_saved: int = 0) -> LinearAttentionSlots:
+        """Zeroed slots (and ``num_saved`` saved states) for the ``linear_attn`` modules of ``layers``
+        (the other layers have none)."""
+        conv, state, rows, saved_conv, saved_state = {}, {}, {}, {}, {}
         kernel = 0
         for index, layer in enumerate(layers):
             gdn = getattr(layer, "linear_attn", None)
             if gdn is None:
                 continue
             kernel = gdn.conv_kernel_size
+            state_shape = (gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
             conv[index] = torch.zeros(num_slots, kernel - 1, gdn.conv_dim, device=device, dtype=dtype)
-            state[index] = torch.zeros(num_slots, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device)
+            state[index] = torch.zeros(num_slots, *state_shape, device=device)
             rows[index] = torch.zeros(num_slots, HISTORY, gdn.conv_dim + 2 * gdn.num_v_heads, device=device,
                                       dtype=dtype)
-        return cls(conv, state, rows, kernel)
+            saved_conv[index] = torch.zeros(num_saved, kernel - 1, gdn.conv_dim, device=device, dtype=dtype)
+            saved_state[index] = torch.zeros(num_saved, *state_shape, device=device)
+        return cls(conv, state, rows, saved_conv, saved_state, kernel)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.conv, self.state, self.rows) for t in d.values())
+        tensors = (self.conv, self.state, self.rows, self.saved_conv, self.saved_state)
+        return sum(t.numel() * t.element_size() for d in tensors for t in d.values())
+
+    def save(self, slot: int, index: int) -> None:
+        """Copy the state of the sequence in ``slot`` (at a chunk boundary) to saved state ``index``."""
+        for layer in self.conv:
+            self.saved_conv[layer][index].copy_(self.conv[layer][slot])
+            self.saved_state[layer][index].copy_(self.state[layer][slot])
+
+    def restore(self, index: int, slot: int) -> None:
+        """Put saved state ``index`` in ``slot``: its sequence continues from that chunk boundary."""
+        for layer in self.conv:
+            self.conv[layer][slot].copy_(self.saved_conv[layer][index])
+            self.state[layer][slot].copy_(self.saved_state[layer][index])
 
     def step(self, slot_ids: list[int], computed: list[int], query_lens: list[int], fresh: list[bool],
              device) -> LinearAttentionStep:
@@ -222,7 +243,7 @@ class LinearAttentionSlots:
         scan = layout(HISTORY)
         scan["start"] = scan["out_from"] - count
         keep = torch.arange(HISTORY, device=device)[None, :] >= HISTORY - ((count + n) % CHUNK)[:, None]
-        return LinearAttentionStep(self, slots, fresh_mask, layout(self.kernel - 1), scan, keep)
+        return LinearAttentionStep(self, slots, fresh_mask, layout(self.kernel - 1), scan, keep, {})
 
 
 @dataclass
@@ -235,6 +256,17 @@ class LinearAttentionStep:
     conv: dict               # total, history_at, new_at, tail_at, start, end, out_from
     scan: dict
     keep: torch.Tensor       # bool [S, HISTORY]: rows of the new unfinished chunk
+    updates: dict            # layer -> its new (conv, state, rows) of the step's slots, until ``commit``
+
+    def commit(self) -> None:
+        """Write the step's new state into the slots, once the whole forward has run (a forward that
+        fails leaves every slot as it was, so its sequences can run again)."""
+        ids = self.slot_ids
+        for layer, (conv, state, rows) in self.updates.items():
+            self.slots.conv[layer].index_copy_(0, ids, conv)
+            self.slots.state[layer].index_copy_(0, ids, state)
+            self.slots.rows[layer].index_copy_(0, ids, rows)
+        self.updates.clear()
 
 
 def _engine_step_forward(self, hidden_states: torch.Tensor, step: LinearAttentionStep) -> torch.Tensor:
@@ -255,7 +287,6 @@ def _engine_step_forward(self, hidden_states: torch.Tensor, step: LinearAttentio
     conv_in[c["new_at"]] = mixed
     conv = causal_conv1d_silu(conv_in, self.conv1d.weight.squeeze(1), c["start"].to(torch.int32),
                               c["end"].to(torch.int32), c["out_from"].to(torch.int32))
-    slots.conv[layer].index_copy_(0, ids, conv_in[c["tail_at"]])
 
     # The scan from each slot's boundary state over its unfinished chunk's rows, then the new ones.
     r = step.scan
@@ -265,10 +296,9 @@ def _engine_step_forward(self, hidden_states: torch.Tensor, step: LinearAttentio
     scan_in[r["new_at"]] = rows
     state = slots.state[layer].index_select(0, ids).masked_fill_(fresh[:, None, None, None], 0)
     core = _scan(self, scan_in, r["start"], r["end"], r["out_from"], state)[r["new_at"]]
-    slots.state[layer].index_copy_(0, ids, state)
     unfinished = torch.where(step.keep[..., None], scan_in[r["tail_at"]], torch.zeros((), dtype=rows.dtype,
                                                                                      device=rows.device))
-    slots.rows[layer].index_copy_(0, ids, unfinished)
+    step.updates[layer] = (conv_in[c["tail_at"]], state, unfinished)
 
     normed = rms_norm_gated(core, z.view(tokens, hv, self.head_v_dim), self.norm.weight, self.norm.variance_epsilon)
     return self.out_proj(normed.reshape(1, tokens, self.value_dim))

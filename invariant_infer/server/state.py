@@ -34,7 +34,7 @@ class ServerOptions:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None
-    enable_prefix_caching: bool | None = None  # None: on, but for hybrid (Gated DeltaNet) models
+    enable_prefix_caching: bool = True
     kernels: str = "invariant"
     speculative_config: dict | None = None  # vLLM's speculative_config (``Engine(speculative=...)``)
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, loaded at start

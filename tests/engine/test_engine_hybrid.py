@@ -2,9 +2,10 @@
 logprobs and prompt logprobs are bitwise those of the request alone, of ``model.generate`` and of
 ``score_sequences``, whatever the token budget (prefill chunks cut before, at and past the scan's
 chunk boundary at 64), arrivals mid-decode, preemption, decode steps padded to a bucket, and a
-sequence's state slot reused by a later request. Negative controls: a scan chunk chosen by the
-step's batch, and a step that forgets the unfinished chunk's rows, give other bits. What the
-engine does not run yet with these layers is refused by name."""
+sequence's state slot reused by a later request; a prefix-cache hit restores the state a miss
+computes. Negative controls: a scan chunk chosen by the step's batch, a step that forgets the
+unfinished chunk's rows, and a hit without its saved state give other bits. What the engine does
+not run yet with these layers is refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -129,12 +130,42 @@ def test_negative_control_a_step_that_forgets_the_unfinished_chunk(hybrid_models
                    for i in range(3))
 
 
+def prefix_run(model, budget: int):
+    """A request, then four that share its first 150 tokens or its first 70: each of the three
+    longer ones hits at 128 (a budget of 2048 saves the state where the first prefill chunk is cut,
+    at 128; a budget of 7 saves it at 64 too, for the fourth)."""
+    shared = prompts_for(model.config.vocab_size, (150,), seed=3)[0]
+    prompts = [shared + [5, 6, 7], shared + [9], shared[:70], shared + [1, 2, 3, 4, 5] * 10]
+    params = [params_for(i) for i in range(len(prompts))]
+    for p in params:
+        p.prompt_logprobs = None  # a request that asks for prompt logprobs computes its whole prompt
+    engine = Engine(model, max_num_batched_tokens=budget)
+    engine.generate(prompts[:1], params[:1])
+    return engine, engine.generate(prompts, params), Engine(model, enable_prefix_caching=False).generate(prompts,
+                                                                                                      params)
+
+
+@pytest.mark.fast_cells(ids=["qwen3_5_text-7"])
+@pytest.mark.parametrize("budget", [7, 2048])
+@pytest.mark.parametrize("family", HYBRID_FAMILY_NAMES)
+def test_a_prefix_hit_restores_the_state_a_miss_computes(hybrid_models, family, budget):
+    engine, cached, uncached = prefix_run(hybrid_models(family), budget)
+    assert engine.blocks.prefix_states.restored >= 3 and engine.blocks.prefix_hits >= 3 * 128
+    for a, b in zip(cached, uncached):
+        assert same(a, b)
+
+
+def test_negative_control_a_hit_without_its_state(hybrid_models, monkeypatch):
+    """Pages hit but the slot's state not restored (left as the slot's last owner had it): other bits."""
+    monkeypatch.setattr(linear_attention.LinearAttentionSlots, "restore", lambda self, index, slot: None)
+    engine, cached, uncached = prefix_run(hybrid_models("qwen3_5_text"), 2048)
+    assert engine.blocks.prefix_states.restored >= 3
+    assert not all(same(a, b) for a, b in zip(cached, uncached))
+
+
 def test_what_the_engine_does_not_run_yet_is_refused_by_name(hybrid_models):
     model = hybrid_models("qwen3_5_text")
-    for options, reason in ((dict(enable_prefix_caching=True), "prefix caching"),
-                            (dict(speculative={"method": "ngram", "num_speculative_tokens": 2}), "speculative"),
+    for options, reason in ((dict(speculative={"method": "ngram", "num_speculative_tokens": 2}), "speculative"),
                             (dict(max_loras=1), "LoRA")):
         with pytest.raises(UnsupportedModelError, match=f"Gated DeltaNet.*{reason}"):
             Engine(model, **options)
-    engine = Engine(model)  # prefix caching is off by default for these models
-    assert not engine.blocks.enable_prefix_caching and engine.runner.linear_slots is not None

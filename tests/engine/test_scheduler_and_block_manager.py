@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from invariant_infer.engine.block_manager import BlockManager
+from invariant_infer.engine.prefix_states import PrefixStates
 from invariant_infer.engine.sampling_params import SamplingParams
 from invariant_infer.engine.scheduler import Scheduler
 from invariant_infer.engine.sequence import Sequence, Status
@@ -262,3 +263,61 @@ def test_proposals_extend_decode_chunks_only_within_budget_and_pages():
     scheduler.max_num_batched_tokens = 64
     chunks = scheduler.schedule()
     assert chunks[0].draft == [1, 2, 3, 4]  # the one free page holds four of the five
+
+
+# -- hybrid models: saved linear-attention states ---------------------------------------------------
+
+class Store:
+    def __init__(self):
+        self.copies = []
+
+    def save(self, slot, index):
+        self.copies.append(("save", slot, index))
+
+    def restore(self, index, slot):
+        self.copies.append(("restore", index, slot))
+
+
+def test_prefill_chunks_end_at_the_last_boundary_they_pass():
+    scheduler = Scheduler(BlockManager(num_pages=64, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=10,
+                          prefill_boundary=2 * PAGE)
+    seq = sequence(23)
+    scheduler.add(seq)
+    sizes = [run_step(scheduler)[0][2] for _ in range(5)]
+    assert sizes == [8, 8, 7, 1, 1]  # 0-8, 8-16 (each budget of 10 cut at 8), 16-23 (no boundary), decode
+    plain = Scheduler(BlockManager(num_pages=64, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=10)
+    plain.add(sequence(23))
+    assert [run_step(plain)[0][2] for _ in range(3)] == [10, 10, 3]
+
+
+def test_a_hybrid_hit_ends_where_a_state_is_saved_and_restores_it_into_the_slot():
+    store = Store()
+    states = PrefixStates(store, capacity=2, interval=2 * PAGE)
+    blocks = BlockManager(num_pages=32, page_size=PAGE, prefix_states=states)
+    first = sequence(4 * PAGE + 1)
+    blocks.allocate(first, first.num_tokens)
+    for done in (PAGE, 2 * PAGE, 3 * PAGE, first.num_tokens):  # states saved at 8 only (16 is never reached)
+        first.num_computed = done
+        blocks.register_full_pages(first)
+    assert store.copies == [("save", first.block_row, 0)] and len(states) == 1
+    later = sequence(4 * PAGE + 3)  # four cached pages, but a state at 8 only
+    blocks.match_prefix(later)
+    assert later.num_computed == 2 * PAGE and len(later.pages) == 2
+    assert store.copies[-1] == ("restore", 0, later.block_row) and states.restored == 1
+    short = sequence(2 * PAGE)  # its last token must run: no hit at 8, and none before (no state at 4)
+    blocks.match_prefix(short)
+    assert short.num_computed == 0 and len(store.copies) == 2
+
+
+def test_saved_states_are_evicted_least_recently_used_and_cleared_with_the_cache():
+    store = Store()
+    states = PrefixStates(store, capacity=2, interval=PAGE)
+    for key in (b"a", b"b"):
+        states.save(key, slot=0)
+    states.restore(b"a", slot=1)  # a is now the most recently used
+    states.save(b"c", slot=2)     # evicts b
+    assert b"a" in states and b"c" in states and b"b" not in states
+    assert store.copies[-1] == ("save", 2, store.copies[1][2])  # c took b's index
+    blocks = BlockManager(num_pages=4, page_size=PAGE, prefix_states=states)
+    blocks.reset_prefix_cache()
+    assert len(states) == 0 and sorted(states.free) == [0, 1]
