@@ -77,6 +77,13 @@ CONFIGS = {
                              shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
                              rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
                              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+    "qwen3_next": dict(_COMMON, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                       head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                       decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       attention_bias=False,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
 }
 SAMPLE_LENGTHS = (6, 1, 11, 3)
 # name -> (members in batch order, padding side, extra padding, inputs_embeds)

@@ -81,6 +81,7 @@ def markdown(results: dict) -> str:
     out.append(server_markdown(results))
     out.append(train_markdown(results))
     out.append(moe_markdown(results))
+    out.append(gdn_markdown(results))
     out.append(quant_markdown(results))
     out.append(tensor_parallel_markdown(results))
     out.append(spec_markdown(results))
@@ -260,6 +261,28 @@ def moe_markdown(results: dict) -> str:
         ("T", "tokens"), ("implementation", "implementation"), ("ms", "ms"), ("tok/s", "tokens_per_s"),
         ("time ratio", "invariant_time_ratio"), ("alone bitwise", "alone_bitwise_equal"),
         ("alone max abs Δ", "alone_max_abs_diff"), ("Δ eager", "max_abs_diff_to_eager"), ("skipped", "skipped")]))
+    return "\n".join(out)
+
+
+def gdn_markdown(results: dict) -> str:
+    rows = results.get("gdn") or []
+    if not rows and "gdn" not in (results.get("sections") or []):
+        return ""
+    first = rows[0] if rows else {}
+    heads = (f" ({first.get('key_heads')} key heads, {first.get('value_heads')} value heads of {first.get('head_dim')}, "
+             "bf16)" if rows else "")
+    out = [f"\n## Gated DeltaNet scan{heads}: invariant vs stock torch and fla\n\n"
+           "prefill: T tokens of one sequence from an empty state (invariant chunked kernel; transformers' "
+           "`torch_chunk_gated_delta_rule`; fla's `chunk_gated_delta_rule`). decode: B sequences of T tokens take "
+           "their last one (invariant: the rows since the last chunk boundary with the new one; stock "
+           "`torch_recurrent_gated_delta_rule`; fla's `fused_recurrent_gated_delta_rule`). time ratio = invariant "
+           "time / this implementation's (above 1 = invariant slower). decode = prefill: the decode output equals "
+           "that token's row of one prefill over the whole context (`torch.equal`); Δ stock = max |output − stock "
+           "torch's|.\n"]
+    out.append(table(rows, [
+        ("case", "case"), ("B", "sequences"), ("T", "tokens"), ("implementation", "implementation"), ("ms", "ms"),
+        ("tok/s", "tokens_per_s"), ("time ratio", "invariant_time_ratio"), ("Δ stock", "max_abs_diff_to_stock"),
+        ("decode = prefill", "decode_equals_prefill"), ("skipped", "skipped")]))
     return "\n".join(out)
 
 

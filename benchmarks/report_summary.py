@@ -65,6 +65,11 @@ def summary(results: dict) -> str:
         ratio = f" (time ratio {fmt(r['invariant_time_ratio'])})" if r.get("invariant_time_ratio") else ""
         lines.append(f"moe {r['implementation']} T={r['tokens']}: {fmt(r['tokens_per_s'])} tok/s{ratio}; alone vs "
                      f"batch max|Δ| {fmt(r['alone_max_abs_diff'])}" + (f"; {r['skipped']}" if r.get("skipped") else ""))
+    for r in results.get("gdn") or []:
+        ratio = f" (time ratio {fmt(r['invariant_time_ratio'])})" if r.get("invariant_time_ratio") else ""
+        equal = f"; decode = prefill: {r['decode_equals_prefill']}" if r.get("decode_equals_prefill") is not None else ""
+        lines.append(f"gdn {r['case']} {r['implementation']} B={r['sequences']} T={r['tokens']}: "
+                     f"{fmt(r['tokens_per_s'])} tok/s{ratio}{equal}" + (f"; {r['skipped']}" if r.get("skipped") else ""))
     for r in results.get("tp_steps") or []:
         lines.append(f"tensor parallel TP {r['tp']}: prefill step {fmt(r['prefill_step_ms'])} ms, decode step "
                      f"{fmt(r['decode_step_ms'])} ms (x{fmt(r['decode_ratio_to_tp1'])} TP 1); bitwise = TP 1 "

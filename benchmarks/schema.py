@@ -36,6 +36,8 @@ REQUIRED = {
     "moe": ("tokens", "implementation", "hidden", "experts", "top_k", "intermediate", "dtype", "ms", "tokens_per_s",
             "invariant_time_ratio", "alone_checked", "alone_bitwise_equal", "alone_max_abs_diff",
             "max_abs_diff_to_eager", "skipped"),
+    "gdn": ("case", "implementation", "sequences", "tokens", "key_heads", "value_heads", "head_dim", "ms",
+            "tokens_per_s", "invariant_time_ratio", "max_abs_diff_to_stock", "decode_equals_prefill", "skipped"),
     "tp_exchange": ("preset", "tp", "layer", "N", "K", "leaves", "ours_bytes_per_token", "stock_bf16_bytes_per_token",
                     "ratio"),
     "spec": ("workload", "method", "batch", "k", "speculative", "output_tokens", "target_forwards",
@@ -104,7 +106,7 @@ def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
     for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
-                    "server", "train", "moe", "tp_exchange", "tp_steps", "spec", "quant", "lora"):
+                    "server", "train", "moe", "gdn", "tp_exchange", "tp_steps", "spec", "quant", "lora"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing

@@ -1,5 +1,5 @@
 """Bitwise batch-invariant inference for Hugging Face causal LMs: Qwen2/Qwen2.5, Qwen3, Llama 3.x,
-Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE and the Qwen3.5 and Qwen3.5-MoE text models.
+Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE, the Qwen3.5 and Qwen3.5-MoE text models and Qwen3-Next.
 
     from invariant_infer import make_invariant, restore
     model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())

@@ -88,9 +88,8 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
     start, end = _row_ranges(attention_mask if packed is None else None, batch, length, device)
     real = (torch.arange(length, device=device)[None, :] >= start[:, None]) & \
         (torch.arange(length, device=device)[None, :] < end[:, None])
-    mixed = self.in_proj_qkv(hidden_states) * real[..., None].to(hidden_states.dtype)  # pads are zeros
-    z = self.in_proj_z(hidden_states)
-    a, b = self.in_proj_a(hidden_states), self.in_proj_b(hidden_states)
+    mixed, z, a, b = _projections(self, hidden_states)
+    mixed = mixed * real[..., None].to(hidden_states.dtype)  # pads are zeros
     kernel = self.conv_kernel_size
     weight = self.conv1d.weight.squeeze(1)
 
@@ -146,6 +145,19 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
     normed = without_backward(normed, [hidden_states, *self.parameters()],
                               "Gated DeltaNet layers (Qwen3.5, Qwen3-Next)")
     return self.out_proj(normed.reshape(batch, length, value_dim))
+
+
+def _projections(self, hidden_states: torch.Tensor):
+    """(q|k|v before the convolution, z, a, b) of [B, L, H] hidden states: Qwen3.5's four projections,
+    or Qwen3-Next's two fused ones, interleaved per key head and taken apart by the module's own
+    ``fix_query_key_value_ordering`` (views and splits: no arithmetic)."""
+    if hasattr(self, "in_proj_qkvz"):
+        query, key, value, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden_states),
+                                                                      self.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.flatten(2) for x in (query, key, value)], dim=-1)
+        return mixed, z.flatten(2), a, b
+    return (self.in_proj_qkv(hidden_states), self.in_proj_z(hidden_states), self.in_proj_a(hidden_states),
+            self.in_proj_b(hidden_states))
 
 
 def _scan(self, rows: torch.Tensor, seg_start, seg_end, seg_from, state: torch.Tensor) -> torch.Tensor:
@@ -271,13 +283,10 @@ class LinearAttentionStep:
 
 def _engine_step_forward(self, hidden_states: torch.Tensor, step: LinearAttentionStep) -> torch.Tensor:
     """``hidden_states`` [1, T, H]: the step's packed tokens."""
-    hidden = hidden_states[0]
-    tokens = hidden.shape[0]
+    tokens = hidden_states.shape[1]
     hv, layer = self.num_v_heads, self.layer_idx
     slots, ids, fresh = step.slots, step.slot_ids, step.fresh
-    mixed = self.in_proj_qkv(hidden)
-    z = self.in_proj_z(hidden)
-    a, b = self.in_proj_a(hidden), self.in_proj_b(hidden)
+    mixed, z, a, b = (x[0] for x in _projections(self, hidden_states))
 
     # The convolution over each slot's last K - 1 inputs (zeros for a fresh sequence), then the new ones.
     c = step.conv

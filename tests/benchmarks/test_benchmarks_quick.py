@@ -18,8 +18,8 @@ import torch
 # benchmarks/ is a folder of the repository, not part of the installed package.
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks import (SECTIONS, divergence, e2e, host_overhead, matmul, moe, norm_attention, quant,  # noqa: E402
-                        scoring, train)
+from benchmarks import (SECTIONS, divergence, e2e, gdn, host_overhead, matmul, moe, norm_attention,  # noqa: E402
+                        quant, scoring, train)
 from benchmarks import tensor_parallel as tp_bench  # noqa: E402
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
@@ -239,6 +239,35 @@ def test_moe_rows(results):
         else:
             assert row["invariant_time_ratio"] > 0 and isinstance(row["alone_bitwise_equal"], bool)
     assert all(r["max_abs_diff_to_eager"] == 0.0 for r in rows if r["implementation"] == "eager")
+
+
+def test_gdn_rows(results):
+    rows = results["gdn"]
+    cases = [("prefill", 1, t) for t in gdn.QUICK_PREFILL] + [("decode", b, gdn.QUICK_DECODE_CONTEXT)
+                                                             for b in gdn.QUICK_DECODE_BATCHES]
+    assert [(r["case"], r["sequences"], r["tokens"], r["implementation"]) for r in rows] == [
+        (*case, impl) for case in cases for impl in gdn.IMPLEMENTATIONS]
+    for row in rows:
+        if row["implementation"] == "fla" and row["skipped"]:  # fla not installed
+            continue
+        assert row["skipped"] is None and row["ms"] > 0 and row["tokens_per_s"] > 0
+        assert row["max_abs_diff_to_stock"] < 0.05  # bf16 outputs of magnitude ~1
+        if row["implementation"] == "invariant":
+            assert row["invariant_time_ratio"] is None
+            assert row["decode_equals_prefill"] is (True if row["case"] == "decode" else None)
+        else:
+            assert row["invariant_time_ratio"] > 0
+
+
+def test_gdn_decode_check_catches_a_decode_from_another_boundary(monkeypatch):
+    """Decode from a boundary the kernel's chunks do not have (48: the state there is the one at 0):
+    decode_equals_prefill is False."""
+    ctx = Run(device=torch.device("cpu"), quick=True)
+    ctx.section = "gdn"
+    monkeypatch.setattr(gdn, "CHUNK", 48)
+    monkeypatch.setattr(gdn, "QUICK_PREFILL", ())
+    rows = gdn.run(ctx)["gdn"]
+    assert [r["decode_equals_prefill"] for r in rows if r["implementation"] == "invariant"] == [False, False]
 
 
 def test_moe_fp8_experts_row_at_widths_of_128():

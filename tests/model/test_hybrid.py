@@ -1,11 +1,11 @@
-"""Hybrid models (Qwen3.5's text models, dense and MoE: Gated DeltaNet layers beside gated full
-attention), saved and loaded as users load them: each row's logits bitwise those of the row alone (left and right
-padding, inputs_embeds, packed rows; bf16, fp16, fp32), decode == prefill through ``generate`` and
+"""Hybrid models (Qwen3.5's text models, dense and MoE, and Qwen3-Next: Gated DeltaNet layers beside
+gated full attention), saved and loaded as users load them: each row's logits bitwise those of the
+row alone (left and right padding, inputs_embeds, packed rows; bf16, fp16, fp32), decode == prefill through ``generate`` and
 through the cache at any cut (prompts of 3, 60, 64, 65 and 66 tokens, decode across the chunk
 boundary at 64), a batched ``generate`` == each prompt alone, accuracy against stock in float64.
 Negative controls: stock's recurrent decode differs from its prefill (fp32), chunks anchored at a
 left-padded row's position 0 and a chunk size chosen by the batch give other bits. What does not run
-yet is refused by name. The fast tier runs the dense model; the MoE one runs in the heavy tier."""
+yet is refused by name. The fast tier runs the dense Qwen3.5 model; the others run in the heavy tier."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening

@@ -107,6 +107,6 @@ def sliding_window_refusal(config) -> str | None:
 
 
 # Each family module registers itself.
-from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe  # noqa: E402,F401
+from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next  # noqa: E402,F401,E501
 
 __all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "family_of", "register_family"]
