@@ -10,7 +10,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kernels import sigmoid_mul
-from .no_backward import without_backward
+from .recomputed_backward import recomputed_backward
 
 
 def gated_attention_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
@@ -30,6 +30,6 @@ def gated_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
     attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
     out, weights = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()
-    gated = without_backward(sigmoid_mul(out, gate), [out, gate],
-                             "the gated attention's output gate (Qwen3.5, Qwen3-Next)")
+    gated = recomputed_backward(sigmoid_mul(out, gate), lambda o, g: (o.float() * torch.sigmoid(g.float())).to(o.dtype),
+                                out, gate)
     return self.o_proj(gated), weights

@@ -30,6 +30,7 @@ from ..kernels import causal_conv1d_silu, chunk_gated_delta_rule, rms_norm_gated
 from ..kernels.gated_delta_rule import CHUNK
 from .attention import PAGED_BATCH_KWARG
 from .no_backward import without_backward
+from .recomputed_backward import recomputed_backward
 from .packing import PACKED_KWARG
 
 HISTORY = CHUNK - 1  # the most rows of an unfinished chunk
@@ -109,6 +110,7 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
 
     # The gated delta rule: the unfinished chunk's rows, then this forward's.
     rows = torch.cat([qkv, a, b], dim=-1)
+    continued = False  # a cached sequence continued: its earlier tokens are not this forward's inputs
     if packed is not None:
         seg_start, seg_end = _packed_segments(packed)
         state = torch.zeros(seg_start.shape[0], hv, dk, dv, device=device)
@@ -116,6 +118,7 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
         core = core.view(batch, length, hv, dv)
     else:
         layer_state = _states_of(cache).get(self.layer_idx) if cache is not None else None
+        continued = layer_state is not None
         if layer_state is None:
             layer_state = LinearAttentionState(torch.zeros(batch, hv, dk, dv, device=device),
                                                rows.new_zeros(batch, HISTORY, rows.shape[-1]),
@@ -142,9 +145,61 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
             layer_state.right_padded = bool((end < length).any())
             _states_of(cache)[self.layer_idx] = layer_state
     normed = rms_norm_gated(core, z.view(batch, length, hv, dv), self.norm.weight, self.norm.variance_epsilon)
-    normed = without_backward(normed, [hidden_states, *self.parameters()],
-                              "Gated DeltaNet layers (Qwen3.5, Qwen3-Next)")
+    if continued:
+        normed = without_backward(normed, [hidden_states, *self.parameters()],
+                                  "a Gated DeltaNet forward that continues a cached sequence (Qwen3.5, Qwen3-Next)")
+    elif torch.is_grad_enabled():  # training: the backward differentiates a recomputation
+        if packed is not None:
+            segments = list(zip(seg_start.tolist(), seg_end.tolist()))
+        else:
+            segments = [(row * length + s, row * length + e)
+                        for row, (s, e) in enumerate(zip(start.tolist(), end.tolist()))]
+        normed = recomputed_backward(normed, _reference_core(self, segments, normed.shape), mixed, z, a, b,
+                                     self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
     return self.out_proj(normed.reshape(batch, length, value_dim))
+
+
+def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)  # the eps inside the root, as the kernel
+
+
+def _reference_core(self, segments: list[tuple[int, int]], shape):
+    """The layer's convolution, gated delta rule and gated RMSNorm as differentiable torch in fp32 (the
+    recurrence token by token), on each segment of the flattened [B * L] rows: what the backward of
+    the kernels' output differentiates. Rows outside every segment are zero."""
+    hv, dk, dv, eps = self.num_v_heads, self.head_k_dim, self.head_v_dim, self.norm.variance_epsilon
+    group = hv // self.num_k_heads
+
+    def reference(mixed, z, a, b, conv_weight, a_log, dt_bias, norm_weight):
+        work = torch.promote_types(mixed.dtype, torch.float32)  # fp32, or fp64 where checked against stock's
+        mixed, z, a, b = (x.reshape(-1, x.shape[-1]).to(work) for x in (mixed, z, a, b))
+        kernel = conv_weight.shape[-1]
+        out = torch.zeros(shape[0] * shape[1], hv, dv, device=mixed.device, dtype=work)
+        for first, last in segments:
+            if last <= first:
+                continue
+            x = mixed[first:last].t()[None]
+            conv = torch.nn.functional.conv1d(x, conv_weight.to(work), padding=kernel - 1, groups=x.shape[1])
+            conv = torch.nn.functional.silu(conv[0, :, :last - first]).t()
+            q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, k = (_l2_normalize(t.reshape(-1, self.num_k_heads, dk)).repeat_interleave(group, dim=1) for t in (q, k))
+            q = q * dk ** -0.5
+            v = v.reshape(-1, hv, dv)
+            decay = torch.exp(-a_log.to(work).exp() * torch.nn.functional.softplus(a[first:last] + dt_bias.to(work)))
+            beta = torch.sigmoid(b[first:last])
+            state, rows = torch.zeros(hv, dk, dv, device=mixed.device, dtype=work), []
+            for t in range(last - first):
+                state = state * decay[t, :, None, None]
+                delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], state)) * beta[t, :, None]
+                state = state + k[t, :, :, None] * delta[:, None, :]
+                rows.append(torch.einsum("hk,hkv->hv", q[t], state))
+            core = torch.stack(rows)
+            normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + eps)
+            gate = z[first:last].reshape(-1, hv, dv)
+            out = out.index_copy(0, torch.arange(first, last, device=out.device),
+                                 normed * norm_weight.to(work) * torch.nn.functional.silu(gate))
+        return out.view(shape)
+    return reference
 
 
 def _projections(self, hidden_states: torch.Tensor):

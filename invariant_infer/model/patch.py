@@ -53,7 +53,7 @@ from .gated_attention import gated_attention_forward
 from .linear_attention import gated_delta_net_forward
 from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
 from .module_state import module_state, remove_state, state_of
-from .no_backward import without_backward
+from .recomputed_backward import recomputed_backward
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
@@ -98,8 +98,13 @@ def _row_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return without_backward(rms_norm(hidden_states, self.weight, self.eps, zero_centred=True),
-                            [hidden_states, self.weight], "zero-centred RMSNorms (Qwen3.5, Qwen3-Next)")
+    eps = self.eps
+
+    def reference(x, weight):  # Qwen3.5's own formula
+        x = x.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(hidden_states.dtype)
+    return recomputed_backward(rms_norm(hidden_states, self.weight, eps, zero_centred=True), reference,
+                               hidden_states, self.weight)
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
