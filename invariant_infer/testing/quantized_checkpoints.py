@@ -37,10 +37,12 @@ def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     raise InvalidArgumentError(f"no observer for weight strategy {strategy!r}")
 
 
-def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overrides):
-    """Quantize every Linear but lm_head with compressed-tensors' preset ``scheme_name`` (in place,
-    weights still dense); ``activation_overrides`` replace fields of the input activation args
-    (e.g. ``strategy="tensor"`` for a per-tensor dynamic scale)."""
+def quantize_model(model: torch.nn.Module, scheme_name: str, ignore: tuple[str, ...] = ("lm_head",),
+                   **activation_overrides):
+    """Quantize every Linear but those ``ignore`` names (compressed-tensors' names or "re:" patterns)
+    with compressed-tensors' preset ``scheme_name`` (in place, weights still dense);
+    ``activation_overrides`` replace fields of the input activation args (e.g. ``strategy="tensor"``
+    for a per-tensor dynamic scale)."""
     from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
                                                  preset_name_to_scheme)
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -51,7 +53,7 @@ def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overri
         scheme.weights = scheme.weights.model_copy(update=weight_overrides)
     if activation_overrides:
         scheme.input_activations = scheme.input_activations.model_copy(update=activation_overrides)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore))
     apply_quantization_config(model, config)
     with torch.no_grad():
         for module in model.modules():
@@ -70,17 +72,21 @@ def quantize_model(model: torch.nn.Module, scheme_name: str, **activation_overri
 
 
 def save_quantized_checkpoint(path: str | Path, config: PretrainedConfig, scheme_name: str, seed: int = 0,
-                              dtype: torch.dtype = torch.bfloat16, **activation_overrides) -> Path:
-    """A random model of ``config`` in ``dtype``, quantized with ``scheme_name`` and saved compressed."""
-    return save_quantized_model(random_model(config, seed, dtype), path, scheme_name, **activation_overrides)
+                              dtype: torch.dtype = torch.bfloat16, ignore: tuple[str, ...] = ("lm_head",),
+                              **activation_overrides) -> Path:
+    """A random model of ``config`` in ``dtype``, quantized with ``scheme_name`` (but the ``ignore``
+    layers) and saved compressed."""
+    return save_quantized_model(random_model(config, seed, dtype), path, scheme_name, ignore, **activation_overrides)
 
 
-def save_quantized_model(model: torch.nn.Module, path: str | Path, scheme_name: str, **activation_overrides) -> Path:
-    """``model`` (dense, in its dtype) quantized with ``scheme_name`` and saved compressed."""
+def save_quantized_model(model: torch.nn.Module, path: str | Path, scheme_name: str,
+                         ignore: tuple[str, ...] = ("lm_head",), **activation_overrides) -> Path:
+    """``model`` (dense, in its dtype) quantized with ``scheme_name`` (but the ``ignore`` layers) and
+    saved compressed."""
     from compressed_tensors.compressors import ModelCompressor
 
     path = Path(path)
-    model = quantize_model(model, scheme_name, **activation_overrides)
+    model = quantize_model(model, scheme_name, ignore, **activation_overrides)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(path)
