@@ -78,7 +78,7 @@ def mixed_run(model, budget: int) -> dict:
 
 
 @pytest.mark.fast_cells(ids=["qwen3_5_text-7"])
-@pytest.mark.parametrize("budget", [7, 64, 200])
+@pytest.mark.parametrize("budget", [7, 200])  # 200: the 66-token prompt is cut at 64 (prefix caching's boundary)
 @pytest.mark.parametrize("family", HYBRID_FAMILY_NAMES)
 def test_any_schedule_equals_alone_generate_and_score(hybrid_models, family, budget):
     model = hybrid_models(family)
