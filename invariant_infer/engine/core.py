@@ -19,11 +19,12 @@ import secrets
 import torch
 
 from ..errors import (DeviceError, EngineBusyError, InvalidArgumentError, LoraAdapterError, RequestError,
-                      TensorParallelError, UnsupportedModelError, raise_if_device_failure)
+                      TensorParallelError, raise_if_device_failure)
 from ..model.executor import Executor, executor_for
 from ..model.lora import is_peft_model
 from ..model.patch import is_invariant, make_invariant
 from .block_manager import BlockManager, block_table_rows
+from .hybrid import check_hybrid, is_hybrid
 from .lora_slots import LoraAdapter, LoraSlots
 from .model_runner import ModelRunner
 from .prefix_states import PrefixStates, saved_state_interval
@@ -38,17 +39,6 @@ from .step_timer import NULL_TIMER, StepTimer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 28  # 256 MiB
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5   # of the free memory at start
-
-
-def _check_hybrid(model_type: str, kernels: str, speculative, max_loras: int) -> None:
-    """What the engine does not run yet with Gated DeltaNet (linear attention) layers, refused by name."""
-    refused = [what for what, asked in (
-        ("kernels='stock'", kernels != "invariant"),
-        ("speculative decoding (a rejected draft token would have to leave the layers' state)", speculative),
-        ("LoRA adapters", max_loras)) if asked]
-    if refused:
-        raise UnsupportedModelError(f"{model_type}: the engine does not run models with Gated DeltaNet (linear "
-                                    f"attention) layers with {'; '.join(refused)} yet")
 
 
 class EngineCore:
@@ -77,9 +67,9 @@ class EngineCore:
                                        "first)")
         if model.get_output_embeddings() is None or not hasattr(model, "model"):
             raise InvalidArgumentError("the engine runs causal LMs (AutoModelForCausalLM), not base models")
-        hybrid = "linear_attention" in (getattr(model.config, "layer_types", None) or ())
+        hybrid = is_hybrid(model.config)
         if hybrid:
-            _check_hybrid(model.config.model_type, kernels, speculative, max_loras)
+            check_hybrid(model.config.model_type, kernels, speculative, max_loras)
         self.model, self.tokenizer = model.eval(), tokenizer
         config = model.config
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
