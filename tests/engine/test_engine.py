@@ -10,6 +10,7 @@ import torch
 import invariant_infer.engine.sampler as sampler_module
 import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
+from helpers.engine_runs import run_schedule
 from helpers.models import FAMILY_NAMES, MOE_FAMILY_NAMES, load_model
 from helpers.tokenizer import train_tokenizer
 from invariant_infer import make_invariant, score_sequences
@@ -33,23 +34,6 @@ def request_params(i: int) -> SamplingParams:
         return SamplingParams(max_tokens=NEW_TOKENS, logprobs=2, prompt_logprobs=1, ignore_eos=True)
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, top_k=40, top_p=0.9, seed=100 + i,
                           logprobs=2, prompt_logprobs=1, ignore_eos=True)
-
-
-def run_schedule(engine: Engine, prompts, arrivals, preempt_at=()) -> dict[int, object]:
-    """Add prompt i at step arrivals[i]; optionally preempt the latest sequence before given steps."""
-    outputs, step, ids = {}, 0, {}
-    while len(outputs) < len(prompts):
-        for i, arrival in enumerate(arrivals):
-            if arrival == step:
-                ids[engine.add_request(prompts[i], request_params(i))] = i
-        if step in preempt_at:
-            engine.scheduler.preempt_latest()
-        for out in engine.step():
-            if out.finished:
-                outputs[ids[out.request_id]] = out
-        step += 1
-        assert step < 500, "the engine stopped making progress"
-    return outputs
 
 
 def assert_same(a, b):
@@ -79,7 +63,7 @@ def test_any_schedule_equals_alone_generate_and_score(family_models, family):
     # arrives mid-decode; the latest sequence is preempted once and recomputed; decode-only steps are
     # padded to 4 rows (as CUDA-graph buckets would be).
     engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=5, decode_buckets=(4,))
-    mixed = run_schedule(engine, prompts, arrivals=(0, 0, 3), preempt_at=(4,))
+    mixed = run_schedule(engine, prompts, request_params, arrivals=(0, 0, 3), preempt_at=(4,))
     assert engine.runner.padding_rows > 0 and engine.scheduler.num_preemptions > 0
     alone_engine = Engine(model)
     for i, prompt in enumerate(prompts):

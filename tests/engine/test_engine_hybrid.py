@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import invariant_infer.model.linear_attention as linear_attention
+from helpers.engine_runs import run_schedule
 from helpers.models import HYBRID_FAMILY_NAMES, load_model
 from invariant_infer import UnsupportedModelError, make_invariant, score_sequences
 from invariant_infer.engine import Engine, SamplingParams
@@ -36,22 +37,6 @@ def params_for(i: int) -> SamplingParams:
                           prompt_logprobs=1, ignore_eos=True)
 
 
-def run_schedule(engine: Engine, prompts, arrivals, preempt_at=()) -> dict:
-    outputs, ids, step = {}, {}, 0
-    while len(outputs) < len(prompts):
-        for i, arrival in enumerate(arrivals):
-            if arrival == step:
-                ids[engine.add_request(prompts[i], params_for(i))] = i
-        if step in preempt_at:
-            engine.scheduler.preempt_latest()
-        for out in engine.step():
-            if out.finished:
-                outputs[ids[out.request_id]] = out
-        step += 1
-        assert step < 500, "the engine stopped making progress"
-    return outputs
-
-
 def same(a, b) -> bool:
     return (a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
             and a.prompt_logprobs == b.prompt_logprobs and a.prompt_top_logprobs == b.prompt_top_logprobs)
@@ -72,7 +57,8 @@ def mixed_run(model, budget: int) -> dict:
     """Two sequences at most (the third reuses a finished one's state slot), the third arriving
     mid-prefill, the latest admitted preempted at step 1, decode-only steps padded to 4 rows."""
     engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=budget, decode_buckets=(4,))
-    outputs = run_schedule(engine, prompts_for(model.config.vocab_size), arrivals=(0, 0, 2), preempt_at=(1,))
+    outputs = run_schedule(engine, prompts_for(model.config.vocab_size), params_for, arrivals=(0, 0, 2),
+                           preempt_at=(1,))
     assert engine.scheduler.num_preemptions > 0 and engine.runner.padding_rows > 0
     return outputs
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import invariant_infer.model.linear_attention as linear_attention
+from helpers.engine_runs import trainer_logprobs
 from helpers.models import load_model, make_samples
 from helpers.tokenizer import save_tokenizer
 from invariant_infer import UnsupportedModelError, make_invariant, pad_sequences, restore
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.kernels import gated_delta_rule
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
-from invariant_infer.training.logprobs import token_logprobs
 
 FAMILY = "qwen3_5_text"
 T = 0.7
@@ -48,25 +48,13 @@ def rollouts(model):
     return [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids), o.logprobs) for o in outs]
 
 
-def trainer_logprobs(model, sequences, prompt_lengths, micro_batch: int, side: str) -> list[list[float]]:
-    found = []
-    for first in range(0, len(sequences), micro_batch):
-        chunk = sequences[first:first + micro_batch]
-        ids, mask = pad_sequences(chunk, side=side, width=max(map(len, chunk)) + 1)
-        logps = token_logprobs(model, ids, mask, temperature=T)
-        for row, seq in enumerate(chunk):
-            start = int(mask[row].argmax())
-            found.append(logps[row, start:start + len(seq) - 1])
-    return [values[p - 1:].tolist() for values, p in zip(found, prompt_lengths)]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_trainer_logprobs_equal_the_engines_at_any_micro_batch(checkpoint, dtype):
     model = make_invariant(load_model(checkpoint, dtype))
     sequences, prompt_lengths, engine_logps = zip(*rollouts(model))
     for micro_batch, side in [(1, "left"), (3, "right"), (4, "left")]:
         with torch.enable_grad():
-            got = trainer_logprobs(model.train(), list(sequences), prompt_lengths, micro_batch, side)
+            got = trainer_logprobs(model.train(), list(sequences), prompt_lengths, micro_batch, side, T)
         assert got == list(engine_logps), (micro_batch, side)
 
 
@@ -79,7 +67,7 @@ def test_negative_control_a_scan_chunk_chosen_by_the_micro_batch(checkpoint, mon
     def batch_chunk(*args, **kwargs):
         return scan(*args, **kwargs, chunk=32 if args[7].shape[0] > 1 else gated_delta_rule.CHUNK)
     monkeypatch.setattr(linear_attention, "chunk_gated_delta_rule", batch_chunk)
-    assert trainer_logprobs(model.train(), list(sequences), prompt_lengths, 4, "left") != list(engine_logps)
+    assert trainer_logprobs(model.train(), list(sequences), prompt_lengths, 4, "left", T) != list(engine_logps)
 
 
 def parameter_grads(model, samples) -> dict[str, torch.Tensor]:

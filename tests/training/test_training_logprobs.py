@@ -6,6 +6,7 @@ import torch
 
 import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
+from helpers.engine_runs import trainer_logprobs
 from helpers.models import FAMILY_NAMES, load_model
 from invariant_infer import make_invariant, pad_sequences, score_sequences
 from invariant_infer.engine import Engine, SamplingParams
@@ -26,19 +27,6 @@ def rollouts(model, count=5, temperature=T):
     return [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids), o.logprobs) for o in outs]
 
 
-def trainer_logprobs(model, sequences, prompt_lengths, micro_batch, side, temperature=T):
-    """Completion-token logprobs per sequence, computed in micro-batches of ``micro_batch`` rows."""
-    found = []
-    for start in range(0, len(sequences), micro_batch):
-        chunk = sequences[start:start + micro_batch]
-        ids, mask = pad_sequences(chunk, side=side, width=max(map(len, chunk)) + 1)
-        logps = token_logprobs(model, ids, mask, temperature=temperature)
-        for row, seq in enumerate(chunk):
-            first = int(mask[row].argmax())
-            found.append(logps[row, first:first + len(seq) - 1])
-    return [values[p - 1:].tolist() for values, p in zip(found, prompt_lengths)]
-
-
 @pytest.mark.fast_cells(1)
 @pytest.mark.parametrize("family, dtype", [(f, torch.bfloat16) for f in FAMILY_NAMES] + [("qwen2", torch.float32)])
 def test_trainer_logprobs_equal_the_engines_at_any_micro_batch(family_checkpoints, family, dtype):
@@ -46,7 +34,7 @@ def test_trainer_logprobs_equal_the_engines_at_any_micro_batch(family_checkpoint
     samples = rollouts(model)
     sequences, prompt_lengths, engine_logps = zip(*samples)
     for micro_batch, side in [(1, "left"), (2, "right"), (5, "left")]:
-        got = trainer_logprobs(model.train(), list(sequences), prompt_lengths, micro_batch, side)
+        got = trainer_logprobs(model.train(), list(sequences), prompt_lengths, micro_batch, side, T)
         assert got == list(engine_logps), (family, dtype, micro_batch, side)
 
 
@@ -58,7 +46,7 @@ def test_negative_control_m_dependent_sampler_is_caught(tiny_checkpoint, monkeyp
     with monkeypatch.context() as patched:
         patched.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
         sequences, prompt_lengths, engine_logps = zip(*rollouts(model))
-    got = trainer_logprobs(model.train(), list(sequences), prompt_lengths, 5, "left")
+    got = trainer_logprobs(model.train(), list(sequences), prompt_lengths, 5, "left", T)
     assert got != list(engine_logps)
 
 
