@@ -1,6 +1,6 @@
 """Quantized hybrid checkpoints (Qwen3.5's text model, compressed-tensors FP8 per channel and in
 128x128 blocks, int4 weights in groups of 128): loaded with from_pretrained and kept compressed, each row's logits bitwise those of
-the row alone, and the engine's outputs those of each request alone. The block format leaves the
+the row alone, and (FP8 blocks) the engine's outputs those of each request alone. The block format leaves the
 Gated DeltaNet's in_proj_a / in_proj_b dense (their 4 outputs make no 128-row block), as a checkpoint
 that cannot block them must. Negative control: a per-tensor activation scale (the batch's max) on the
 layers' own quantized GEMM changes rows with their batch. Quantized experts (the hybrid MoE
@@ -47,6 +47,8 @@ def test_rows_and_engine_requests_equal_alone(checkpoints, fmt):
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(quantized_layers(model)) == len(linears) - len(FORMATS[fmt])  # in_proj_a/b per layer: 1 GDN layer
     assert batch_mismatches(model, make_samples(model.config.vocab_size, (9, 1, 70, 5))) == []
+    if fmt != "FP8_BLOCK":  # the engine runs each format's layers as the model does: one format suffices
+        return
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist() for n in (70, 3, 20)]
     params = SamplingParams(max_tokens=3, logprobs=1, prompt_logprobs=1, ignore_eos=True)
