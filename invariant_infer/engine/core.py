@@ -99,7 +99,7 @@ class EngineCore:
         # multiple of the chunk and page sizes (prefix_states.py).
         prefix_states = None
         if hybrid and enable_prefix_caching:
-            prefix_states = PrefixStates(self.runner.linear_slots, max_num_seqs, saved_state_interval(page_size))
+            prefix_states = PrefixStates(self.runner.state_copies, max_num_seqs, saved_state_interval(page_size))
         self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching,
                                    num_table_rows=block_table_rows(max_num_seqs), prefix_states=prefix_states)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission=self.loras,

@@ -42,6 +42,7 @@ from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
 from .block_manager import block_table_rows
 from .lora_slots import LoraSlots
+from .prefix_states import SAVE, QueuedStateCopies
 from .scheduler import ScheduledChunk
 from ..errors import InvalidArgumentError
 
@@ -121,6 +122,8 @@ class StepMetadata:
     table_writes: list[tuple[int, int, int]]  # (row, column, page) to apply first (block_manager.py)
     num_real_tokens: int
     lora_groups: list = field(default_factory=list)  # (slot, packed rows) per LoRA adapter (engine.lora_slots)
+    # The prefix cache's linear-attention state copies to apply first, in order (prefix_states.py).
+    state_copies: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -201,6 +204,7 @@ class ModelRunner:
         self.staging = torch.zeros(self.max_staged, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.staging_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.pending_writes: list[tuple[int, int, int]] = []  # taken from the block manager, not yet applied
+        self.state_copies = QueuedStateCopies()
         if not invariant:  # the stock baseline's paged attention, until the runner goes
             AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, _paged_stock_attention)
             weakref.finalize(self, model.set_attn_implementation, model.config._attn_implementation)
@@ -208,7 +212,8 @@ class ModelRunner:
         # Every other rank builds the same runner over its shard, held there under runner_id.
         self.runner_id = next(_RUNNER_IDS)
         options = dict(num_pages=num_pages, page_size=page_size, invariant=invariant, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, decode_buckets=tuple(decode_buckets))
+                       max_num_batched_tokens=max_num_batched_tokens, decode_buckets=tuple(decode_buckets),
+                       saved_states=saved_states)
         self.executor.collective_rpc(_start_runner, (self.runner_id, options), lambda: None)
         weakref.finalize(self, self.executor.release, self.runner_id)
         # LoRA adapter slots (max_loras 0: none): this runner's registry and slots, which give every
@@ -239,6 +244,7 @@ class ModelRunner:
         """The step's inputs; ``table_writes``: the block manager's writes since the last step."""
         self.pending_writes += table_writes
         metadata = self.step_metadata(chunks)
+        metadata.state_copies, self.state_copies.pending = self.state_copies.pending, []
         if self.loras is not None:
             metadata.lora_groups = self.loras.groups_for(chunks)
         inputs = self.load(metadata)
@@ -311,6 +317,8 @@ class ModelRunner:
                            self.seq_lens[:seqs], self.block_tables[:seqs, :width],
                            max(starts[s + 1] - starts[s] for s in range(seqs)), starts, m.seq_lens, self.invariant)
         if self.linear_slots is not None:
+            for kind, source, target in m.state_copies:
+                (self.linear_slots.save if kind == SAVE else self.linear_slots.restore)(source, target)
             query_lens = [starts[s + 1] - starts[s] for s in range(seqs)]
             computed = [length - new for length, new in zip(m.seq_lens, query_lens)]
             fresh = [done == 0 or row >= self.num_table_rows for done, row in zip(computed, m.table_rows)]

@@ -21,7 +21,7 @@ def saved_state_interval(page_size: int) -> int:
 
 class PrefixStates:
     """Saved states by prefix hash. ``store`` copies them: ``save(slot, index)`` and
-    ``restore(index, slot)`` (``LinearAttentionSlots``)."""
+    ``restore(index, slot)`` (``QueuedStateCopies``, or ``LinearAttentionSlots`` itself)."""
 
     def __init__(self, store, capacity: int, interval: int):
         self.store, self.capacity, self.interval = store, capacity, interval
@@ -56,3 +56,21 @@ class PrefixStates:
     def clear(self) -> None:
         self.free += self.index_of.values()
         self.index_of.clear()
+
+
+SAVE, RESTORE = "save", "restore"
+
+
+class QueuedStateCopies:
+    """The store of the prefix cache's saved linear-attention states (``PrefixStates``) as the
+    scheduler sees it: each copy waits for the next step, which applies it on every rank before
+    its forward (under tensor parallelism each rank holds its own copy of the states)."""
+
+    def __init__(self):
+        self.pending: list[tuple[str, int, int]] = []
+
+    def save(self, slot: int, index: int) -> None:
+        self.pending.append((SAVE, slot, index))
+
+    def restore(self, index: int, slot: int) -> None:
+        self.pending.append((RESTORE, index, slot))

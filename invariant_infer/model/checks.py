@@ -113,9 +113,9 @@ def _check_linear_attention(adapter, module, name: str) -> None:
 
 def _refuse_on_linear_attention(adapter, sharded: bool, quantized, experts, adapters) -> None:
     """What hybrid (Gated DeltaNet) models do not run with yet, by name."""
-    what = (sharded and "tensor parallelism") or (experts and "quantized experts") or \
-        (adapters and "PEFT LoRA adapters")
+    what = (sharded and quantized and "tensor parallelism of quantized checkpoints") or \
+        (experts and "quantized experts") or (adapters and "PEFT LoRA adapters")
     if what:
-        raise UnsupportedModelError(f"{adapter.model_type}: {what} on models with Gated DeltaNet layers are not "
-                                    "supported yet")
+        raise UnsupportedModelError(f"{adapter.model_type}: models with Gated DeltaNet layers do not run with "
+                                    f"{what} yet")
 

@@ -20,6 +20,10 @@ transformers' hooks (``make_invariant`` replaces the module's forward, hooks inc
     position is exact zeros, and the ranks' results are summed as bytes (uint8): one rank holds
     each token, so the sum copies its bits (a float sum would turn -0.0 into +0.0).
   * ``replicated_with_grad_allreduce`` (Qwen3's q/k norms): replicated weights, nothing to do.
+  * ``colwise_gather_output`` on a Gated DeltaNet layer's projections (Qwen3.5): each rank computes
+    its slice of the output columns with the single-process config of the full shape (out_proj's
+    row-parallel K tree included), and the slices are gathered (copies). The convolution, the scan
+    and the gated norm then run on every rank over all heads, from the same bits.
 Inference only: the tree exchanges values, not gradients.
 """
 from __future__ import annotations
@@ -44,7 +48,7 @@ from .module_state import module_state, state_of
 COLWISE, ROWWISE, GATHER, VOCAB_EMBEDDING, REPLICATED_NORM = (
     "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicated_with_grad_allreduce")
 _ROLE_STYLES = {"colwise": {COLWISE}, "rowwise": {ROWWISE}, "lm_head": {GATHER, "colwise_rep"},
-                "embedding": {VOCAB_EMBEDDING}, "head_norm": {REPLICATED_NORM}}
+                "embedding": {VOCAB_EMBEDDING}, "head_norm": {REPLICATED_NORM}, "gathered": {GATHER}}
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,17 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout,
     plan = dict(getattr(model, "tp_plan", None) or {})
     names = {module: name for name, module in model.named_modules()}
     roles: dict[nn.Module, str] = {}
+    row_tree: set[nn.Module] = set()
     for layer in base.layers:
         for proj_name, proj in adapter.projections(layer).items():
-            roles[proj] = "rowwise" if proj_name in adapter.row_parallel else "colwise"
+            if proj_name.startswith("linear_attn."):
+                roles[proj] = "gathered"
+                if proj_name in adapter.row_parallel:
+                    row_tree.add(proj)
+            else:
+                roles[proj] = "rowwise" if proj_name in adapter.row_parallel else "colwise"
+        if adapter.is_linear_attention(layer):
+            continue
         for norm in adapter.head_norms:
             roles[getattr(layer.self_attn, norm)] = "head_norm"
     head = model.get_output_embeddings()
@@ -148,7 +160,7 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout,
             allowed = sorted(_ROLE_STYLES[role]) if role else "none (the module is not sharded)"
             raise UnsupportedModelError(f"tp_plan shards {name} as {style!r}; make_invariant serves {allowed} "
                                         "there (the families' tp_plan='auto')")
-        if role in ("colwise", "rowwise") and style is None:
+        if role in ("colwise", "rowwise", "gathered") and style is None:
             raise UnsupportedModelError(f"tp_plan leaves {name} unsharded; make_invariant serves the families' "
                                         "tp_plan='auto', where it is " + role)
     forwards: dict[nn.Module, object] = {}
@@ -166,9 +178,11 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout,
             if module.bias is not None:
                 _check_param(f"{name}.bias", module.bias, Replicate())
             forwards[module] = _rowwise_forward
-        elif role == "lm_head" and style is not None:
+        elif role == "gathered" or (role == "lm_head" and style is not None):
             _check_param(f"{name}.weight", module.weight, Shard(0))
-            forwards[module] = _gathered_colwise_forward
+            if module.bias is not None:
+                _check_param(f"{name}.bias", module.bias, Shard(0))
+            forwards[module] = _gathered_row_tree_forward if module in row_tree else _gathered_colwise_forward
         elif role == "embedding" and style is not None:
             _check_param(f"{name}.weight", module.weight, Shard(0))
             forwards[module] = _vocab_parallel_embedding_forward
@@ -276,18 +290,30 @@ def _colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gathered_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """This rank's vocabulary slice, then every rank's slice gathered (copies). The slices are
-    torch.chunk's (DTensor's Shard(0)): ceil(V / t) columns each, the last ones fewer or none."""
+    """This rank's slice of the output columns, then every rank's slice gathered (copies)."""
+    return _gather_output(self, _colwise_forward(self, x))
+
+
+def _gathered_row_tree_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """As ``_gathered_colwise_forward``, for a layer whose single-process forward reduces K as the
+    row-parallel tree (a Gated DeltaNet's out_proj): each column is reduced whole, in that order."""
+    _refuse_grad(self, x)
+    config = row_parallel_config(x.device.type, x.dtype, *self.weight.shape)
+    return _gather_output(self, linear(x, _local(self.weight), _local(self.bias), config=config))
+
+
+def _gather_output(self: nn.Linear, y: torch.Tensor) -> torch.Tensor:
+    """Every rank's slice of the output columns, gathered in rank order (copies). The slices are
+    torch.chunk's (DTensor's Shard(0)): ceil(N / t) columns each, the last ones fewer or none."""
     layout = state_of(self).tensor_parallel
-    y = _colwise_forward(self, x)
-    vocab, width = self.out_features, -(-self.out_features // layout.size)
+    columns, width = self.out_features, -(-self.out_features // layout.size)
     rows = y.reshape(-1, y.shape[-1])
     if rows.shape[-1] < width:
         rows = torch.nn.functional.pad(rows, (0, width - rows.shape[-1]))
     gathered = rows.new_empty((layout.size * rows.shape[0], width))
     _all_gather(gathered, rows.contiguous(), group=layout.group)
-    full = gathered.view(layout.size, rows.shape[0], width).transpose(0, 1).reshape(rows.shape[0], -1)[:, :vocab]
-    return full.reshape(*y.shape[:-1], vocab)
+    full = gathered.view(layout.size, rows.shape[0], width).transpose(0, 1).reshape(rows.shape[0], -1)[:, :columns]
+    return full.reshape(*y.shape[:-1], columns)
 
 
 # torch 2.13 renames all_gather_into_tensor (and deprecates the old name); earlier releases have the old only.

@@ -4,7 +4,7 @@ shards the compressed tensors themselves) and patched by make_invariant, TP 2 gi
 model's logits bitwise. Row-parallel layers reduce K as a tree of leaves of whole scale groups, and
 each rank computes its own leaves. Negative control: the exchange replaced by an all-reduce of each
 rank's rounded sums. Refusals: a format the shards do not serve, and a size that would split a
-128-row block, each naming what works. One torchrun (tests/tp_worker.py) runs the model checks;
+128-row block, each naming what works; a quantized hybrid (Gated DeltaNet) checkpoint. One torchrun (tests/tp_worker.py) runs the model checks;
 ``invariant-infer score`` and ``serve`` at TP 2 (rank processes) give the bits of one process, and
 ``serve`` refuses adapter slots on a quantized checkpoint at TP 2."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ from invariant_infer.kernels import dequantize_weight
 from invariant_infer.model.patch import make_invariant
 from invariant_infer.model.quantization import quantized_layers
 from invariant_infer.testing.quantized_checkpoints import save_quantized_checkpoint
-from invariant_infer.testing.random_checkpoints import qwen2_config
+from invariant_infer.testing.random_checkpoints import qwen2_config, random_config
 from invariant_infer.model.module_state import state_of
 from test_tensor_parallel import RUN_TIMEOUT, WORKER, torchrun
 
@@ -48,6 +48,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     paths["per-channel"] = save_quantized_checkpoint(root / "per-channel", qwen2_config("tiny", **SHAPE), "FP8_DYNAMIC")
     paths["kv2"] = save_quantized_checkpoint(root / "kv2", qwen2_config("tiny", **{**SHAPE, "num_key_value_heads": 2}),
                                              "FP8_BLOCK")
+    hybrid = random_config("qwen3_5_text", "tiny", hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=64)
+    paths["hybrid"] = save_quantized_checkpoint(root / "hybrid", hybrid, "FP8_BLOCK",
+                                                ignore=("lm_head", "re:.*linear_attn.*"))
     return paths
 
 
@@ -56,7 +60,8 @@ def tp2(checkpoints, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("quantized-tp2")
     torchrun(2, out, [*[a for fmt in FORMATS for a in ("--model", f"{fmt}={checkpoints[fmt]}")],
                       *[a for d in DTYPES for a in ("--dtype", d)], "--variant", "invariant", "--variant", "allreduce:bf16",
-                      "--refuse", f"per-channel={checkpoints['per-channel']}", "--refuse", f"kv2={checkpoints['kv2']}"])
+                      "--refuse", f"per-channel={checkpoints['per-channel']}", "--refuse", f"kv2={checkpoints['kv2']}",
+                      "--refuse", f"hybrid={checkpoints['hybrid']}"])
     return out
 
 
@@ -103,6 +108,9 @@ def test_refusals_name_what_works(tp2):
     kv2 = (tp2 / "refused-kv2.txt").read_text()
     assert "k_proj's 128 output rows would split a 128-row weight block" in kv2
     assert "Sizes that work for this model: [1]" in kv2
+    hybrid = (tp2 / "refused-hybrid.txt").read_text()
+    assert hybrid == ("UnsupportedModelError: qwen3_5_text: models with Gated DeltaNet layers do not run with "
+                      "tensor parallelism of quantized checkpoints yet")
 
 
 def _rows(path: Path, count: int = 12) -> Path:

@@ -1,10 +1,11 @@
 """Tensor parallelism at the model level, on CPU with gloo: a model loaded with tp_plan="auto" under
 torchrun and patched by make_invariant gives, at TP 2 and TP 4, the single-process patched
-model's logits bitwise (every family, fp32/bf16/fp16, a left-padded batch). Negative controls:
+model's logits bitwise (every dense family and the dense hybrid Qwen3.5, whose Gated DeltaNet
+projections transformers gathers, fp32/bf16/fp16, a left-padded batch). Negative controls:
 stock transformers at TP 2 against stock at TP 1, and the invariant model with the row-parallel
 exchange replaced by an all-reduce of each rank's rounded sums (TP-dependent on any machine).
 Refusals: TP sizes the heads or the K trees do not divide, a plan layout the trees do not serve,
-a mixture-of-experts family;
+a mixture-of-experts family (a hybrid one too);
 restore gives back transformers' own TP forward.
 Each TP size is one torchrun (tests/tp_worker.py) that runs every check of that size."""
 from __future__ import annotations
@@ -19,12 +20,13 @@ import torch
 import triton
 from transformers import AutoModelForCausalLM
 
-from helpers.models import FAMILY_NAMES
+from helpers.models import FAMILY_NAMES, HYBRID_FAMILY_NAMES
 from helpers.servers import run_bounded
 from tp_worker import HIDDEN_SHARDED_EMBEDDING
 from invariant_infer.kernels.configs import row_parallel_config, tree_leaves
 from invariant_infer.kernels.fused_linear import silu_mul_linear, silu_mul_linear_partials
 from invariant_infer.kernels.linear import combine_partials, linear, linear_partials
+from invariant_infer.model.families import FAMILIES
 from invariant_infer.model.patch import make_invariant
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 from invariant_infer.model.tensor_parallel import supported_tp_sizes, tp_size_refusal
@@ -35,6 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TP_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
 REFUSED = {"kv2": dict(num_key_value_heads=2), "i160": dict(intermediate_size=160)}  # at TP 4
 RUN_TIMEOUT = 300
+TP_FAMILIES = FAMILY_NAMES + [f for f in HYBRID_FAMILY_NAMES if FAMILIES[f].moe is None]
 
 pytestmark = [pytest.mark.heavy, pytest.mark.file_minutes(1.2)]  # measured on 2 cores: start it early
 
@@ -42,8 +45,9 @@ pytestmark = [pytest.mark.heavy, pytest.mark.file_minutes(1.2)]  # measured on 2
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-checkpoints")
-    paths = {f: save_random_checkpoint(root / f, random_config(f, "tiny", **TP_SHAPE), seed=3) for f in FAMILY_NAMES}
+    paths = {f: save_random_checkpoint(root / f, random_config(f, "tiny", **TP_SHAPE), seed=3) for f in TP_FAMILIES}
     paths["moe"] = save_random_checkpoint(root / "moe", random_config("qwen3_moe", "tiny"))
+    paths["hybrid-moe"] = save_random_checkpoint(root / "hybrid-moe", random_config("qwen3_5_moe_text", "tiny"))
     for name, overrides in REFUSED.items():
         paths[name] = save_random_checkpoint(root / name, random_config("qwen2", "tiny", **{**TP_SHAPE, **overrides}))
     return paths
@@ -60,7 +64,7 @@ def torchrun(nproc: int, out: Path, args: list[str]) -> None:
 
 
 def models(checkpoints) -> list[str]:
-    return [arg for f in FAMILY_NAMES for arg in ("--model", f"{f}={checkpoints[f]}")]
+    return [arg for f in TP_FAMILIES for arg in ("--model", f"{f}={checkpoints[f]}")]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,7 @@ def tp_runs(checkpoints, tmp_path_factory) -> dict[int, Path]:
     torchrun(2, outs[2], [*models(checkpoints), *dtypes, "--variant", "invariant", "--variant", "stock:fp32",
                           "--variant", "restored:fp32",
                           "--variant", "allreduce:bf16", "--refuse-plan", f"plan={checkpoints['qwen2']}",
-                          "--refuse", f"moe={checkpoints['moe']}"])
+                          "--refuse", f"moe={checkpoints['moe']}", "--refuse", f"hybrid-moe={checkpoints['hybrid-moe']}"])
     torchrun(4, outs[4], [*models(checkpoints), *dtypes, "--variant", "invariant",
                           *[arg for name in REFUSED for arg in ("--refuse", f"{name}={checkpoints[name]}")]])
     return outs
@@ -98,13 +102,13 @@ def single_process(checkpoints):
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", TP_FAMILIES)
 def test_tp_logits_bitwise_equal_to_single_process(tp_runs, single_process, family, dtype, size):
     got = torch.load(tp_runs[size] / f"{family}-{dtype}-invariant.pt")
     assert torch.equal(got, single_process(family, dtype))
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", TP_FAMILIES)
 def test_negative_control_stock_tp2_differs_from_tp1(tp_runs, single_process, family):
     stock_tp2 = torch.load(tp_runs[2] / f"{family}-fp32-stock.pt")
     stock_tp1 = single_process(family, "fp32", patched=False)
@@ -113,13 +117,13 @@ def test_negative_control_stock_tp2_differs_from_tp1(tp_runs, single_process, fa
     assert not torch.equal(torch.load(tp_runs[2] / f"{family}-fp32-invariant.pt"), stock_tp2)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", TP_FAMILIES)
 def test_restore_gives_back_transformers_tp(tp_runs, family):
     restored = torch.load(tp_runs[2] / f"{family}-fp32-restored.pt")
     assert torch.equal(restored, torch.load(tp_runs[2] / f"{family}-fp32-stock.pt"))
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", TP_FAMILIES)
 def test_negative_control_allreduce_of_rounded_sums_differs(tp_runs, single_process, family):
     """Each rank adds its own leaves and rounds to bf16, then the ranks all-reduce (stock TP's
     order): the test sees the change of bits that a TP-dependent reduction makes."""
@@ -138,6 +142,9 @@ def test_refusals_name_the_sizes_that_work(tp_runs):
     assert plan.startswith(f"UnsupportedModelError: tp_plan shards model.embed_tokens as {HIDDEN_SHARDED_EMBEDDING!r}")
     moe = (tp_runs[2] / "refused-moe.txt").read_text()
     assert moe.startswith("UnsupportedModelError: qwen3_moe: tensor parallelism is supported for the dense families")
+    hybrid_moe = (tp_runs[2] / "refused-hybrid-moe.txt").read_text()
+    assert hybrid_moe.startswith("UnsupportedModelError: qwen3_5_moe_text: tensor parallelism is supported for the "
+                                 "dense families")
 
 
 def test_supported_sizes_of_real_shapes():

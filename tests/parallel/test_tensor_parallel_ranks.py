@@ -1,6 +1,7 @@
 """The engine, scoring and the commands at TP 2 (CPU, gloo on 127.0.0.1): ``TensorParallelRanks``
 with ``Engine`` and ``score_sequences`` (also at TP 4), ``invariant-infer score --tensor-parallel-size 2`` and
-``invariant-infer serve --tensor-parallel-size 2`` give bitwise the results of one process.
+``invariant-infer serve --tensor-parallel-size 2`` give bitwise the results of one process, for a dense
+model and for a hybrid one (Qwen3.5).
 Faults: a rank killed mid-step or while idle fails the call or the command within seconds, naming
 the rank; a rank that cannot start fails the start; SIGTERM stops every rank; no rank outlives its
 test. Negative control: ranks whose row-parallel exchange all-reduces each rank's rounded sum (the
@@ -137,6 +138,29 @@ def test_engine_and_scores_at_tp2_and_tp4_are_those_of_one_process(checkpoint, s
         assert tp_size_of(ranks.model) == ranks.tensor_parallel_size == size and len(ranks.workers) == size - 1
         sharded = engine_results(ranks.model, ranks, requests)
     assert_same(single, sharded)
+
+
+def test_hybrid_engine_and_scores_at_tp2_are_those_of_one_process(tmp_path):
+    """Qwen3.5 (Gated DeltaNet layers beside gated attention) at TP 2: the engine, with a 70-token
+    prompt prefilled in chunks across the layers' 64-token chunk boundary beside decode tokens and
+    then hit in the prefix cache, and scoring give the bits of one process."""
+    path = save_random_checkpoint(tmp_path / "qwen3_5", random_config("qwen3_5_text", "tiny", **TP_SHAPE), seed=5)
+    prompts = [list(range(5, 75)), [3, 4], list(range(20, 45))]
+    params = [SamplingParams(max_tokens=4, temperature=0.8, seed=1, logprobs=1), SamplingParams(max_tokens=4),
+              SamplingParams(max_tokens=5, temperature=1.0, seed=7, logprobs=2, prompt_logprobs=1)]
+
+    def run(model, executor=None):
+        engine = Engine(model, **ENGINE_OPTIONS, executor=executor)
+        first = [(o.token_ids, o.logprobs, o.top_logprobs, o.prompt_logprobs) for o in engine.generate(prompts, params)]
+        again = engine.generate(prompts[:1], params[:1])[0]  # the saved state at token 64: a prefix hit
+        assert engine.blocks.prefix_hits > 0
+        scores = score_sequences(model, prompts, prompt_lengths=[1, 1, 4], max_batch_tokens=40, executor=executor)
+        return first, (again.token_ids, again.logprobs), [s.token_logprobs for s in scores]
+    single = run(load_model(str(path), dtype="bf16", device="cpu"))
+    with TensorParallelRanks(str(path), 2, dtype="bf16", device="cpu") as ranks:
+        sharded = run(ranks.model, ranks)
+    assert sharded[:2] == single[:2] and single[1] == single[0][0][:2]
+    assert all(torch.equal(a, b) for a, b in zip(single[2], sharded[2]))
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
