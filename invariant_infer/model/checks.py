@@ -95,7 +95,7 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
             raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
                                         "are supported")
     if adapter.linear_attention is not None:
-        _refuse_on_linear_attention(adapter, sharded, quantized, experts, lora_layers(model, head, quantized, sharded))
+        _refuse_on_linear_attention(adapter, sharded, quantized, lora_layers(model, head, quantized, sharded))
     return adapter, base, quantized, experts, lora_layers(model, head, quantized, sharded)
 
 
@@ -111,10 +111,10 @@ def _check_linear_attention(adapter, module, name: str) -> None:
                                     f"{module.num_k_heads} key heads")
 
 
-def _refuse_on_linear_attention(adapter, sharded: bool, quantized, experts, adapters) -> None:
+def _refuse_on_linear_attention(adapter, sharded: bool, quantized, adapters) -> None:
     """What hybrid (Gated DeltaNet) models do not run with yet, by name."""
     what = (sharded and quantized and "tensor parallelism of quantized checkpoints") or \
-        (experts and "quantized experts") or (adapters and "PEFT LoRA adapters")
+        (adapters and "PEFT LoRA adapters")
     if what:
         raise UnsupportedModelError(f"{adapter.model_type}: models with Gated DeltaNet layers do not run with "
                                     f"{what} yet")

@@ -3,8 +3,9 @@
 the row alone, and (FP8 blocks) the engine's outputs those of each request alone. The block format leaves the
 Gated DeltaNet's in_proj_a / in_proj_b dense (their 4 outputs make no 128-row block), as a checkpoint
 that cannot block them must. Negative control: a per-tensor activation scale (the batch's max) on the
-layers' own quantized GEMM changes rows with their batch. Quantized experts (the hybrid MoE
-families) are refused by name."""
+layers' own quantized GEMM changes rows with their batch. The hybrid MoE families in transformers'
+``fp8`` format (experts in 128x128 fp8 blocks, as for the other MoE families): rows and engine
+requests equal alone, experts kept in fp8; compressed-tensors MoE checkpoints are refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -14,10 +15,11 @@ from transformers import AutoModelForCausalLM
 from helpers.controls import per_tensor_scaled_quantized_forward
 from helpers.models import batch_mismatches, make_samples
 from invariant_infer import UnsupportedModelError, make_invariant
+from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.model import quantization
 from invariant_infer.model.quantization import quantized_layers
-from invariant_infer.testing.quantized_checkpoints import save_quantized_checkpoint
+from invariant_infer.testing.quantized_checkpoints import save_fp8_checkpoint, save_quantized_checkpoint
 from invariant_infer.testing.random_checkpoints import random_config
 
 import compressed_tensors  # noqa: E402,F401  (the test extra pins it: a missing install fails, never skips)
@@ -49,6 +51,10 @@ def test_rows_and_engine_requests_equal_alone(checkpoints, fmt):
     assert batch_mismatches(model, make_samples(model.config.vocab_size, (9, 1, 70, 5))) == []
     if fmt != "FP8_BLOCK":  # the engine runs each format's layers as the model does: one format suffices
         return
+    assert_engine_requests_equal_alone(model)
+
+
+def assert_engine_requests_equal_alone(model) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist() for n in (70, 3, 20)]
     params = SamplingParams(max_tokens=3, logprobs=1, prompt_logprobs=1, ignore_eos=True)
@@ -58,13 +64,36 @@ def test_rows_and_engine_requests_equal_alone(checkpoints, fmt):
         assert (a.token_ids, a.logprobs, a.prompt_logprobs) == (b.token_ids, b.logprobs, b.prompt_logprobs)
 
 
+# The official FP8 MoE checkpoints' format; the routers, the shared-expert gate and the Gated
+# DeltaNet's small a / b projections (no whole 128-row block) stay in bf16.
+FP8_MOE_WIDTHS = dict(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=4,
+                      moe_intermediate_size=128, shared_expert_intermediate_size=128, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+FP8_MOE_DENSE = ["lm_head", "mlp.gate", "shared_expert_gate", "in_proj_a", "in_proj_b", "in_proj_ba"]
+
+
+@pytest.mark.fast_cells(ids=["qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next"])
+def test_fp8_experts_rows_and_engine_requests_equal_alone(tmp_path, family):
+    path = save_fp8_checkpoint(tmp_path / family, random_config(family, "tiny", **FP8_MOE_WIDTHS), seed=5,
+                               dtype=torch.bfloat16, modules_to_not_convert=FP8_MOE_DENSE)
+    with quantized_loading():
+        model = make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert all(e.gate_up_proj.dtype == torch.float8_e4m3fn for e in experts)
+    assert all(e.__dict__["forward"].__func__.__name__ == "quantized_experts_forward" for e in experts)
+    assert batch_mismatches(model, make_samples(model.config.vocab_size, (9, 1, 20, 5))) == []
+    if family == "qwen3_next":  # the engine runs the experts as the model does: one family suffices
+        assert_engine_requests_equal_alone(model)
+
+
 def test_negative_control_a_per_tensor_activation_scale(checkpoints, monkeypatch):
     model = load(checkpoints["FP8_BLOCK"])
     monkeypatch.setattr(quantization, "_quantized_forward", per_tensor_scaled_quantized_forward)
     assert batch_mismatches(model, make_samples(model.config.vocab_size, (9, 1, 70, 5))) != []
 
 
-def test_quantized_experts_are_refused_by_name(tmp_path):
+def test_compressed_tensors_experts_are_refused_by_name(tmp_path):
     config = random_config("qwen3_5_moe_text", "tiny", **{k: v for k, v in WIDTHS.items() if k != "intermediate_size"},
                            moe_intermediate_size=128, shared_expert_intermediate_size=128)
     path = save_quantized_checkpoint(tmp_path / "moe", config, "FP8_DYNAMIC")
