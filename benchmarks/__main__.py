@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     results.update({"budget_s": args.budget_s, "sections": args.only,
                     "matmul": [], "rmsnorm": [], "attention": [], "decode_attention": [], "e2e": [], "decode": [],
                     "scoring_memory": [], "scoring_throughput": [], "divergence": [], "engine": [],
-                    "host_overhead": [], "server": [], "train": [], "moe": [], "gdn": [], "tp_exchange": [],
-                    "tp_steps": [], "spec": [], "quant": [], "lora": []})
+                    "host_overhead": [], "server": [], "train": [], "moe": [], "gdn": [], "gdn_prefill": [],
+                    "gdn_decode": [], "tp_exchange": [], "tp_steps": [], "spec": [], "quant": [], "lora": []})
     out = args.out or Path("bench_out") / f"{time.strftime('%Y%m%d-%H%M%S')}-{results['device'].split(' (')[0].replace(' ', '-')}"
     for i, name in enumerate(args.only):
         if end is not None:  # this section's share of what is left

@@ -15,6 +15,12 @@ Each row: the time, the invariant time / this implementation's (above 1: invaria
 max |output - stock torch's|, and whether a decode step's output equals the same token's row of one
 prefill over the whole context, bitwise (``decode_equals_prefill``: true by construction for the
 invariant kernel; the stock decode is another computation).
+
+End to end (``gdn_prefill`` and ``gdn_decode``, the ``e2e`` section's rows and columns): a Qwen3.5
+model with transformers' default ``Qwen3_5TextConfig`` widths (hidden 4096, 16 query / 4 KV heads of
+256, Gated DeltaNet heads as ``HEADS``, vocabulary 248320) cut to ``MODEL_LAYERS`` layers (three Gated
+DeltaNet layers, then one attention layer, as the released models), random weights, stock then
+``make_invariant``; quick: the family's ``tiny`` preset.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from tqdm import tqdm
 from invariant_infer.kernels import chunk_gated_delta_rule
 from invariant_infer.kernels.gated_delta_rule import CHUNK
 
+from . import e2e
 from .timing import Run, free_memory, time_ms
 
 HEADS = dict(key_heads=16, value_heads=32, head_dim=128)
@@ -35,6 +42,20 @@ PREFILL, QUICK_PREFILL = (2048, 8192), (70, 130)
 DECODE_BATCHES, QUICK_DECODE_BATCHES = (1, 64), (1, 4)
 DECODE_CONTEXT, QUICK_DECODE_CONTEXT = 2048 + 37, 64 + 37  # 37 rows past the last chunk boundary
 IMPLEMENTATIONS = ("invariant", "stock_torch", "fla")
+MODEL_FAMILY, MODEL_LAYERS = "qwen3_5_text", 8
+# (batch, tokens) of one forward; (batch, prompt, new tokens) of greedy generate. Quick: prompts past
+# the 64-token chunk boundary.
+MODEL_PREFILL, QUICK_MODEL_PREFILL = ((1, 2048), (8, 2048)), ((1, 70),)
+MODEL_DECODE, QUICK_MODEL_DECODE = ((1, 2048, 32), (32, 512, 32)), ((2, 60, 6),)
+
+
+def model_config(quick: bool):
+    """The end-to-end rows' config (see the module docstring)."""
+    from transformers import Qwen3_5TextConfig  # noqa: PLC0415
+    if quick:
+        return e2e.preset_config(MODEL_FAMILY, "tiny")[0]
+    layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    return Qwen3_5TextConfig(num_hidden_layers=MODEL_LAYERS, layer_types=layer_types * (MODEL_LAYERS // 4))
 
 
 def _stock_functions():
@@ -191,4 +212,10 @@ def run(ctx: Run, heads: dict | None = None, **_preset) -> dict:
         rows += batch_rows
         del x, fns, whole, reference
         free_memory(ctx.device)
-    return {"gdn": rows}
+    model = e2e.run(ctx, config=model_config(ctx.quick),
+                    score_shapes=QUICK_MODEL_PREFILL if ctx.quick else MODEL_PREFILL,
+                    decode_shapes=QUICK_MODEL_DECODE if ctx.quick else MODEL_DECODE)
+    name = f"{MODEL_FAMILY}:tiny" if ctx.quick else f"{MODEL_FAMILY}:transformers-default-widths-{MODEL_LAYERS}-layers"
+    for row in model["e2e"] + model["decode"]:
+        row["preset"] = name
+    return {"gdn": rows, "gdn_prefill": model["e2e"], "gdn_decode": model["decode"]}

@@ -283,6 +283,20 @@ def gdn_markdown(results: dict) -> str:
         ("case", "case"), ("B", "sequences"), ("T", "tokens"), ("implementation", "implementation"), ("ms", "ms"),
         ("tok/s", "tokens_per_s"), ("time ratio", "invariant_time_ratio"), ("Δ stock", "max_abs_diff_to_stock"),
         ("decode = prefill", "decode_equals_prefill"), ("skipped", "skipped")]))
+    if results.get("gdn_prefill") or results.get("gdn_decode"):
+        model = (results.get("gdn_prefill") or results.get("gdn_decode"))[0].get("preset")
+        out.append(f"\n### End to end, a Qwen3.5 model ({model}): prefill (one forward over batch × seq tokens) "
+                   "and greedy decode (generate; tokens/s of the steps after prefill), stock vs invariant\n")
+        out.append(table(results.get("gdn_prefill"), [
+            ("batch", "batch"), ("seq", "seq"), ("layers", "layers"), ("stock tok/s", "stock_tokens_per_s"),
+            ("invariant tok/s", "invariant_tokens_per_s"), ("time ratio", "ratio"),
+            ("stock peak GB", "stock_peak_gb"), ("invariant peak GB", "invariant_peak_gb"),
+            ("last-token max abs Δ", "last_token_max_abs_diff")]))
+        out.append("\n")
+        out.append(table(results.get("gdn_decode"), [
+            ("batch", "batch"), ("prompt", "prompt"), ("new tokens", "new_tokens"), ("layers", "layers"),
+            ("stock tok/s", "stock_decode_tokens_per_s"), ("invariant tok/s", "invariant_decode_tokens_per_s"),
+            ("stock/invariant", "ratio")]))
     return "\n".join(out)
 
 

@@ -70,6 +70,12 @@ def summary(results: dict) -> str:
         equal = f"; decode = prefill: {r['decode_equals_prefill']}" if r.get("decode_equals_prefill") is not None else ""
         lines.append(f"gdn {r['case']} {r['implementation']} B={r['sequences']} T={r['tokens']}: "
                      f"{fmt(r['tokens_per_s'])} tok/s{ratio}{equal}" + (f"; {r['skipped']}" if r.get("skipped") else ""))
+    for r in results.get("gdn_prefill") or []:
+        lines.append(f"gdn model prefill {r['batch']}x{r['seq']}: stock {fmt(r['stock_tokens_per_s'])} tok/s, "
+                     f"invariant {fmt(r['invariant_tokens_per_s'])} tok/s")
+    for r in results.get("gdn_decode") or []:
+        lines.append(f"gdn model decode B={r['batch']}: stock {fmt(r.get('stock_decode_tokens_per_s'))} tok/s, "
+                     f"invariant {fmt(r.get('invariant_decode_tokens_per_s'))} tok/s")
     for r in results.get("tp_steps") or []:
         lines.append(f"tensor parallel TP {r['tp']}: prefill step {fmt(r['prefill_step_ms'])} ms, decode step "
                      f"{fmt(r['decode_step_ms'])} ms (x{fmt(r['decode_ratio_to_tp1'])} TP 1); bitwise = TP 1 "

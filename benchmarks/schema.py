@@ -48,6 +48,7 @@ REQUIRED = {
     "tp_steps": ("tp", "requests", "prompt_tokens", "decode_tokens", "prefill_step_ms", "decode_step_ms",
                  "prefill_ratio_to_tp1", "decode_ratio_to_tp1", "bitwise_equal_to_tp1"),
 }
+REQUIRED["gdn_prefill"], REQUIRED["gdn_decode"] = REQUIRED["e2e"], ("batch", "prompt", "new_tokens")
 REQUIRED["lora"] = ("mode", "phase", "adapters", "rank", "requests", "tokens", "elapsed_s", "tokens_per_s",
                     "time_ratio_to_base", "bitwise_rows_checked", "bitwise_rows_equal")
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
@@ -106,7 +107,8 @@ def validate(results: dict) -> list:
     """Names of required fields that are missing (empty list = schema ok)."""
     missing = [key for key in REQUIRED["top"] if key not in results]
     for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
-                    "server", "train", "moe", "gdn", "tp_exchange", "tp_steps", "spec", "quant", "lora"):
+                    "server", "train", "moe", "gdn", "gdn_prefill", "gdn_decode", "tp_exchange", "tp_steps", "spec",
+                    "quant", "lora"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing

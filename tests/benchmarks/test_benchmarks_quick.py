@@ -259,6 +259,19 @@ def test_gdn_rows(results):
             assert row["invariant_time_ratio"] > 0
 
 
+def test_gdn_model_rows(results, quick_run):
+    """End to end on the tiny Qwen3.5 (a prompt past the 64-token chunk boundary): stock and
+    invariant timed on the same weights, their last-token logits close (bf16)."""
+    prefill, decode = results["gdn_prefill"], results["gdn_decode"]
+    assert [(r["batch"], r["seq"]) for r in prefill] == list(gdn.QUICK_MODEL_PREFILL)
+    assert [(r["batch"], r["prompt"], r["new_tokens"]) for r in decode] == list(gdn.QUICK_MODEL_DECODE)
+    for row in prefill:
+        assert row["preset"] == "qwen3_5_text:tiny" and row["stock_tokens_per_s"] > 0
+        assert row["invariant_tokens_per_s"] > 0 and row["last_token_max_abs_diff"] < 0.1
+    assert all(r["stock_decode_tokens_per_s"] > 0 and r["invariant_decode_tokens_per_s"] > 0 for r in decode)
+    assert "End to end, a Qwen3.5 model" in quick_run[1]
+
+
 def test_gdn_decode_check_catches_a_decode_from_another_boundary(monkeypatch):
     """Decode from a boundary the kernel's chunks do not have (48: the state there is the one at 0):
     decode_equals_prefill is False."""
