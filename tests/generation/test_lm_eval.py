@@ -74,8 +74,9 @@ def checkpoints(tmp_path_factory):
                                        hidden_size=128, intermediate_size=256, num_attention_heads=2,
                                        num_key_value_heads=2)
                 path = save_quantized_checkpoint(folder, config, "FP8_BLOCK")
-            else:
-                config = random_config(family, "tiny", num_hidden_layers=1, eos_token_id=0, pad_token_id=1)
+            else:  # a hybrid keeps its two layers: one Gated DeltaNet, one attention
+                layers = 2 if family == "qwen3_5_text" else 1
+                config = random_config(family, "tiny", num_hidden_layers=layers, eos_token_id=0, pad_token_id=1)
                 path = save_random_checkpoint(folder, config, seed=0)
             _tokenizer().save_pretrained(path)
             paths[family] = path
@@ -138,13 +139,13 @@ def reference_store():
     return {}
 
 
-# One dense and one mixture-of-experts family, and a compressed-tensors FP8_BLOCK checkpoint (fp8
-# weights in 128x128 blocks, fp8 activations scaled per token and group of 128): lm-eval has no
-# family-specific path; every family and dtype is checked at model level (tests/model/), including
+# One dense, one mixture-of-experts and one hybrid (Gated DeltaNet) family, and a compressed-tensors
+# FP8_BLOCK checkpoint (fp8 weights in 128x128 blocks, fp8 activations scaled per token and group of
+# 128): lm-eval has no family-specific path; every family and dtype is checked at model level (tests/model/), including
 # right-padded batches without a mask.
 @pytest.mark.parametrize("family, dtype", [("qwen2", torch.float32), ("mixtral", torch.bfloat16),
-                                           (FP8_BLOCK, torch.bfloat16)],
-                         ids=["qwen2-fp32", "mixtral-bf16", "qwen2-fp8-block-bf16"])
+                                           (FP8_BLOCK, torch.bfloat16), ("qwen3_5_text", torch.bfloat16)],
+                         ids=["qwen2-fp32", "mixtral-bf16", "qwen2-fp8-block-bf16", "qwen3_5_text-bf16"])
 @pytest.mark.fast_cells(1)
 def test_lm_eval_results_do_not_depend_on_batch_size(family, dtype, checkpoints, task_manager, offline,
                                                      reference_store):
