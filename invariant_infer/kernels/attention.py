@@ -13,6 +13,15 @@ neither may depend on Lq. Its keys come from the cache (dynamic or static; a sta
 unused tail lies after the query's position, so the causal mask hides it), so a decode
 step's bits equal those of the prefill row at the same position.
 
+A sliding window of W keys (``window`` > 0) lets the query at position p see keys p - W + 1 .. p
+only. The blocks stay where they are, aligned to kv_start; a tile starts its walk at the block
+holding its first query's first visible key, so blocks wholly before every window of the tile are
+skipped, and a block no row of the tile can see changes no row. A cache that evicts keys (a
+sliding-window cache keeps the last W - 1) shifts the key indices: the caller then passes
+kv_start, kv_end and q_start as indices into the keys it holds, kv_start possibly negative (the
+evicted first token's index), so every block boundary stays at the same absolute position; keys
+below index 0 are never read.
+
 Future flash-decoding (split-KV) must keep this contract: split each row's keys into chunks
 of a fixed SIZE (a multiple of BLOCK_N, starting at kv_start), never a fixed COUNT chosen
 from the batch, Lk or the number of SMs; reduce each chunk with this online softmax and
@@ -48,14 +57,29 @@ def online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: 
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["Lq", "Lk"])
+@triton.jit
+def first_window_block(kv_start, first_query, window, BLOCK_N: tl.constexpr):
+    """Start of the first KV block (blocks aligned to kv_start) that holds a key the query at
+    ``first_query`` sees with a sliding window of ``window`` keys (0: no window, every block)."""
+    skip = tl.maximum(first_query - window + 1 - kv_start, 0) // BLOCK_N * BLOCK_N
+    return kv_start + tl.where(window > 0, skip, 0)
+
+
+@triton.jit
+def in_window(offs_n, q_pos, window):
+    """[BM, BN]: key offs_n is causal for query q_pos and, with a window, one of its last ``window``."""
+    causal = offs_n[None, :] <= q_pos[:, None]
+    return causal & ((offs_n[None, :] > q_pos[:, None] - window) | (window == 0))
+
+
+@triton.jit(do_not_specialize=["Lq", "Lk", "window"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
-    Lq, Lk, Hq, D, scale,
+    Lq, Lk, Hq, D, scale, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False,
 ):
@@ -80,16 +104,17 @@ def _attention_kernel(
     # Walk blocks up to the tile's last query; blocks past a row's own limit are fully masked
     # for that row and leave its m, l, acc bit-for-bit unchanged (alpha = 1, p = 0).
     hi = tl.minimum(kv_end, q_start + tl.minimum((pid_m + 1) * BLOCK_M, Lq))
+    lo = first_window_block(kv_start, q_start + pid_m * BLOCK_M, window, BLOCK_N)
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
-    for n0 in range(kv_start, hi, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_seq = offs_n < kv_end
+        in_seq = (offs_n < kv_end) & (offs_n >= 0)
         k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                     mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
-        visible = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible = in_seq[None, :] & in_window(offs_n, q_pos, window)
         m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
     # Rows with no visible key (left-pad queries) give 0, never NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -102,10 +127,11 @@ def _attention_kernel(
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               kv_start: torch.Tensor, kv_end: torch.Tensor, q_start: torch.Tensor,
-              scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
+              scale: float, config: AttentionConfig | None = None, window: int = 0) -> torch.Tensor:
     """Causal GQA attention.
 
     q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D] (not repeated); kv_start, kv_end, q_start: int32 [B].
+    ``window`` > 0: a sliding window of that many keys (see the module docstring).
     Returns [B, Lq, Hq, D], contiguous. ``config`` overrides the fixed per-shape config
     (tests use it for a negative control)."""
     B, Hq, Lq, D = q.shape
@@ -115,10 +141,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    f"{tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise InvalidDtypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    return attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config)
+    if window < 0:
+        raise InvalidArgumentError(f"attention: window must be 0 (none) or positive, got {window}")
+    return attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config, window=window)
 
 
-def attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config=None, lse=None) -> torch.Tensor:
+def attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config=None, lse=None, window: int = 0):
     """``attention`` without the argument checks; with ``lse`` (fp32 [B, Hq, Lq], contiguous) it
     also stores each query row's log-sum-exp of its scaled scores there (the backward's input)."""
     B, Hq, Lq, D = q.shape
@@ -132,7 +160,7 @@ def attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config=None, ls
         _attention_kernel, grid, q.device,
         q, k, v, out, out if lse is None else lse, kv_start, kv_end, q_start,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        Lq, Lk, Hq, D, scale,
+        Lq, Lk, Hq, D, scale, int(window),
         GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_PRECISION=DOT_PRECISION, STORE_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -17,7 +17,9 @@ Padding: a query is real when its position q_start[b] + i lies in [kv_start[b], 
 Pad queries (left pad: they see no key; right pad: past kv_end) get dQ = 0 and contribute nothing
 to dK/dV, whatever their incoming gradient: the backward treats their outputs as constants.
 Pad keys get dK = dV = 0. With a KV cache (q_start > 0, Lq < Lk) the gradients are those of this
-call: cached keys get the gradients of the queries present.
+call: cached keys get the gradients of the queries present. A sliding window (``window`` > 0)
+masks as the forward does; dQ walks the forward's blocks, and a key block's query tiles stop
+past the last query whose window reaches it.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import attention_forward
+from .attention import attention_forward, first_window_block, in_window
 from .configs import AttentionBackwardConfig, AttentionConfig, attention_backward_config, attention_config
 from .launch import DOT_PRECISION, launch, reduction_rows
 from .errors import InvalidArgumentError, InvalidDtypeError
@@ -50,14 +52,14 @@ def _probabilities(q, kt, lse, visible, scale, DOT_PRECISION: tl.constexpr):
     return tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
 
 
-@triton.jit(do_not_specialize=["Lq", "Lk"])
+@triton.jit(do_not_specialize=["Lq", "Lk", "window"])
 def _attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_dom, stride_doh, stride_dod,
-    Lq, Lk, Hq, Hkv, D, scale,
+    Lq, Lk, Hq, Hkv, D, scale, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TILES_FROM_KV_START: tl.constexpr,
 ):
@@ -92,6 +94,7 @@ def _attention_bwd_dkdv_kernel(
         origin = q_start
     lo = origin + ((first - origin) // BLOCK_M) * BLOCK_M
     hi = tl.minimum(kv_end, q_start + Lq)
+    hi = tl.where(window > 0, tl.minimum(hi, n0 + BLOCK_N - 1 + window), hi)  # no later query sees the block
     for g in range(GROUP):
         h = kvh * GROUP + g
         for p0 in range(lo, hi, BLOCK_M):
@@ -105,7 +108,7 @@ def _attention_bwd_dkdv_kernel(
                          + offs_d[None, :] * stride_dod, mask=row_mask, other=0.0)
             lse = tl.load(lse_ptr + (b * Hq + h) * Lq + offs_m, mask=real, other=0.0)
             delta = tl.load(delta_ptr + (b * Lq + offs_m) * Hq + h, mask=real, other=0.0)
-            visible = real[:, None] & in_seq[None, :] & (offs_n[None, :] <= pos[:, None])
+            visible = real[:, None] & in_seq[None, :] & in_window(offs_n, pos, window)
             p = _probabilities(q, kt, lse, visible, scale, DOT_PRECISION)
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
@@ -116,14 +119,14 @@ def _attention_bwd_dkdv_kernel(
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit(do_not_specialize=["Lq", "Lk"])
+@triton.jit(do_not_specialize=["Lq", "Lk", "window"])
 def _attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_dom, stride_doh, stride_dod,
-    Lq, Lk, Hq, D, scale,
+    Lq, Lk, Hq, D, scale, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -154,14 +157,14 @@ def _attention_bwd_dq_kernel(
     hi = tl.minimum(kv_end, q_start + tl.minimum((pid_m + 1) * BLOCK_M, Lq))
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
-    for n0 in range(kv_start, hi, BLOCK_N):
+    for n0 in range(first_window_block(kv_start, q_start + pid_m * BLOCK_M, window, BLOCK_N), hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_seq = offs_n < kv_end
+        in_seq = (offs_n < kv_end) & (offs_n >= 0)
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                      mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
         vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
                      mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
-        visible = real[:, None] & in_seq[None, :] & (offs_n[None, :] <= pos[:, None])
+        visible = real[:, None] & in_seq[None, :] & in_window(offs_n, pos, window)
         p = _probabilities(q, kt, lse, visible, scale, DOT_PRECISION)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -173,7 +176,7 @@ def _attention_bwd_dq_kernel(
 
 def attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, scale,
                        config: AttentionConfig, backward_config: AttentionBackwardConfig,
-                       need_dq: bool = True, need_dkdv: bool = True):
+                       need_dq: bool = True, need_dkdv: bool = True, window: int = 0):
     """(dQ, dK, dV) for ``grad_out`` [B, Lq, Hq, D], shaped as q, k, v (None where not needed)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -196,13 +199,13 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, s
     cfg = backward_config
     if need_dkdv:
         launch(_attention_bwd_dkdv_kernel, (triton.cdiv(Lk, cfg.block_n), B * Hkv), q.device,
-               q, k, v, do, lse, delta, dk, dv, *ints, *common, Lq, Lk, Hq, Hkv, D, scale,
+               q, k, v, do, lse, delta, dk, dv, *ints, *common, Lq, Lk, Hq, Hkv, D, scale, int(window),
                GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
                DOT_PRECISION=DOT_PRECISION, TILES_FROM_KV_START=cfg.tiles_from_kv_start,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if need_dq:
         launch(_attention_bwd_dq_kernel, (triton.cdiv(Lq, config.block_m), B * Hq), q.device,
-               q, k, v, do, lse, delta, dq, *ints, *common, Lq, Lk, Hq, D, scale,
+               q, k, v, do, lse, delta, dq, *ints, *common, Lq, Lk, Hq, D, scale, int(window),
                GROUP=Hq // Hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
                DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (dq if need_dq else None), (dk if need_dkdv else None), (dv if need_dkdv else None)
@@ -212,13 +215,13 @@ class AttentionFunction(torch.autograd.Function):
     """``attention`` with a batch-invariant, deterministic backward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kv_start, kv_end, q_start, scale, config=None, backward_config=None):
+    def forward(ctx, q, k, v, kv_start, kv_end, q_start, scale, config=None, backward_config=None, window=0):
         B, Hq, Lq, D = q.shape
         cfg = config or attention_config(q.device.type, q.dtype, D)
         lse = torch.empty((B, Hq, Lq), device=q.device, dtype=torch.float32)
-        out = attention_forward(q, k, v, kv_start, kv_end, q_start, scale, cfg, lse=lse)
+        out = attention_forward(q, k, v, kv_start, kv_end, q_start, scale, cfg, lse=lse, window=window)
         ctx.save_for_backward(q, k, v, out, lse, kv_start, kv_end, q_start)
-        ctx.scale, ctx.config = scale, cfg
+        ctx.scale, ctx.config, ctx.window = scale, cfg, window
         ctx.backward_config = backward_config or attention_backward_config(q.device.type, q.dtype, D)
         return out
 
@@ -228,14 +231,14 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, kv_start, kv_end, q_start = ctx.saved_tensors
         need = ctx.needs_input_grad
         dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, ctx.scale,
-                                        ctx.config, ctx.backward_config, need[0], need[1] or need[2])
-        return dq, dk, dv, None, None, None, None, None, None
+                                        ctx.config, ctx.backward_config, need[0], need[1] or need[2], ctx.window)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def attention_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_start: torch.Tensor, kv_end: torch.Tensor, q_start: torch.Tensor,
                        scale: float, config: AttentionConfig | None = None, *,
-                       backward_config: AttentionBackwardConfig | None = None) -> torch.Tensor:
+                       backward_config: AttentionBackwardConfig | None = None, window: int = 0) -> torch.Tensor:
     """``attention`` (same arguments, layout, result and bits) that autograd differentiates with
     the invariant backward. ``config`` (forward and dQ) and ``backward_config`` (dK/dV) override
     the fixed per-shape configs; pass them only to study configs (tests use them for a
@@ -246,4 +249,4 @@ def attention_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    f"{tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise InvalidDtypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    return AttentionFunction.apply(q, k, v, kv_start, kv_end, q_start, scale, config, backward_config)
+    return AttentionFunction.apply(q, k, v, kv_start, kv_end, q_start, scale, config, backward_config, window)

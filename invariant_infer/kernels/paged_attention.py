@@ -50,13 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import online_softmax_block
+from .attention import first_window_block, in_window, online_softmax_block
 from .configs import AttentionConfig, attention_config
 from .launch import DOT_PRECISION, launch
 from .errors import InvalidArgumentError, InvalidDtypeError
 
 
-@triton.jit(do_not_specialize=["stride_bts", "stride_btp"])
+@triton.jit(do_not_specialize=["stride_bts", "stride_btp", "window"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, query_starts_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_qd,
@@ -64,7 +64,7 @@ def _paged_attention_kernel(
     stride_vp, stride_vo, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_bts, stride_btp,
-    Hq, D, scale,
+    Hq, D, scale, window,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -97,7 +97,7 @@ def _paged_attention_kernel(
     table = block_tables_ptr + s.to(tl.int64) * stride_bts
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_vh
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(first_window_block(0, q_start + pid_m * BLOCK_M, window, BLOCK_N), hi, BLOCK_N):
         page = tl.load(table + (n0 // PAGE_SIZE) * stride_btp).to(tl.int64)  # page * stride can pass 2**31
         in_page = (n0 % PAGE_SIZE) + tl.arange(0, BLOCK_N)
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -106,9 +106,9 @@ def _paged_attention_kernel(
                     mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
         v = tl.load(v_head + page * stride_vp + in_page[:, None] * stride_vo + offs_d[None, :] * stride_vd,
                     mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
-        visible = in_seq[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible = in_seq[None, :] & in_window(offs_n, q_pos, window)
         m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
-    # A row with no visible key (none here: key 0 is visible to every query) would give 0, never NaN.
+    # A row with no visible key (none here: every query sees itself) would give 0, never NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
              out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < D))
@@ -116,7 +116,8 @@ def _paged_attention_kernel(
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_starts: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, *, max_query_len: int, config: AttentionConfig | None = None) -> torch.Tensor:
+                    scale: float, *, max_query_len: int, config: AttentionConfig | None = None,
+                    window: int = 0) -> torch.Tensor:
     """Causal GQA attention of packed queries over a paged KV cache.
 
     q: [T, Hq, D], the queries of S sequences packed back to back (sequence s owns rows
@@ -125,7 +126,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [S + 1]; seq_lens: int32 [S], each sequence's context length including this step's queries;
     block_tables: int32 [S, max_pages], page j of sequence s holding its positions
     [j * page_size, (j + 1) * page_size); max_query_len: a host int >= every sequence's query
-    count (sizes the grid). Returns [T, Hq, D] in q's dtype, contiguous. ``config`` overrides the
+    count (sizes the grid); ``window`` > 0: a sliding window of that many keys, the blocks
+    ``attention`` walks and skips for it. Returns [T, Hq, D] in q's dtype, contiguous. ``config`` overrides the
     fixed per-shape config (tests use it for a negative control); bitwise equality with
     ``attention`` holds for the default one, which ``attention`` also uses."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -151,6 +153,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise InvalidDtypeError(f"paged_attention: {name} must be int32, got {t.dtype}")
         if t.device != q.device:
             raise InvalidArgumentError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
+    if window < 0:
+        raise InvalidArgumentError(f"paged_attention: window must be 0 (none) or positive, got {window}")
     cfg = config or attention_config(q.device.type, q.dtype, D)
     if page_size % cfg.block_n:
         raise InvalidArgumentError(f"paged_attention: page_size {page_size} is not a multiple of the KV block "
@@ -163,7 +167,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_attention_kernel, grid, q.device,
         q, k_cache, v_cache, out, query_starts, seq_lens, block_tables,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
-        Hq, D, scale,
+        Hq, D, scale, int(window),
         GROUP=Hq // Hkv, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_PRECISION=DOT_PRECISION,
