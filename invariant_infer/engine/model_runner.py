@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from ..model.attention import PAGED_BATCH_KWARG
+from ..model.attention import PAGED_BATCH_KWARG, refuse_sinks
 from ..model.linear_attention import LinearAttentionSlots, LinearAttentionStep
 from ..model.logits import head_logits
 from ..kernels import attention_config, paged_attention, token_logprobs, write_kv
@@ -60,10 +60,12 @@ def _attention_layers(config) -> list[int]:
     return [i for i in range(config.num_hidden_layers) if kinds[i] != "linear_attention"]
 
 
-def _paged_stock_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def _paged_stock_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                           sliding_window=None, **kwargs):
+    refuse_sinks(kwargs)
     paged_batch = kwargs[PAGED_BATCH_KWARG]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return paged_batch.attend(module.layer_idx, query, key, value, scale), None
+    return paged_batch.attend(module.layer_idx, query, key, value, scale, sliding_window or 0), None
 
 
 @dataclass
@@ -81,19 +83,20 @@ class PagedBatch:
     invariant: bool
     linear_attention: LinearAttentionStep | None = None  # hybrid models: the Gated DeltaNet layers' step
 
-    def attend(self, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
-        """q [1, Hq, T, D], k/v [1, Hkv, T, D] (this step's tokens) -> [1, T, Hq, D]."""
+    def attend(self, layer_idx: int, query, key, value, scale: float, window: int = 0) -> torch.Tensor:
+        """q [1, Hq, T, D], k/v [1, Hkv, T, D] (this step's tokens) -> [1, T, Hq, D]; ``window`` > 0:
+        each query sees its last ``window`` keys."""
         q = query[0].transpose(0, 1)                  # [T, Hq, D]
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         write_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.invariant:
             out = paged_attention(q.contiguous(), k_cache, v_cache, self.query_starts, self.seq_lens,
-                                  self.block_tables, scale, max_query_len=self.max_query_len)
+                                  self.block_tables, scale, max_query_len=self.max_query_len, window=window)
             return out[None]
-        return self._stock_attend(q, k_cache, v_cache, scale)[None]
+        return self._stock_attend(q, k_cache, v_cache, scale, window)[None]
 
-    def _stock_attend(self, q, k_cache, v_cache, scale):
+    def _stock_attend(self, q, k_cache, v_cache, scale, window):
         page_size = k_cache.shape[1]
         out = torch.empty_like(q)
         for s, seq_len in enumerate(self.host_seq_lens):
@@ -102,7 +105,8 @@ class PagedBatch:
             keys = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)   # [Hkv, L, D]
             values = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
             positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)
-            visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+            keys_at = torch.arange(seq_len, device=q.device)[None, :]
+            visible = (keys_at <= positions[:, None]) & ((keys_at > positions[:, None] - window) | (window == 0))
             out[q0:q1] = F.scaled_dot_product_attention(
                 q[q0:q1].transpose(0, 1), keys, values, attn_mask=visible, scale=scale, enable_gqa=True,
             ).transpose(0, 1)

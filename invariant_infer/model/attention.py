@@ -23,20 +23,21 @@ PAGED_BATCH_KWARG = "paged_batch"
 
 def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
                    mask_function=causal_mask_function, attention_mask=None, device=None, **kwargs):
-    """Mask builder for transformers' ``create_causal_mask``; returns ``sequence_bounds``."""
+    """Mask builder for transformers' ``create_causal_mask`` and ``create_sliding_window_causal_mask``;
+    returns ``sequence_bounds``. A sliding-window mask (``local_size``: the window, which the
+    attention call gets as ``sliding_window``) comes with the cache's ``kv_offset``, the first key it
+    still holds: the bounds are then indices into the keys held, kv_start possibly negative."""
+    if device is None:
+        device = attention_mask.device if attention_mask is not None else torch.device("cpu")
     if kwargs.get("local_size") is not None:
-        # A sliding-window mask, which Qwen2-MoE builds even when no layer uses it. Sliding layers
-        # are refused by make_invariant, and a layer handed this None fails in invariant_attention.
-        return None
+        return sequence_bounds(attention_mask, batch_size, kv_length, q_offset, device, kv_offset=kv_offset)
     if mask_function is not causal_mask_function:
         raise NonInvariantInputError(
             "invariant attention supports plain causal masks with 2-D padding and packed rows (position_ids "
             "restarting at 0, no attention_mask) checked before the forward; custom mask functions, and packed "
             "rows under torch.compile, are not supported.")
     if isinstance(kv_offset, int) and kv_offset != 0:
-        raise NonInvariantInputError("invariant attention does not support sliding-window KV offsets")
-    if device is None:
-        device = attention_mask.device if attention_mask is not None else torch.device("cpu")
+        raise NonInvariantInputError("invariant attention does not support KV offsets outside sliding-window layers")
     return sequence_bounds(attention_mask, batch_size, kv_length, q_offset, device)
 
 
@@ -48,36 +49,44 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     the engine's paged cache and attention runs over each sequence's pages instead. With a
     ``packed_sequences`` keyword (packed rows, set by the model's pre-hook), q/k/v are regrouped
     one sequence per row and ``attention_mask`` holds that regrouped batch's bounds."""
+    refuse_sinks(kwargs)
+    window = sliding_window or 0
     paged_batch = kwargs.get(PAGED_BATCH_KWARG)
     if paged_batch is not None:
         if dropout:
             raise NonInvariantInputError("attention dropout is not batch-invariant; call model.eval()")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return paged_batch.attend(module.layer_idx, query, key, value, scale), None
+        return paged_batch.attend(module.layer_idx, query, key, value, scale, window), None
     if not is_sequence_bounds(attention_mask):
         raise NonInvariantInputError(
             "invariant attention needs the 2-D padding mask (or none); a prepared 4-D mask or a paged cache "
             f"was passed (got {None if attention_mask is None else tuple(attention_mask.shape)}).")
     if dropout:
         raise NonInvariantInputError("attention dropout is not batch-invariant; call model.eval()")
-    if sliding_window is not None:
-        raise NonInvariantInputError("sliding-window attention is not supported by invariant attention")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kv_start, kv_end, q_start = attention_mask[:, :, 0, 0].unbind(0)
     packed = kwargs.get(PACKED_KWARG)
     if packed is None:
-        return attend(query, key, value, kv_start, kv_end, q_start, scale), None
+        return attend(query, key, value, kv_start, kv_end, q_start, scale, window), None
     # Packed rows: the bounds are those of the regrouped batch, one sequence per row.
-    out = attend(packed.regroup(query), packed.regroup(key), packed.regroup(value), kv_start, kv_end, q_start, scale)
+    out = attend(packed.regroup(query), packed.regroup(key), packed.regroup(value), kv_start, kv_end, q_start, scale,
+                 window)
     return packed.ungroup(out), None
 
 
-def attend(query, key, value, kv_start, kv_end, q_start, scale):
+def refuse_sinks(kwargs: dict) -> None:
+    """Attention sinks (gpt-oss's ``s_aux``: a learned logit per head in the softmax denominator)
+    are refused, never dropped."""
+    if kwargs.get("s_aux") is not None:
+        raise NonInvariantInputError("attention sinks (s_aux) are not supported by invariant attention yet")
+
+
+def attend(query, key, value, kv_start, kv_end, q_start, scale, window: int = 0):
     """The one kernel call of both layouts: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> [B, Lq, Hq, D].
     With autograd recording, the autograd Function: the same forward bits, plus its backward."""
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return attention_autograd(query, key, value, kv_start, kv_end, q_start, scale)
-    return attention(query, key, value, kv_start, kv_end, q_start, scale)
+        return attention_autograd(query, key, value, kv_start, kv_end, q_start, scale, window=window)
+    return attention(query, key, value, kv_start, kv_end, q_start, scale, window=window)
 
 
 def register() -> None:

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from . import experts as experts_interface
 from ..errors import UnsupportedModelError
-from .families import family_of, sliding_window_refusal
+from .families import family_of
 from .lora import base_linear, lora_layers
 from .quantization import quantization_method, quantized_layers
 from .quantized_experts import quantized_experts
@@ -40,7 +40,7 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
     config = getattr(model, "config", None)
     adapter = family_of(config)
     base = base_model(model)
-    problem = (sharded and moe_refusal(adapter)) or adapter.refuse_config(config) or sliding_window_refusal(config)
+    problem = (sharded and moe_refusal(adapter)) or adapter.refuse_config(config)
     if problem:
         raise UnsupportedModelError(f"{config.model_type}: {problem}")
     if getattr(config, "hidden_act", "silu") != "silu":

@@ -141,24 +141,26 @@ def check_left_padded(attention_mask: torch.Tensor) -> bool:
 
 
 def sequence_bounds(attention_mask: torch.Tensor | None, batch_size: int, kv_length: int,
-                    q_offset, device) -> torch.Tensor:
+                    q_offset, device, kv_offset=0) -> torch.Tensor:
     """int32 [3, B, 1, 1] with rows kv_start, kv_end, q_start, from a 2-D padding mask whose ones are
-    contiguous.
+    contiguous. ``kv_offset``: the position of the first key the cache still holds (a sliding-window
+    cache evicts older ones); the bounds are indices into the keys held, so kv_start is negative
+    once a row's first real token was evicted.
 
     4-D, so that transformers treats it as a prepared mask and passes it through untouched (generate
     prepares masks up front for static caches). Traceable (no host sync): contiguity is checked by
     ``resolve_positions`` before the forward."""
     if attention_mask is None:
-        kv_start = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        kv_start = torch.full((batch_size,), -kv_offset, dtype=torch.int32, device=device)
         kv_end = torch.full((batch_size,), kv_length, dtype=torch.int32, device=device)
     else:
-        mask = attention_mask[:, -kv_length:].to(device=device, dtype=torch.int32)
-        kv_start = mask.argmax(dim=1).to(torch.int32)  # first real key (0 for an empty row)
+        mask = attention_mask[:, -(kv_offset + kv_length):].to(device=device, dtype=torch.int32)
+        kv_start = (mask.argmax(dim=1) - kv_offset).to(torch.int32)  # first real key (an empty row: its first)
         kv_end = kv_start + mask.sum(dim=1, dtype=torch.int32)
     if isinstance(q_offset, torch.Tensor):
-        q_start = q_offset.to(device=device, dtype=torch.int32).reshape(-1)[:1].expand(batch_size)
+        q_start = (q_offset.to(device=device, dtype=torch.int32).reshape(-1)[:1] - kv_offset).expand(batch_size)
     else:
-        q_start = torch.full((batch_size,), int(q_offset), dtype=torch.int32, device=device)
+        q_start = torch.full((batch_size,), int(q_offset) - kv_offset, dtype=torch.int32, device=device)
     return torch.stack([kv_start, kv_end, q_start])[:, :, None, None]
 
 

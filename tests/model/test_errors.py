@@ -25,20 +25,6 @@ def test_rejects_other_model_families():
     assert not is_invariant(gpt2)
 
 
-def test_rejects_mistral_sliding_window():
-    """MistralConfig's default sliding_window is 4096; only configs without one are supported."""
-    mistral = random_model(random_config("mistral", sliding_window=4096))
-    with pytest.raises(UnsupportedModelError, match="mistral: sliding_window=4096"):
-        make_invariant(mistral)
-    assert not is_invariant(mistral)
-
-
-def test_rejects_qwen3_sliding_window_layers():
-    qwen3 = random_model(random_config("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1))
-    with pytest.raises(UnsupportedModelError, match="qwen3: sliding-window"):
-        make_invariant(qwen3)
-
-
 def test_rejects_llama_pretraining_tp():
     llama = random_model(random_config("llama", pretraining_tp=2))
     with pytest.raises(UnsupportedModelError, match="pretraining_tp"):
@@ -108,10 +94,7 @@ def test_rejects_unsupported_device():
         make_invariant(meta_model)
 
 
-def test_rejects_sliding_window_and_dynamic_rope():
-    sliding = random_model(qwen2_config("tiny", use_sliding_window=True, sliding_window=8, max_window_layers=0))
-    with pytest.raises(UnsupportedModelError, match="sliding"):
-        make_invariant(sliding)
+def test_rejects_dynamic_rope():
     dynamic = random_model(qwen2_config("tiny", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                  "rope_theta": 10000.0}))
     with pytest.raises(UnsupportedModelError, match="dynamic"):

@@ -259,15 +259,6 @@ def test_refuses_grad_recording_forwards(family_checkpoints, family):
     model(input_ids=ids)  # frozen parameters, nothing to record
 
 
-def test_refuses_sliding_windows():
-    configs = [random_config("mixtral", "tiny", sliding_window=256),
-               random_config("qwen3_moe", "tiny", use_sliding_window=True, sliding_window=256),
-               random_config("qwen2_moe", "tiny", use_sliding_window=True, sliding_window=256)]
-    for config in configs:
-        with pytest.raises(UnsupportedModelError, match="sliding"):
-            make_invariant(random_model(config))
-
-
 def test_refuses_router_jitter_in_train_mode():
     model = make_invariant(random_model(random_config("mixtral", "tiny", router_jitter_noise=0.1)))
     ids = torch.tensor([[1, 2, 3]])

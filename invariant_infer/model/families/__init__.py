@@ -98,14 +98,6 @@ def family_of(config) -> FamilyAdapter:
     return adapter
 
 
-def sliding_window_refusal(config) -> str | None:
-    """Layers with a sliding window: their KV bounds would not start at the sequence's first token."""
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
-        return "sliding-window attention layers are not supported; set use_sliding_window=False"
-    return None
-
-
 # Each family module registers itself.
 from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next  # noqa: E402,F401,E501
 

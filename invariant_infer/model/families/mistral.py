@@ -1,21 +1,14 @@
-"""Mistral without a sliding window (v0.2+ configs set ``sliding_window: null``)."""
+"""Mistral, with or without a sliding window (v0.1 configs set ``sliding_window: 4096``, v0.2+
+``null``): every layer attends to the last ``sliding_window`` keys when it is set."""
 from transformers import MistralConfig
 from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm
 
-from . import FamilyAdapter, register_family, sliding_window_refusal
-
-
-def _refuse(config) -> str | None:
-    if getattr(config, "sliding_window", None) is not None:
-        return (f"sliding_window={config.sliding_window}: sliding-window attention is not supported; models "
-                "trained without one (Mistral-7B-v0.2/v0.3) set sliding_window to null")
-    return sliding_window_refusal(config)
+from . import FamilyAdapter, register_family
 
 
 ADAPTER = register_family(FamilyAdapter(
     model_type="mistral", config_class=MistralConfig, rms_norm=MistralRMSNorm, mlp=MistralMLP,
-    refuse_config=_refuse,
-    refused="a configured `sliding_window` (MistralConfig's default is 4096: set it to null)",
+    refused="",
     presets={
         "mistral-7b-v0.3": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                 num_key_value_heads=8, num_hidden_layers=32, vocab_size=32768,

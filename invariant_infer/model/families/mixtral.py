@@ -1,26 +1,18 @@
 """Mixtral (8x7B): Mistral's attention with a sparse MoE block in every layer, softmax top-k
-routing always renormalised, routing weights kept in fp32. No sliding window
-(Mixtral-8x7B configs set ``sliding_window: null``)."""
+routing always renormalised, routing weights kept in fp32; a configured ``sliding_window`` as in
+Mistral (Mixtral-8x7B configs set ``sliding_window: null``)."""
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import (MixtralExperts, MixtralRMSNorm, MixtralSparseMoeBlock,
                                                           MixtralTopKRouter)
 
-from . import FamilyAdapter, MoeLayout, register_family, sliding_window_refusal
-
-
-def _refuse(config) -> str | None:
-    if getattr(config, "sliding_window", None) is not None:
-        return (f"sliding_window={config.sliding_window}: sliding-window attention is not supported; "
-                "Mixtral-8x7B(-Instruct) configs set sliding_window to null")
-    return sliding_window_refusal(config)
+from . import FamilyAdapter, MoeLayout, register_family
 
 
 ADAPTER = register_family(FamilyAdapter(
     model_type="mixtral", config_class=MixtralConfig, rms_norm=MixtralRMSNorm, mlp=None,
     moe=MoeLayout(block=MixtralSparseMoeBlock, router=MixtralTopKRouter, experts=MixtralExperts,
                   normalize=lambda router: True, weights_in_logits_dtype=False),
-    refuse_config=_refuse,
-    refused="a configured `sliding_window` (set it to null); `router_jitter_noise` in train mode",
+    refused="`router_jitter_noise` in train mode",
     presets={
         "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
                              num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_hidden_layers=32,

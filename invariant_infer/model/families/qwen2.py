@@ -2,13 +2,12 @@
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
-from . import FamilyAdapter, register_family, sliding_window_refusal
+from . import FamilyAdapter, register_family
 
 _SMALL = dict(max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, use_sliding_window=False)
 
 ADAPTER = register_family(FamilyAdapter(
     model_type="qwen2", config_class=Qwen2Config, rms_norm=Qwen2RMSNorm, mlp=Qwen2MLP,
-    refuse_config=sliding_window_refusal,
     refused="sliding-window layers (`use_sliding_window`)",
     presets={
         # Qwen2.5-1.5B(-Instruct): the widths users run.

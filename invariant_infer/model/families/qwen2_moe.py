@@ -5,14 +5,13 @@ from transformers import Qwen2MoeConfig
 from transformers.models.qwen2_moe.modeling_qwen2_moe import (Qwen2MoeExperts, Qwen2MoeMLP, Qwen2MoeRMSNorm,
                                                               Qwen2MoeSparseMoeBlock, Qwen2MoeTopKRouter)
 
-from . import FamilyAdapter, MoeLayout, register_family, sliding_window_refusal
+from . import FamilyAdapter, MoeLayout, register_family
 
 ADAPTER = register_family(FamilyAdapter(
     model_type="qwen2_moe", config_class=Qwen2MoeConfig, rms_norm=Qwen2MoeRMSNorm, mlp=Qwen2MoeMLP,
     moe=MoeLayout(block=Qwen2MoeSparseMoeBlock, router=Qwen2MoeTopKRouter, experts=Qwen2MoeExperts,
                   normalize=lambda router: bool(router.norm_topk_prob), weights_in_logits_dtype=True,
                   shared_expert=True),
-    refuse_config=sliding_window_refusal,
     refused="sliding-window layers (`use_sliding_window`)",
     presets={
         "qwen1.5-moe-a2.7b": dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,

@@ -3,12 +3,11 @@ hidden_size / num_attention_heads), no attention bias by default, tied embedding
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
-from . import FamilyAdapter, register_family, sliding_window_refusal
+from . import FamilyAdapter, register_family
 
 ADAPTER = register_family(FamilyAdapter(
     model_type="qwen3", config_class=Qwen3Config, rms_norm=Qwen3RMSNorm, mlp=Qwen3MLP,
     head_norms=("q_norm", "k_norm"),
-    refuse_config=sliding_window_refusal,
     refused="sliding-window layers (`use_sliding_window`)",
     presets={
         "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,

@@ -5,14 +5,13 @@ from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeExperts, Qwen3MoeMLP, Qwen3MoeRMSNorm,
                                                               Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter)
 
-from . import FamilyAdapter, MoeLayout, register_family, sliding_window_refusal
+from . import FamilyAdapter, MoeLayout, register_family
 
 ADAPTER = register_family(FamilyAdapter(
     model_type="qwen3_moe", config_class=Qwen3MoeConfig, rms_norm=Qwen3MoeRMSNorm, mlp=Qwen3MoeMLP,
     head_norms=("q_norm", "k_norm"),
     moe=MoeLayout(block=Qwen3MoeSparseMoeBlock, router=Qwen3MoeTopKRouter, experts=Qwen3MoeExperts,
                   normalize=lambda router: bool(router.norm_topk_prob), weights_in_logits_dtype=True),
-    refuse_config=sliding_window_refusal,
     refused="sliding-window layers (`use_sliding_window`)",
     presets={
         "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,

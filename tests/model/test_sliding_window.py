@@ -1,0 +1,110 @@
+"""Sliding-window attention in the families that configure it (Mistral's and Mixtral's
+``sliding_window`` on every layer; Qwen2's and Qwen3-MoE's ``use_sliding_window`` layers past
+``max_window_layers``, as Qwen3 and Qwen2-MoE configure them): a window of
+24 keys, prompts of 70-100 tokens. Each row is bitwise itself alone in any padded batch (left,
+right, ``inputs_embeds``) and packed; logits are within fp32 tolerance of stock float64, which the
+same model with a window one key longer or shorter misses; ``generate`` decodes past the window
+with transformers' dynamic (it keeps the last 23 keys) and static sliding caches, each step
+bitwise one forward over the prefix, each row bitwise alone; the engine's requests equal alone
+under a cramped budget with prefix hits. Attention sinks (``s_aux``) are refused, never dropped."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+
+from helpers.models import batch_mismatches, load_model, make_samples
+from invariant_infer import NonInvariantInputError, make_invariant
+from invariant_infer.engine import Engine, SamplingParams
+from invariant_infer.model.attention import invariant_attention
+from invariant_infer.model.padding import left_pad
+from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
+
+WINDOW = 24
+# The families' ways to configure windows; Qwen's layers past max_window_layers (here 1 of 2) slide.
+QWEN_WINDOWS = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+WINDOWS = {"mistral": dict(sliding_window=WINDOW), "mixtral": dict(sliding_window=WINDOW), "qwen2": QWEN_WINDOWS,
+           "qwen3_moe": QWEN_WINDOWS}
+LENGTHS = (9, 1, 100, 70)
+FP32_TOLERANCE = 1e-5  # max |logit - stock float64's|; measured 2.6e-7 (mistral)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    paths = {}
+
+    def get(family: str):
+        if family not in paths:
+            paths[family] = save_random_checkpoint(tmp_path_factory.mktemp(f"window-{family}"),
+                                                   random_config(family, "tiny", **WINDOWS[family]), seed=1)
+        return paths[family]
+    return get
+
+
+@pytest.mark.fast_cells(ids=["mistral"])
+@pytest.mark.parametrize("family", list(WINDOWS))
+def test_rows_equal_alone_in_any_batch_and_packed(checkpoints, family):
+    model = make_invariant(load_model(checkpoints(family), torch.bfloat16))
+    samples = make_samples(model.config.vocab_size, LENGTHS)
+    with torch.no_grad():
+        assert batch_mismatches(model, samples) == []
+        batch = DataCollatorWithFlattening()([{"input_ids": s.tolist()} for s in samples])
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        bounds = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
+        for sample, a, b in zip(samples, bounds, bounds[1:]):
+            assert torch.equal(packed[a:b], model(input_ids=sample[None]).logits[0])
+
+
+@pytest.mark.fast_cells(ids=["mistral"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_accuracy_against_float64_and_a_window_off_by_one_misses_it(checkpoints, family):
+    stock = load_model(checkpoints(family), torch.float32)
+    model = make_invariant(copy.deepcopy(stock))
+    ids = make_samples(model.config.vocab_size, (100,))[0][None]
+
+    def error(window):
+        reference = copy.deepcopy(stock).double()
+        reference.config.sliding_window = window  # every layer reads it at call time
+        with torch.no_grad():
+            return (model(ids).logits.double() - reference(ids).logits).abs().max().item()
+    assert error(WINDOW) < FP32_TOLERANCE
+    assert error(WINDOW + 1) > 100 * FP32_TOLERANCE and error(WINDOW - 1) > 100 * FP32_TOLERANCE
+
+
+@pytest.mark.fast_cells(ids=["dynamic"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_past_the_window_equals_prefill_and_alone(checkpoints, cache):
+    model = make_invariant(load_model(checkpoints("mistral"), torch.bfloat16))
+    prompts = [s.tolist() for s in make_samples(model.config.vocab_size, (70, 5, 30))]
+    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, output_scores=True,
+                   return_dict_in_generate=True, cache_implementation=cache)
+    ids, mask = left_pad(prompts)
+    batch = model.generate(input_ids=ids, attention_mask=mask, **options)
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                               dtype=torch.long), **options)
+        assert torch.equal(batch.sequences[row, -10:], alone.sequences[0, -10:])
+        assert all(torch.equal(batch.scores[t][row], alone.scores[t][0]) for t in range(10))
+        with torch.no_grad():  # each step's logits: one forward over its whole prefix
+            full = model(alone.sequences[:, :-1]).logits[0, len(prompt) - 1:]
+        assert all(torch.equal(alone.scores[t][0], full[t].float()) for t in range(10))
+
+
+def test_engine_requests_equal_alone_with_prefix_hits(checkpoints):
+    model = make_invariant(load_model(checkpoints("mistral"), torch.bfloat16))
+    shared = make_samples(model.config.vocab_size, (130,), seed=3)[0].tolist()  # two pages of 64 on CPU
+    prompts = [shared + [7, 8], [5, 6, 7], shared + [9], list(range(40, 110))]
+    params = SamplingParams(max_tokens=5, logprobs=1, ignore_eos=True)
+    alone = [Engine(model).generate([prompt], params)[0] for prompt in prompts]
+    engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=13)
+    mixed = engine.generate(prompts, params)
+    assert engine.blocks.prefix_hits > 0
+    assert [(o.token_ids, o.logprobs) for o in mixed] == [(o.token_ids, o.logprobs) for o in alone]
+
+
+def test_attention_sinks_are_refused_by_name():
+    q = torch.zeros(1, 2, 3, 16)
+    with pytest.raises(NonInvariantInputError, match="attention sinks"):
+        invariant_attention(None, q, q[:, :1], q[:, :1], None, s_aux=torch.zeros(2))
