@@ -43,12 +43,13 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
     problem = (sharded and moe_refusal(adapter)) or adapter.refuse_config(config)
     if problem:
         raise UnsupportedModelError(f"{config.model_type}: {problem}")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"only the silu MLP is supported, config.hidden_act={config.hidden_act!r}")
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise UnsupportedModelError(f"rope_type {rope_type!r} rescales with sequence length, which depends on "
-                                    f"the batch; supported: {STATIC_ROPE_TYPES}")
+    _check_activation(adapter, config)
+    rope = getattr(config, "rope_parameters", None) or {}
+    nested = [params for params in rope.values() if isinstance(params, dict)]  # per layer type (Gemma 3)
+    for rope_type in [params.get("rope_type", "default") for params in nested or [rope]]:
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise UnsupportedModelError(f"rope_type {rope_type!r} rescales with sequence length, which depends on "
+                                        f"the batch; supported: {STATIC_ROPE_TYPES}")
     quantized = quantized_layers(model, strict)
     experts = quantized_experts(model)
     if adapter.moe is not None and quantization_method(model) == "compressed-tensors":
@@ -97,6 +98,18 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
     if adapter.linear_attention is not None:
         _refuse_on_linear_attention(adapter, sharded, quantized, lora_layers(model, head, quantized, sharded))
     return adapter, base, quantized, experts, lora_layers(model, head, quantized, sharded)
+
+
+# The activation names of the config field each family reads, by adapter.mlp_activation.
+_ACTIVATIONS = {"silu": ("hidden_act", ("silu",)), "gelu_tanh": ("hidden_activation", ("gelu_pytorch_tanh",))}
+
+
+def _check_activation(adapter, config) -> None:
+    field, names = _ACTIVATIONS[adapter.mlp_activation]
+    got = getattr(config, field, names[0])
+    if got not in names:
+        raise UnsupportedModelError(f"{config.model_type}: only the {names[0]} MLP is supported, "
+                                    f"config.{field}={got!r}")
 
 
 def _check_linear_attention(adapter, module, name: str) -> None:

@@ -20,6 +20,7 @@ class ModuleState:
     refuses_merge: bool = False      # its ``merge`` is the refusal on a quantized base (lora.py)
     adapter_slots: Any = None        # the engine's multi-LoRA SlotWeights on this projection (lora.py)
     rope_tables: tuple | None = None  # a rotary embedding's (cos, sin) tables over every position
+    rope_tables_by_type: dict | None = None  # those tables per layer type (Gemma 3's local and global RoPE)
 
     @property
     def adds_lora_delta(self) -> bool:

@@ -45,8 +45,8 @@ from torch import nn
 from . import attention as attention_interface, experts as experts_interface
 from ..errors import NonInvariantInputError
 from .checks import check_model
-from ..kernels import (linear, linear_autograd, rms_norm, rms_norm_autograd, silu_mul, silu_mul_autograd,
-                       silu_mul_linear_autograd)
+from ..kernels import (gelu_tanh_mul, gelu_tanh_mul_autograd, linear, linear_autograd, rms_norm, rms_norm_autograd,
+                       silu_mul, silu_mul_autograd, silu_mul_linear_autograd)
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
 from .gated_attention import gated_attention_forward
@@ -127,18 +127,28 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return silu_mul_linear(gate, up, down.weight, down.bias, config=config)
 
 
+def _gelu_tanh_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    # Gemma's gelu_tanh(gate) * up, written, then down (plain, quantized or with a LoRA delta).
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(gelu_tanh_mul_autograd(gate, up) if _records_grad(gate, up) else gelu_tanh_mul(gate, up))
+
+
 def _quantized_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # Compressed projections cannot take the fused prologue: silu(gate) * up is written, then down runs.
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj(silu_mul_autograd(gate, up) if _records_grad(gate, up) else silu_mul(gate, up))
 
 
-def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
     state = state_of(self)
-    cos_table, sin_table = state.rope_tables
+    tables = state.rope_tables if layer_type is None else state.rope_tables_by_type[layer_type]
+    cos_table, sin_table = tables
     if cos_table.device != x.device:
         cos_table, sin_table = cos_table.to(x.device), sin_table.to(x.device)
-        state.rope_tables = (cos_table, sin_table)
+        if layer_type is None:
+            state.rope_tables = (cos_table, sin_table)
+        else:
+            state.rope_tables_by_type[layer_type] = (cos_table, sin_table)
     if position_ids.dim() == 3:  # multimodal RoPE sections (Qwen3.5): text positions repeat one section
         if not torch.compiler.is_compiling() and not bool((position_ids == position_ids[:1]).all()):
             raise NonInvariantInputError("multimodal rotary positions (images, videos) are not supported yet; "
@@ -148,15 +158,17 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
     return cos_table[idx].to(x.dtype), sin_table[idx].to(x.dtype)
 
 
-def _rope_tables(rotary: nn.Module, max_positions: int):
+def _rope_tables(rotary: nn.Module, max_positions: int, layer_type: str | None = None):
     """cos/sin for every position, computed once with HF's own formula, so that a position's
     values never depend on where it sits in a batch (elementwise kernels on CPU differ between
-    vectorized bodies and scalar tails)."""
-    inv_freq = rotary.inv_freq.float()
+    vectorized bodies and scalar tails). ``layer_type``: the frequencies of that layer type, for
+    a rotary embedding that keeps one set per type (Gemma 3)."""
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    inv_freq = getattr(rotary, f"{prefix}inv_freq").float()
     positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    scaling = getattr(rotary, "attention_scaling", 1.0)
+    scaling = getattr(rotary, f"{prefix}attention_scaling", 1.0)
     return emb.cos() * scaling, emb.sin() * scaling
 
 
@@ -306,14 +318,20 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
         elif adapter.gated_attention is not None and type(module) is adapter.gated_attention:
             _set_forward(module, gated_attention_forward)
         elif adapter.mlp is not None and type(module) is adapter.mlp:
-            _set_forward(module, _quantized_mlp_forward if module.down_proj in quantized else _mlp_forward)
+            _set_forward(module, _gelu_tanh_mlp_forward if adapter.mlp_activation == "gelu_tanh" else
+                         _quantized_mlp_forward if module.down_proj in quantized else _mlp_forward)
         elif adapter.moe is not None and type(module) is adapter.moe.router:
             _set_forward(module, router_forward)
         elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
             _set_forward(module, experts_interface.shared_expert_block_forward)
 
     rotary = base.rotary_emb
-    module_state(rotary).rope_tables = _rope_tables(rotary, model.config.max_position_embeddings)
+    max_positions, rotary_state = model.config.max_position_embeddings, module_state(rotary)
+    if getattr(rotary, "layer_types", None):  # one set of frequencies per layer type (Gemma 3)
+        rotary_state.rope_tables_by_type = {t: _rope_tables(rotary, max_positions, t) for t in rotary.layer_types}
+        rotary_state.rope_tables = next(iter(rotary_state.rope_tables_by_type.values()))
+    else:
+        rotary_state.rope_tables = _rope_tables(rotary, max_positions)
     _set_forward(rotary, _rotary_forward)
 
     reattach_decompression = detach_decompression(model) if quantized else None

@@ -18,7 +18,8 @@ transformers' hooks (``make_invariant`` replaces the module's forward, hooks inc
     then an all-gather of the slices (copies only).
   * ``embedding_rowwise`` (embed_tokens): the rows this rank holds are looked up, every other
     position is exact zeros, and the ranks' results are summed as bytes (uint8): one rank holds
-    each token, so the sum copies its bits (a float sum would turn -0.0 into +0.0).
+    each token, so the sum copies its bits (a float sum would turn -0.0 into +0.0). Gemma's scaled
+    embedding then multiplies by its ``embed_scale``, as its own forward does.
   * ``replicated_with_grad_allreduce`` (Qwen3's q/k norms): replicated weights, nothing to do.
   * ``colwise_gather_output`` on a Gated DeltaNet layer's projections (Qwen3.5): each rank computes
     its slice of the output columns with the single-process config of the full shape (out_proj's
@@ -41,6 +42,7 @@ from ..kernels.configs import TREE_LEAVES, linear_config, row_parallel_config, t
 from ..kernels.fused_linear import silu_mul_linear_partials
 from ..kernels.linear import combine_partials, linear, linear_partials
 from ..kernels.quantized_linear import quantized_linear_config
+from ..kernels.gelu_tanh_mul import gelu_tanh_mul
 from ..kernels.silu_mul import silu_mul
 from .module_state import module_state, state_of
 
@@ -185,9 +187,13 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout,
             forwards[module] = _gathered_row_tree_forward if module in row_tree else _gathered_colwise_forward
         elif role == "embedding" and style is not None:
             _check_param(f"{name}.weight", module.weight, Shard(0))
+            if type(module) is not nn.Embedding and not hasattr(module, "embed_scale"):
+                raise UnsupportedModelError(f"{name} is a {type(module).__name__}; the vocabulary-parallel lookup serves "
+                                            "nn.Embedding and Gemma's scaled embedding")
             forwards[module] = _vocab_parallel_embedding_forward
     for layer in base.layers:
-        forwards[layer.mlp] = _rowwise_mlp_forward
+        forwards[layer.mlp] = _rowwise_gelu_tanh_mlp_forward if adapter.mlp_activation == "gelu_tanh" \
+            else _rowwise_mlp_forward
     for module in forwards:
         module_state(module).tensor_parallel = layout
     return forwards
@@ -373,6 +379,12 @@ def _rowwise_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*gate.shape[:-1], weight.shape[0])
 
 
+def _rowwise_gelu_tanh_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)  # this rank's shards of the intermediate width
+    _refuse_grad(self.down_proj, gate)
+    return self.down_proj(gelu_tanh_mul(gate, up))  # the row-parallel tree's exchange
+
+
 def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     layout = state_of(self).tensor_parallel
     local = _local(self.weight)
@@ -384,4 +396,5 @@ def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> 
     rows = torch.nn.functional.embedding((ids - start).clamp(0, max(local.shape[0] - 1, 0)), local)
     out = torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).contiguous()
     dist.all_reduce(out.view(torch.uint8), group=layout.group)  # one nonzero term per byte: a copy
-    return out
+    scale = getattr(self, "embed_scale", None)  # Gemma's sqrt(hidden), as its own forward applies it
+    return out if scale is None else out * scale.to(local.dtype)

@@ -17,11 +17,12 @@ from invariant_infer.model.families import FAMILIES
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-# Dense families: the FAMILY-driven tests run over these. The MoE and hybrid (Gated DeltaNet)
-# families have their own tests (tests/model/test_moe.py, tests/model/test_hybrid.py), so CI time
-# does not multiply.
+# Dense families of the Llama layout: the FAMILY-driven tests run over these. The MoE, hybrid (Gated
+# DeltaNet) and Gemma families have their own tests (tests/model/test_moe.py, test_hybrid.py,
+# test_gemma3.py), so CI time does not multiply.
+GEMMA_FAMILY_NAMES = ["gemma3_text"]
 FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
-                      if adapter.moe is None and adapter.linear_attention is None)
+                      if adapter.moe is None and adapter.linear_attention is None and name not in GEMMA_FAMILY_NAMES)
 MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
                           if adapter.moe is not None and adapter.linear_attention is None)
 HYBRID_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is not None)

@@ -4,9 +4,10 @@ shards the compressed tensors themselves) and patched by make_invariant, TP 2 gi
 model's logits bitwise. Row-parallel layers reduce K as a tree of leaves of whole scale groups, and
 each rank computes its own leaves. Negative control: the exchange replaced by an all-reduce of each
 rank's rounded sums. Refusals: a format the shards do not serve, and a size that would split a
-128-row block, each naming what works; a quantized hybrid (Gated DeltaNet) checkpoint. One torchrun (tests/tp_worker.py) runs the model checks;
-``invariant-infer score`` and ``serve`` at TP 2 (rank processes) give the bits of one process, and
-``serve`` refuses adapter slots on a quantized checkpoint at TP 2."""
+128-row block, each naming what works; a quantized hybrid (Gated DeltaNet) checkpoint. One torchrun
+(tests/tp_worker.py) runs the model checks; ``invariant-infer score`` and ``serve`` at TP 2 (rank
+processes) give the bits of one process, and ``serve`` refuses adapter slots on a quantized
+checkpoint at TP 2."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,8 @@
 """Tensor parallelism at the model level, on CPU with gloo: a model loaded with tp_plan="auto" under
 torchrun and patched by make_invariant gives, at TP 2 and TP 4, the single-process patched
-model's logits bitwise (every dense family and the dense hybrid Qwen3.5, whose Gated DeltaNet
-projections transformers gathers, fp32/bf16/fp16, a left-padded batch). Negative controls:
+model's logits bitwise (every dense family, Gemma 3 with its sliding-window layer, and the dense
+hybrid Qwen3.5, whose Gated DeltaNet projections transformers gathers; fp32/bf16/fp16, a
+left-padded batch). Negative controls:
 stock transformers at TP 2 against stock at TP 1, and the invariant model with the row-parallel
 exchange replaced by an all-reduce of each rank's rounded sums (TP-dependent on any machine).
 Refusals: TP sizes the heads or the K trees do not divide, a plan layout the trees do not serve,
@@ -20,7 +21,7 @@ import torch
 import triton
 from transformers import AutoModelForCausalLM
 
-from helpers.models import FAMILY_NAMES, HYBRID_FAMILY_NAMES
+from helpers.models import FAMILY_NAMES, GEMMA_FAMILY_NAMES, HYBRID_FAMILY_NAMES
 from helpers.servers import run_bounded
 from tp_worker import HIDDEN_SHARDED_EMBEDDING
 from invariant_infer.kernels.configs import row_parallel_config, tree_leaves
@@ -37,7 +38,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TP_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
 REFUSED = {"kv2": dict(num_key_value_heads=2), "i160": dict(intermediate_size=160)}  # at TP 4
 RUN_TIMEOUT = 300
-TP_FAMILIES = FAMILY_NAMES + [f for f in HYBRID_FAMILY_NAMES if FAMILIES[f].moe is None]
+TP_FAMILIES = FAMILY_NAMES + GEMMA_FAMILY_NAMES + [f for f in HYBRID_FAMILY_NAMES if FAMILIES[f].moe is None]
 
 pytestmark = [pytest.mark.heavy, pytest.mark.file_minutes(1.2)]  # measured on 2 cores: start it early
 
@@ -74,7 +75,8 @@ def tp_runs(checkpoints, tmp_path_factory) -> dict[int, Path]:
     torchrun(2, outs[2], [*models(checkpoints), *dtypes, "--variant", "invariant", "--variant", "stock:fp32",
                           "--variant", "restored:fp32",
                           "--variant", "allreduce:bf16", "--refuse-plan", f"plan={checkpoints['qwen2']}",
-                          "--refuse", f"moe={checkpoints['moe']}", "--refuse", f"hybrid-moe={checkpoints['hybrid-moe']}"])
+                          "--refuse", f"moe={checkpoints['moe']}",
+                          "--refuse", f"hybrid-moe={checkpoints['hybrid-moe']}"])
     torchrun(4, outs[4], [*models(checkpoints), *dtypes, "--variant", "invariant",
                           *[arg for name in REFUSED for arg in ("--refuse", f"{name}={checkpoints[name]}")]])
     return outs

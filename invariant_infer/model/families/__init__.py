@@ -59,7 +59,10 @@ class FamilyAdapter:
     # Attention whose output is gated by sigmoid(gate) from a doubled q_proj (Qwen3.5, Qwen3-Next):
     # its class, whose forward make_invariant replaces.
     gated_attention: type | None = None
-    zero_centred_norms: bool = False      # every RMSNorm computes fp32 x (1 + weight) (Qwen3.5, Qwen3-Next)
+    zero_centred_norms: bool = False      # every RMSNorm computes fp32 x (1 + weight) (Qwen3.5, Qwen3-Next, Gemma 3)
+    # The MLP's activation: "silu" (config.hidden_act) or "gelu_tanh" (Gemma's hidden_activation
+    # "gelu_pytorch_tanh").
+    mlp_activation: str = "silu"
 
     def is_sparse(self, layer: nn.Module) -> bool:
         return self.moe is not None and type(layer.mlp) is self.moe.block
@@ -99,6 +102,7 @@ def family_of(config) -> FamilyAdapter:
 
 
 # Each family module registers itself.
-from . import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next  # noqa: E402,F401,E501
+from . import (gemma3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5,  # noqa: E402,F401
+               qwen3_5_moe, qwen3_moe, qwen3_next)
 
 __all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "family_of", "register_family"]
