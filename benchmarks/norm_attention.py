@@ -1,5 +1,7 @@
 """RMSNorm (vs the family's own HF RMSNorm class, e.g. Qwen2RMSNorm) and attention (vs torch SDPA,
-called as HF's "sdpa" calls it), at a model preset's widths (default Qwen2.5-1.5B)."""
+called as HF's "sdpa" calls it), at a model preset's widths (default Qwen2.5-1.5B). Attention rows
+with a sliding window (``window`` > 0: each query sees its last ``window`` keys) give SDPA the
+windowed mask transformers builds for such layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +21,9 @@ NORM_MS, QUICK_NORM_MS = (1, 32, 512, 2048, 8192, 32768), (1, 32)
 PREFILL_GRID, QUICK_PREFILL_GRID = [(b, s) for b in (1, 8, 32) for s in (512, 2048)], [(1, 16), (3, 48)]
 DECODE_GRID = [(b, c) for b in (1, 16) for c in (512, 1024, 2048, 4096, 8192)]
 QUICK_DECODE_GRID = [(2, 64), (2, 128)]
+# (batch, tokens, window): prefill of 8k with a 1k or 4k window; decode past the window.
+WINDOW_PREFILL, QUICK_WINDOW_PREFILL = [(1, 8192, 1024), (1, 8192, 4096)], [(1, 48, 16)]
+WINDOW_DECODE, QUICK_WINDOW_DECODE = [(b, 8192, w) for b in (1, 16) for w in (1024, 4096)], [(2, 128, 40)]
 
 
 @dataclass(frozen=True)
@@ -46,16 +51,18 @@ def quick_heads(heads: tuple) -> tuple:
     return (kv * min(hq // hkv, 2), kv, min(d, 64))
 
 
-def padding_mask(pads, lq: int, lk: int, device):
-    """HF-style bool mask [B, 1, Lq, Lk] (True = attend) for left padding, built once per forward
-    as transformers does; None when nothing is padded. Fully padded query rows attend everywhere
-    (HF's fix for SDPA), so no NaN."""
-    if not any(pads):
+def padding_mask(pads, lq: int, lk: int, device, window: int = 0):
+    """HF-style bool mask [B, 1, Lq, Lk] (True = attend) for left padding and a sliding window,
+    built once per forward as transformers does; None when nothing is padded and there is no
+    window. Fully padded query rows attend everywhere (HF's fix for SDPA), so no NaN."""
+    if not any(pads) and not window:
         return None
     key_idx = torch.arange(lk, device=device)
     q_idx = torch.arange(lk - lq, lk, device=device)
     pad = torch.tensor(pads, device=device)
     mask = (key_idx[None, None, :] <= q_idx[None, :, None]) & (key_idx[None, None, :] >= pad[:, None, None])
+    if window:
+        mask &= key_idx[None, None, :] > q_idx[None, :, None] - window
     return (mask | ~mask.any(-1, keepdim=True))[:, None]
 
 
@@ -102,7 +109,8 @@ def _rmsnorm(ctx: Run, dtype, w: Widths) -> list:
     return rows
 
 
-def _attention_case(ctx: Run, gen, dtype, heads: tuple, batch: int, lq: int, lk: int, pads: list) -> dict:
+def _attention_case(ctx: Run, gen, dtype, heads: tuple, batch: int, lq: int, lk: int, pads: list,
+                    window: int = 0) -> dict:
     hq, hkv, d = heads
     q = torch.randn(batch, hq, lq, d, generator=gen, device=ctx.device, dtype=dtype)
     k = torch.randn(batch, hkv, lk, d, generator=gen, device=ctx.device, dtype=dtype)
@@ -111,16 +119,16 @@ def _attention_case(ctx: Run, gen, dtype, heads: tuple, batch: int, lq: int, lk:
     kv_start, kv_end = torch.tensor(pads, **i32), torch.full((batch,), lk, **i32)
     q_start = torch.full((batch,), lk - lq, **i32)  # query i sits at key position lk - lq + i
     scale = d ** -0.5
-    mask = padding_mask(pads, lq, lk, ctx.device)
+    mask = padding_mask(pads, lq, lk, ctx.device, window)
     stock_fn = lambda: stock_attention(q, k, v, mask)  # noqa: E731
-    inv_fn = lambda: attention(q, k, v, kv_start, kv_end, q_start, scale)  # noqa: E731
+    inv_fn = lambda: attention(q, k, v, kv_start, kv_end, q_start, scale, window=window)  # noqa: E731
     y_stock, y_inv = stock_fn().transpose(1, 2), inv_fn()
     stock_ms = time_ms(stock_fn, ctx.device, flush_l2=True)
     inv_ms = time_ms(inv_fn, ctx.device, reps=3 if ctx.on_gpu else 1, warmup=0, flush_l2=True)
     real = [slice(max(0, p - (lk - lq)), lq) for p in pads]  # query rows that have a real token
     diff = max((max_abs_diff(y_inv[i, r], y_stock[i, r]) for i, r in enumerate(real) if r.start < r.stop), default=0.0)
     return {"batch": batch, "q_len": lq, "kv_len": lk, "heads": hq, "kv_heads": hkv, "head_dim": d,
-            "padded_rows": sum(1 for p in pads if p), "pad_tokens": int(sum(pads)),
+            "padded_rows": sum(1 for p in pads if p), "pad_tokens": int(sum(pads)), "window": window,
             "stock_ms": stock_ms, "invariant_ms": inv_ms, "ratio": inv_ms / stock_ms, "max_abs_diff": diff}
 
 
@@ -149,4 +157,13 @@ def run(ctx: Run, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY, preset: st
                 out["decode_attention"].append(_attention_case(ctx, gen, dtype, heads, batch, 1, context, [0] * batch))
             except Exception as exc:
                 ctx.failed(f"decode attention {batch}x{context}", exc)
+        windowed = [("attention", b, t, t, w) for b, t, w in (QUICK_WINDOW_PREFILL if ctx.quick else WINDOW_PREFILL)]
+        windowed += [("decode_attention", b, 1, t, w) for b, t, w in (QUICK_WINDOW_DECODE if ctx.quick else WINDOW_DECODE)]
+        for key, batch, lq, lk, window in tqdm(windowed, desc="window attn", leave=False):
+            if ctx.out_of_time(f"{key} {batch}x{lk} window {window}"):
+                continue
+            try:
+                out[key].append(_attention_case(ctx, gen, dtype, heads, batch, lq, lk, [0] * batch, window))
+            except Exception as exc:
+                ctx.failed(f"{key} {batch}x{lk} window {window}", exc)
     return out

@@ -154,7 +154,9 @@ def divergence(results: dict, out: Path) -> str | None:
 
 
 def kernels(results: dict, out: Path) -> str | None:
-    norm, attn, dec = results.get("rmsnorm") or [], results.get("attention") or [], results.get("decode_attention") or []
+    norm = results.get("rmsnorm") or []
+    attn, dec = ([r for r in results.get(key) or [] if not r.get("window")]  # windowed rows: the tables only
+                 for key in ("attention", "decode_attention"))
     if not (norm or attn or dec):
         return None
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))

@@ -79,8 +79,12 @@ def test_matmul_rows(results):
 def test_norm_attention_rows(results):
     assert [r["M"] for r in results["rmsnorm"]] == list(norm_attention.QUICK_NORM_MS)
     assert all(r["N"] == 1536 and r["stock_class"] == "Qwen2RMSNorm" for r in results["rmsnorm"])
-    assert [(r["batch"], r["q_len"]) for r in results["attention"]] == norm_attention.QUICK_PREFILL_GRID
-    assert [(r["batch"], r["kv_len"]) for r in results["decode_attention"]] == norm_attention.QUICK_DECODE_GRID
+    windowless = {key: [r for r in results[key] if not r["window"]] for key in ("attention", "decode_attention")}
+    assert [(r["batch"], r["q_len"]) for r in windowless["attention"]] == norm_attention.QUICK_PREFILL_GRID
+    assert [(r["batch"], r["kv_len"]) for r in windowless["decode_attention"]] == norm_attention.QUICK_DECODE_GRID
+    windowed = [(r["batch"], r["kv_len"], r["window"]) for key in ("attention", "decode_attention")
+                for r in results[key] if r["window"]]
+    assert windowed == norm_attention.QUICK_WINDOW_PREFILL + norm_attention.QUICK_WINDOW_DECODE
     for row in results["attention"] + results["decode_attention"]:
         assert (row["heads"], row["kv_heads"], row["head_dim"]) == (4, 2, 64) and row["max_abs_diff"] < 0.05
 

@@ -44,14 +44,16 @@ def load(path):
 
 @pytest.mark.fast_cells(ids=["FP8_BLOCK"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_rows_and_engine_requests_equal_alone(checkpoints, fmt):
+def test_rows_equal_alone(checkpoints, fmt):
     model = load(checkpoints[fmt])
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(quantized_layers(model)) == len(linears) - len(FORMATS[fmt])  # in_proj_a/b per layer: 1 GDN layer
     assert batch_mismatches(model, make_samples(model.config.vocab_size, (9, 1, 70, 5))) == []
-    if fmt != "FP8_BLOCK":  # the engine runs each format's layers as the model does: one format suffices
-        return
-    assert_engine_requests_equal_alone(model)
+
+
+@pytest.mark.heavy  # the engine runs each format's layers as the model does: one format suffices
+def test_engine_requests_equal_alone(checkpoints):
+    assert_engine_requests_equal_alone(load(checkpoints["FP8_BLOCK"]))
 
 
 def assert_engine_requests_equal_alone(model) -> None:
@@ -72,7 +74,7 @@ FP8_MOE_WIDTHS = dict(hidden_size=128, head_dim=32, num_attention_heads=4, num_k
 FP8_MOE_DENSE = ["lm_head", "mlp.gate", "shared_expert_gate", "in_proj_a", "in_proj_b", "in_proj_ba"]
 
 
-@pytest.mark.fast_cells(ids=["qwen3_5_moe_text"])
+@pytest.mark.heavy  # the fast tier runs fp8 experts in tests/model/test_quantized_moe.py
 @pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next"])
 def test_fp8_experts_rows_and_engine_requests_equal_alone(tmp_path, family):
     path = save_fp8_checkpoint(tmp_path / family, random_config(family, "tiny", **FP8_MOE_WIDTHS), seed=5,

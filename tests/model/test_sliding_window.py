@@ -92,6 +92,7 @@ def test_generate_past_the_window_equals_prefill_and_alone(checkpoints, cache):
         assert all(torch.equal(alone.scores[t][0], full[t].float()) for t in range(10))
 
 
+@pytest.mark.heavy  # the fast tier checks the paged window in tests/kernels/test_attention_window.py
 def test_engine_requests_equal_alone_with_prefix_hits(checkpoints):
     model = make_invariant(load_model(checkpoints("mistral"), torch.bfloat16))
     shared = make_samples(model.config.vocab_size, (130,), seed=3)[0].tolist()  # two pages of 64 on CPU
