@@ -22,7 +22,7 @@ from invariant_infer.model.padding import left_pad
 from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
 
 FAMILY = "gemma3_text"
-LENGTHS = (9, 1, 70, 40)  # past the 24-key window
+LENGTHS = (9, 1, 40, 5)  # past the 24-key window
 FP32_TOLERANCE = 1e-5  # max |logit - stock float64's|; measured 5.3e-7
 
 

@@ -42,7 +42,7 @@ def load(path):
     return make_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval())
 
 
-@pytest.mark.fast_cells(ids=["FP8_BLOCK"])
+@pytest.mark.heavy  # the fast tier runs quantized layers in tests/model/test_quantized_checkpoints.py
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_rows_equal_alone(checkpoints, fmt):
     model = load(checkpoints[fmt])
@@ -89,6 +89,7 @@ def test_fp8_experts_rows_and_engine_requests_equal_alone(tmp_path, family):
         assert_engine_requests_equal_alone(model)
 
 
+@pytest.mark.heavy
 def test_negative_control_a_per_tensor_activation_scale(checkpoints, monkeypatch):
     model = load(checkpoints["FP8_BLOCK"])
     monkeypatch.setattr(quantization, "_quantized_forward", per_tensor_scaled_quantized_forward)
