@@ -76,8 +76,8 @@ def test_accuracy_against_float64_and_what_its_tolerance_catches(checkpoint):
         assert error(change) > 100 * FP32_TOLERANCE, change.__name__
 
 
-@pytest.mark.heavy  # the fast tier decodes past a window in tests/model/test_sliding_window.py
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.heavy  # the fast tier decodes past a window (dynamic cache) in tests/model/test_sliding_window.py
+@pytest.mark.parametrize("cache", ["static"])
 def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
     model = make_invariant(load_model(checkpoint, torch.bfloat16))
     prompts = [s.tolist() for s in make_samples(model.config.vocab_size, (70, 5, 30))]

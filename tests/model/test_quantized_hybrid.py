@@ -48,7 +48,7 @@ def test_rows_equal_alone(checkpoints, fmt):
     model = load(checkpoints[fmt])
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(quantized_layers(model)) == len(linears) - len(FORMATS[fmt])  # in_proj_a/b per layer: 1 GDN layer
-    assert batch_mismatches(model, make_samples(model.config.vocab_size, (9, 1, 70, 5))) == []
+    assert batch_mismatches(model, make_samples(model.config.vocab_size, (9, 1, 20, 5))) == []
 
 
 @pytest.mark.heavy  # the engine runs each format's layers as the model does: one format suffices
@@ -75,7 +75,7 @@ FP8_MOE_DENSE = ["lm_head", "mlp.gate", "shared_expert_gate", "in_proj_a", "in_p
 
 
 @pytest.mark.heavy  # the fast tier runs fp8 experts in tests/model/test_quantized_moe.py
-@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_next"])  # Qwen3.5-MoE's layers are the same but the fused projections
 def test_fp8_experts_rows_and_engine_requests_equal_alone(tmp_path, family):
     path = save_fp8_checkpoint(tmp_path / family, random_config(family, "tiny", **FP8_MOE_WIDTHS), seed=5,
                                dtype=torch.bfloat16, modules_to_not_convert=FP8_MOE_DENSE)
