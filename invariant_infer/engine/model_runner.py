@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from ..model.attention import PAGED_BATCH_KWARG, refuse_sinks
+from ..model.attention import PAGED_BATCH_KWARG, refuse_sinks_and_softcapping
 from ..model.linear_attention import LinearAttentionSlots, LinearAttentionStep
 from ..model.logits import head_logits
 from ..kernels import attention_config, paged_attention, token_logprobs, write_kv
@@ -62,7 +62,7 @@ def _attention_layers(config) -> list[int]:
 
 def _paged_stock_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                            sliding_window=None, **kwargs):
-    refuse_sinks(kwargs)
+    refuse_sinks_and_softcapping(kwargs)
     paged_batch = kwargs[PAGED_BATCH_KWARG]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return paged_batch.attend(module.layer_idx, query, key, value, scale, sliding_window or 0), None

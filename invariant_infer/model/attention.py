@@ -49,7 +49,7 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     the engine's paged cache and attention runs over each sequence's pages instead. With a
     ``packed_sequences`` keyword (packed rows, set by the model's pre-hook), q/k/v are regrouped
     one sequence per row and ``attention_mask`` holds that regrouped batch's bounds."""
-    refuse_sinks(kwargs)
+    refuse_sinks_and_softcapping(kwargs)
     window = sliding_window or 0
     paged_batch = kwargs.get(PAGED_BATCH_KWARG)
     if paged_batch is not None:
@@ -74,11 +74,14 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     return packed.ungroup(out), None
 
 
-def refuse_sinks(kwargs: dict) -> None:
+def refuse_sinks_and_softcapping(kwargs: dict) -> None:
     """Attention sinks (gpt-oss's ``s_aux``: a learned logit per head in the softmax denominator)
-    are refused, never dropped."""
+    and logit softcapping (Gemma 2's ``softcap``) are refused, never dropped."""
     if kwargs.get("s_aux") is not None:
         raise NonInvariantInputError("attention sinks (s_aux) are not supported by invariant attention yet")
+    if kwargs.get("softcap") is not None:
+        raise NonInvariantInputError("attention logit softcapping (softcap) is not supported by invariant attention "
+                                     "yet")
 
 
 def attend(query, key, value, kv_start, kv_end, q_start, scale, window: int = 0):
