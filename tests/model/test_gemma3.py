@@ -2,8 +2,9 @@
 ones with their own RoPE base, (1 + w) RMSNorms in fp32, the scaled embeddings, ``query_pre_attn_scalar``
 and the gelu_tanh MLP. Each row is bitwise itself alone in any padded batch and packed; fp32 logits
 are within tolerance of stock float64, which references without the window, without the norms'
-offset or without the embedding scale all miss; ``generate`` past the window with the dynamic and
-the static cache gives each row's bits alone and each step one forward's; the engine's requests
+offset or without the embedding scale all miss; ``generate`` past the window with the static sliding
+cache (the dynamic one: tests/model/test_sliding_window.py) gives each row's bits alone and each step
+one forward's; the engine's requests
 equal alone with prefix hits. Logit softcapping and bidirectional attention are refused by name."""
 from __future__ import annotations
 
