@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import invariant_infer.model.linear_attention as linear_attention
-from helpers.engine_runs import trainer_logprobs
+from helpers.engine_runs import grpo_run, trainer_logprobs
 from helpers.models import load_model, make_samples
 from helpers.tokenizer import save_tokenizer
 from invariant_infer import UnsupportedModelError, make_invariant, pad_sequences, restore
@@ -122,26 +122,6 @@ def test_a_backward_through_a_continued_cache_is_refused(checkpoint):
 
 
 def test_trl_grpo_logs_a_sampler_trainer_difference_of_zero(checkpoint, tmp_path):
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
-    from trl import GRPOConfig  # noqa: PLC0415
-    from datasets import Dataset  # noqa: PLC0415
-
-    from invariant_infer.training.integrations.trl import InvariantGRPOTrainer  # noqa: PLC0415
-
-    words = "the a model token batch score sequence invariant logits prompt".split()
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": " ".join(words[i:i + 3])}] for i in range(8)]})
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=2,
-                      per_device_train_batch_size=2, gradient_accumulation_steps=2, generation_batch_size=4,
-                      max_completion_length=5, temperature=T, max_steps=2, learning_rate=3e-2, logging_steps=1,
-                      report_to=[], save_strategy="no", seed=0)
-    model = load_model(checkpoint, torch.float32)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer = InvariantGRPOTrainer(model=model, args=args, train_dataset=dataset,
-                                   reward_funcs=lambda completion_ids, **kw: [float(sum(ids) % 13) for ids in
-                                                                              completion_ids],
-                                   processing_class=PreTrainedTokenizerFast.from_pretrained(checkpoint))
-    trainer.train()
-    differences = [float(e["sampling/sampling_logp_difference/max"]) for e in trainer.state.log_history
-                   if "sampling/sampling_logp_difference/max" in e]
+    differences, changed = grpo_run(load_model(checkpoint, torch.float32), checkpoint, tmp_path, T)
     assert differences == [0.0, 0.0], differences
-    assert all(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+    assert changed
