@@ -13,14 +13,14 @@ import types
 
 import pytest
 import torch
-from transformers import DataCollatorWithFlattening
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-from helpers.models import batch_mismatches, load_model, make_samples
+from helpers.models import load_model, make_samples
 from invariant_infer import UnsupportedModelError, make_invariant
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.model.padding import left_pad
 from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
+from test_sliding_window import assert_rows_equal_alone_in_any_batch_and_packed
 
 FAMILY = "gemma3_text"
 LENGTHS = (9, 1, 40, 5)  # past the 24-key window
@@ -33,15 +33,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_rows_equal_alone_in_any_batch_and_packed(checkpoint):
-    model = make_invariant(load_model(checkpoint, torch.bfloat16))
-    samples = make_samples(model.config.vocab_size, LENGTHS)
-    with torch.no_grad():
-        assert batch_mismatches(model, samples) == []
-        batch = DataCollatorWithFlattening()([{"input_ids": s.tolist()} for s in samples])
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
-        bounds = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
-        for sample, a, b in zip(samples, bounds, bounds[1:]):
-            assert torch.equal(packed[a:b], model(input_ids=sample[None]).logits[0])
+    assert_rows_equal_alone_in_any_batch_and_packed(make_invariant(load_model(checkpoint, torch.bfloat16)), LENGTHS)
 
 
 def _without_norm_offset(norm):

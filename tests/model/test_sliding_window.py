@@ -46,13 +46,17 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.fast_cells(ids=["mistral"])
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])  # every layer windowed; windowed layer types
 def test_rows_equal_alone_in_any_batch_and_packed(checkpoints, family):
-    model = make_invariant(load_model(checkpoints(family), torch.bfloat16))
-    samples = make_samples(model.config.vocab_size, LENGTHS)
+    assert_rows_equal_alone_in_any_batch_and_packed(make_invariant(load_model(checkpoints(family), torch.bfloat16)),
+                                                     LENGTHS)
+
+
+def assert_rows_equal_alone_in_any_batch_and_packed(model, lengths) -> None:
+    samples = make_samples(model.config.vocab_size, lengths)
     with torch.no_grad():
         assert batch_mismatches(model, samples) == []
         batch = DataCollatorWithFlattening()([{"input_ids": s.tolist()} for s in samples])
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
-        bounds = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
+        bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
         for sample, a, b in zip(samples, bounds, bounds[1:]):
             assert torch.equal(packed[a:b], model(input_ids=sample[None]).logits[0])
 
