@@ -58,6 +58,20 @@ def online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: 
 
 
 @triton.jit
+def finish_rows(m_i, l_i, acc, sink, HAS_SINKS: tl.constexpr):
+    """(out [BM, D], m, l) after the last block: with a sink, exp(sink) joins each row's denominator
+    (rescaled to the new max, as one more block); then acc / l. A row with no visible key and no
+    sink gives 0, never NaN; with a sink it gives 0 too (acc = 0)."""
+    if HAS_SINKS:
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.where(m_new > m_i, tl.exp(m_i - m_new), 1.0)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
+
+
+@triton.jit
 def first_window_block(kv_start, first_query, window, BLOCK_N: tl.constexpr):
     """Start of the first KV block (blocks aligned to kv_start) that holds a key the query at
     ``first_query`` sees with a sliding window of ``window`` keys (0: no window, every block)."""
@@ -74,14 +88,14 @@ def in_window(offs_n, q_pos, window):
 
 @triton.jit(do_not_specialize=["Lq", "Lk", "window"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sinks_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
     Lq, Lk, Hq, D, scale, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -117,7 +131,8 @@ def _attention_kernel(
         visible = in_seq[None, :] & in_window(offs_n, q_pos, window)
         m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
     # Rows with no visible key (left-pad queries) give 0, never NaN.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    sink = tl.load(sinks_ptr + h).to(tl.float32) if HAS_SINKS else 0.0
+    out, m_i, l_i = finish_rows(m_i, l_i, acc, sink, HAS_SINKS)
     tl.store(o_ptr + b * stride_ob + offs_m[:, None] * stride_om + h * stride_oh + offs_d[None, :] * stride_od,
              out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
     if STORE_LSE:  # for the backward only: lse [B, Hq, Lq] fp32, -inf for a row that sees no key
@@ -127,11 +142,13 @@ def _attention_kernel(
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               kv_start: torch.Tensor, kv_end: torch.Tensor, q_start: torch.Tensor,
-              scale: float, config: AttentionConfig | None = None, window: int = 0) -> torch.Tensor:
+              scale: float, config: AttentionConfig | None = None, window: int = 0,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention.
 
     q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D] (not repeated); kv_start, kv_end, q_start: int32 [B].
-    ``window`` > 0: a sliding window of that many keys (see the module docstring).
+    ``window`` > 0: a sliding window of that many keys (see the module docstring); ``sinks``: one
+    logit per query head [Hq] added to each row's softmax denominator (any float dtype).
     Returns [B, Lq, Hq, D], contiguous. ``config`` overrides the fixed per-shape config
     (tests use it for a negative control)."""
     B, Hq, Lq, D = q.shape
@@ -143,12 +160,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise InvalidDtypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if window < 0:
         raise InvalidArgumentError(f"attention: window must be 0 (none) or positive, got {window}")
-    return attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config, window=window)
+    check_sinks(sinks, Hq, q.device, "attention")
+    return attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config, window=window, sinks=sinks)
 
 
-def attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config=None, lse=None, window: int = 0):
+def check_sinks(sinks: torch.Tensor | None, heads: int, device: torch.device, name: str) -> None:
+    if sinks is not None and (sinks.shape != (heads,) or sinks.device != device or not sinks.is_floating_point()):
+        raise InvalidArgumentError(f"{name}: sinks must be a float tensor [Hq] = [{heads}] on {device}, got "
+                                   f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+
+
+def attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config=None, lse=None, window: int = 0,
+                      sinks=None):
     """``attention`` without the argument checks; with ``lse`` (fp32 [B, Hq, Lq], contiguous) it
-    also stores each query row's log-sum-exp of its scaled scores there (the backward's input)."""
+    also stores each query row's log-sum-exp of its scaled scores (and its sink) there (the
+    backward's input)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     cfg = config or attention_config(q.device.type, q.dtype, D)
@@ -158,11 +184,11 @@ def attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config=None, ls
     grid = (triton.cdiv(Lq, cfg.block_m), B * Hq)
     launch(
         _attention_kernel, grid, q.device,
-        q, k, v, out, out if lse is None else lse, kv_start, kv_end, q_start,
+        q, k, v, out, out if lse is None else lse, out if sinks is None else sinks, kv_start, kv_end, q_start,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         Lq, Lk, Hq, D, scale, int(window),
         GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_PRECISION=DOT_PRECISION, STORE_LSE=lse is not None,
+        DOT_PRECISION=DOT_PRECISION, STORE_LSE=lse is not None, HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

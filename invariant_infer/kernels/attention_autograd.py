@@ -19,7 +19,9 @@ to dK/dV, whatever their incoming gradient: the backward treats their outputs as
 Pad keys get dK = dV = 0. With a KV cache (q_start > 0, Lq < Lk) the gradients are those of this
 call: cached keys get the gradients of the queries present. A sliding window (``window`` > 0)
 masks as the forward does; dQ walks the forward's blocks, and a key block's query tiles stop
-past the last query whose window reaches it.
+past the last query whose window reaches it. With attention sinks the LSE includes the sink, so P
+is unchanged in form; a sink's gradient is -sum over its head's real queries of
+exp(sink - LSE) * delta, summed in torch in one fixed order (batch, then position).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import attention_forward, first_window_block, in_window
+from .attention import attention_forward, check_sinks, first_window_block, in_window
 from .configs import AttentionBackwardConfig, AttentionConfig, attention_backward_config, attention_config
 from .launch import DOT_PRECISION, launch, reduction_rows
 from .errors import InvalidArgumentError, InvalidDtypeError
@@ -215,12 +217,13 @@ class AttentionFunction(torch.autograd.Function):
     """``attention`` with a batch-invariant, deterministic backward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kv_start, kv_end, q_start, scale, config=None, backward_config=None, window=0):
+    def forward(ctx, q, k, v, kv_start, kv_end, q_start, scale, config=None, backward_config=None, window=0,
+                sinks=None):
         B, Hq, Lq, D = q.shape
         cfg = config or attention_config(q.device.type, q.dtype, D)
         lse = torch.empty((B, Hq, Lq), device=q.device, dtype=torch.float32)
-        out = attention_forward(q, k, v, kv_start, kv_end, q_start, scale, cfg, lse=lse, window=window)
-        ctx.save_for_backward(q, k, v, out, lse, kv_start, kv_end, q_start)
+        out = attention_forward(q, k, v, kv_start, kv_end, q_start, scale, cfg, lse=lse, window=window, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, kv_start, kv_end, q_start, sinks)
         ctx.scale, ctx.config, ctx.window = scale, cfg, window
         ctx.backward_config = backward_config or attention_backward_config(q.device.type, q.dtype, D)
         return out
@@ -228,25 +231,38 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # no double backward: a clear error, not wrong grads
     def backward(ctx, grad_out):
-        q, k, v, out, lse, kv_start, kv_end, q_start = ctx.saved_tensors
+        q, k, v, out, lse, kv_start, kv_end, q_start, sinks = ctx.saved_tensors
         need = ctx.needs_input_grad
         dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, ctx.scale,
                                         ctx.config, ctx.backward_config, need[0], need[1] or need[2], ctx.window)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dsinks = _sinks_grad(grad_out, out, lse, sinks, kv_start, kv_end, q_start) if need[10] else None
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
+
+
+def _sinks_grad(grad_out, out, lse, sinks, kv_start, kv_end, q_start):
+    """d sinks [Hq]: -sum over real queries of exp(sink - LSE) * rowsum(dO * O), in fp32."""
+    B, Lq, Hq, _ = out.shape
+    pos = q_start[:, None] + torch.arange(Lq, device=out.device)
+    real = (pos >= kv_start[:, None]) & (pos < kv_end[:, None])                      # [B, Lq]
+    delta = (grad_out.float() * out.float()).sum(-1)                                  # [B, Lq, Hq]
+    p_sink = torch.exp(sinks.float()[None, :, None] - lse).transpose(1, 2)            # [B, Lq, Hq]
+    return -(p_sink * delta * real[:, :, None]).sum((0, 1)).to(sinks.dtype)
 
 
 def attention_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_start: torch.Tensor, kv_end: torch.Tensor, q_start: torch.Tensor,
                        scale: float, config: AttentionConfig | None = None, *,
-                       backward_config: AttentionBackwardConfig | None = None, window: int = 0) -> torch.Tensor:
+                       backward_config: AttentionBackwardConfig | None = None, window: int = 0,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``attention`` (same arguments, layout, result and bits) that autograd differentiates with
     the invariant backward. ``config`` (forward and dQ) and ``backward_config`` (dK/dV) override
     the fixed per-shape configs; pass them only to study configs (tests use them for a
-    deliberately batch-dependent negative control)."""
+    deliberately batch-dependent negative control). ``sinks`` [Hq] get their gradient too."""
     B, Hq, Lq, D = q.shape
     if k.shape != v.shape or k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
         raise InvalidArgumentError(f"attention: incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v "
                                    f"{tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise InvalidDtypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    return AttentionFunction.apply(q, k, v, kv_start, kv_end, q_start, scale, config, backward_config, window)
+    check_sinks(sinks, Hq, q.device, "attention")
+    return AttentionFunction.apply(q, k, v, kv_start, kv_end, q_start, scale, config, backward_config, window, sinks)

@@ -16,7 +16,7 @@ gets the logits ``model(...)`` gets. What makes it so:
   of BLOCK_N; the engine uses page_size == BLOCK_N), so a page never splits a block.
 * Same arithmetic in the same order. Both kernels update each block with one shared function,
   ``attention.online_softmax_block`` (scores, -inf masking, m, alpha, p, l, acc), and finish
-  with ``acc / where(l_i > 0, l_i, 1)``. The online softmax
+  with ``attention.finish_rows`` (a sink, if any, then acc / l). The online softmax
   of a query row uses only that row's scores, so which other rows share its tile (other
   queries of its sequence, or tile tails past its chunk) never changes it.
 * Same walk. A query tile holds BLOCK_M consecutive queries of ONE sequence. It walks blocks
@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import first_window_block, in_window, online_softmax_block
+from .attention import check_sinks, finish_rows, first_window_block, in_window, online_softmax_block
 from .configs import AttentionConfig, attention_config
 from .launch import DOT_PRECISION, launch
 from .errors import InvalidArgumentError, InvalidDtypeError
@@ -58,7 +58,7 @@ from .errors import InvalidArgumentError, InvalidDtypeError
 
 @triton.jit(do_not_specialize=["stride_bts", "stride_btp", "window"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, query_starts_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, query_starts_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ko, stride_kh, stride_kd,
     stride_vp, stride_vo, stride_vh, stride_vd,
@@ -67,7 +67,7 @@ def _paged_attention_kernel(
     Hq, D, scale, window,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     sh = tl.program_id(1)
@@ -109,7 +109,8 @@ def _paged_attention_kernel(
         visible = in_seq[None, :] & in_window(offs_n, q_pos, window)
         m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
     # A row with no visible key (none here: every query sees itself) would give 0, never NaN.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    sink = tl.load(sinks_ptr + h).to(tl.float32) if HAS_SINKS else 0.0
+    out = finish_rows(m_i, l_i, acc, sink, HAS_SINKS)[0]
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
              out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < D))
 
@@ -117,7 +118,7 @@ def _paged_attention_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_starts: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, *, max_query_len: int, config: AttentionConfig | None = None,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of packed queries over a paged KV cache.
 
     q: [T, Hq, D], the queries of S sequences packed back to back (sequence s owns rows
@@ -127,9 +128,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_tables: int32 [S, max_pages], page j of sequence s holding its positions
     [j * page_size, (j + 1) * page_size); max_query_len: a host int >= every sequence's query
     count (sizes the grid); ``window`` > 0: a sliding window of that many keys, the blocks
-    ``attention`` walks and skips for it. Returns [T, Hq, D] in q's dtype, contiguous. ``config`` overrides the
-    fixed per-shape config (tests use it for a negative control); bitwise equality with
-    ``attention`` holds for the default one, which ``attention`` also uses."""
+    ``attention`` walks and skips for it; ``sinks`` [Hq]: attention sinks, as ``attention``'s.
+    Returns [T, Hq, D] in q's dtype, contiguous. ``config`` overrides the fixed per-shape config
+    (tests use it for a negative control); bitwise equality with ``attention`` holds for the
+    default one, which ``attention`` also uses."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise InvalidArgumentError("paged_attention: expected q [T, Hq, D] and caches [pages, page_size, Hkv, D], "
                                    f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
@@ -155,6 +157,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise InvalidArgumentError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
     if window < 0:
         raise InvalidArgumentError(f"paged_attention: window must be 0 (none) or positive, got {window}")
+    check_sinks(sinks, Hq, q.device, "paged_attention")
     cfg = config or attention_config(q.device.type, q.dtype, D)
     if page_size % cfg.block_n:
         raise InvalidArgumentError(f"paged_attention: page_size {page_size} is not a multiple of the KV block "
@@ -165,12 +168,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (triton.cdiv(max_query_len, cfg.block_m), S * Hq)
     launch(
         _paged_attention_kernel, grid, q.device,
-        q, k_cache, v_cache, out, query_starts, seq_lens, block_tables,
+        q, k_cache, v_cache, out, out if sinks is None else sinks, query_starts, seq_lens, block_tables,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
         Hq, D, scale, int(window),
         GROUP=Hq // Hkv, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_PRECISION=DOT_PRECISION,
+        DOT_PRECISION=DOT_PRECISION, HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
