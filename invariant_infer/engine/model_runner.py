@@ -30,18 +30,17 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from ..model.attention import PAGED_BATCH_KWARG, refuse_sinks_and_softcapping
-from ..model.linear_attention import LinearAttentionSlots, LinearAttentionStep
+from ..model.linear_attention import LinearAttentionSlots
 from ..model.logits import head_logits
-from ..kernels import attention_config, paged_attention, token_logprobs, write_kv
+from ..kernels import attention_config, token_logprobs
 from ..model.padding import sequence_bounds
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
 from .block_manager import block_table_rows
 from .lora_slots import LoraSlots
+from .paged_batch import PagedBatch, paged_stock_attention
 from .prefix_states import SAVE, QueuedStateCopies
 from .scheduler import ScheduledChunk
 from ..errors import InvalidArgumentError
@@ -58,59 +57,6 @@ def _attention_layers(config) -> list[int]:
     """The layers that hold KV pages: all but the linear-attention (Gated DeltaNet) ones."""
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     return [i for i in range(config.num_hidden_layers) if kinds[i] != "linear_attention"]
-
-
-def _paged_stock_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                           sliding_window=None, **kwargs):
-    refuse_sinks_and_softcapping(kwargs)
-    paged_batch = kwargs[PAGED_BATCH_KWARG]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return paged_batch.attend(module.layer_idx, query, key, value, scale, sliding_window or 0), None
-
-
-@dataclass
-class PagedBatch:
-    """One step's metadata, handed to every attention call of the forward."""
-    k_caches: list[torch.Tensor]   # per layer [num_pages, page_size, Hkv, D]
-    v_caches: list[torch.Tensor]
-    slot_mapping: torch.Tensor     # int64 [T]: page * page_size + offset of each packed token
-    query_starts: torch.Tensor     # int32 [S + 1]
-    seq_lens: torch.Tensor         # int32 [S]: context length including this step's tokens
-    block_tables: torch.Tensor     # int32 [S, max_pages]
-    max_query_len: int
-    host_query_starts: list[int]
-    host_seq_lens: list[int]
-    invariant: bool
-    linear_attention: LinearAttentionStep | None = None  # hybrid models: the Gated DeltaNet layers' step
-
-    def attend(self, layer_idx: int, query, key, value, scale: float, window: int = 0) -> torch.Tensor:
-        """q [1, Hq, T, D], k/v [1, Hkv, T, D] (this step's tokens) -> [1, T, Hq, D]; ``window`` > 0:
-        each query sees its last ``window`` keys."""
-        q = query[0].transpose(0, 1)                  # [T, Hq, D]
-        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        write_kv(k, v, k_cache, v_cache, self.slot_mapping)
-        if self.invariant:
-            out = paged_attention(q.contiguous(), k_cache, v_cache, self.query_starts, self.seq_lens,
-                                  self.block_tables, scale, max_query_len=self.max_query_len, window=window)
-            return out[None]
-        return self._stock_attend(q, k_cache, v_cache, scale, window)[None]
-
-    def _stock_attend(self, q, k_cache, v_cache, scale, window):
-        page_size = k_cache.shape[1]
-        out = torch.empty_like(q)
-        for s, seq_len in enumerate(self.host_seq_lens):
-            q0, q1 = self.host_query_starts[s], self.host_query_starts[s + 1]
-            pages = self.block_tables[s, :-(-seq_len // page_size)]
-            keys = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)   # [Hkv, L, D]
-            values = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
-            positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)
-            keys_at = torch.arange(seq_len, device=q.device)[None, :]
-            visible = (keys_at <= positions[:, None]) & ((keys_at > positions[:, None] - window) | (window == 0))
-            out[q0:q1] = F.scaled_dot_product_attention(
-                q[q0:q1].transpose(0, 1), keys, values, attn_mask=visible, scale=scale, enable_gqa=True,
-            ).transpose(0, 1)
-        return out
 
 
 @dataclass
@@ -210,7 +156,7 @@ class ModelRunner:
         self.pending_writes: list[tuple[int, int, int]] = []  # taken from the block manager, not yet applied
         self.state_copies = QueuedStateCopies()
         if not invariant:  # the stock baseline's paged attention, until the runner goes
-            AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, _paged_stock_attention)
+            AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, paged_stock_attention)
             weakref.finalize(self, model.set_attn_implementation, model.config._attn_implementation)
             model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
         # Every other rank builds the same runner over its shard, held there under runner_id.

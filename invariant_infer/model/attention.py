@@ -17,7 +17,7 @@ from .padding import is_sequence_bounds, sequence_bounds
 
 ATTN_IMPLEMENTATION = "invariant"
 # The keyword a serving engine passes through the model's forward to its attention calls: an object
-# with ``attend(layer_idx, query, key, value, scale) -> [1, T, Hq, D]`` over its paged KV cache.
+# with ``attend(layer_idx, query, key, value, scale, window, sinks) -> [1, T, Hq, D]`` over its paged KV cache.
 PAGED_BATCH_KWARG = "paged_batch"
 
 
@@ -43,20 +43,21 @@ def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_off
 
 def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                         sliding_window=None, **kwargs):
-    """transformers attention function: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> ([B, Lq, Hq, D], None).
+    """transformers attention function: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> ([B, Lq, Hq, D], None);
+    ``sliding_window`` and attention sinks (``s_aux``, gpt-oss) as the kernels take them.
 
     With a ``paged_batch`` keyword (a serving engine's packed step, B = 1), K/V are written to
     the engine's paged cache and attention runs over each sequence's pages instead. With a
     ``packed_sequences`` keyword (packed rows, set by the model's pre-hook), q/k/v are regrouped
     one sequence per row and ``attention_mask`` holds that regrouped batch's bounds."""
-    refuse_sinks_and_softcapping(kwargs)
-    window = sliding_window or 0
+    refuse_softcapping(kwargs)
+    window, sinks = sliding_window or 0, kwargs.get("s_aux")
     paged_batch = kwargs.get(PAGED_BATCH_KWARG)
     if paged_batch is not None:
         if dropout:
             raise NonInvariantInputError("attention dropout is not batch-invariant; call model.eval()")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return paged_batch.attend(module.layer_idx, query, key, value, scale, window), None
+        return paged_batch.attend(module.layer_idx, query, key, value, scale, window, sinks), None
     if not is_sequence_bounds(attention_mask):
         raise NonInvariantInputError(
             "invariant attention needs the 2-D padding mask (or none); a prepared 4-D mask or a paged cache "
@@ -67,29 +68,27 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     kv_start, kv_end, q_start = attention_mask[:, :, 0, 0].unbind(0)
     packed = kwargs.get(PACKED_KWARG)
     if packed is None:
-        return attend(query, key, value, kv_start, kv_end, q_start, scale, window), None
+        return attend(query, key, value, kv_start, kv_end, q_start, scale, window, sinks), None
     # Packed rows: the bounds are those of the regrouped batch, one sequence per row.
     out = attend(packed.regroup(query), packed.regroup(key), packed.regroup(value), kv_start, kv_end, q_start, scale,
-                 window)
+                 window, sinks)
     return packed.ungroup(out), None
 
 
-def refuse_sinks_and_softcapping(kwargs: dict) -> None:
-    """Attention sinks (gpt-oss's ``s_aux``: a learned logit per head in the softmax denominator)
-    and logit softcapping (Gemma 2's ``softcap``) are refused, never dropped."""
-    if kwargs.get("s_aux") is not None:
-        raise NonInvariantInputError("attention sinks (s_aux) are not supported by invariant attention yet")
+def refuse_softcapping(kwargs: dict) -> None:
+    """Logit softcapping (Gemma 2's ``softcap``) is refused, never dropped."""
     if kwargs.get("softcap") is not None:
         raise NonInvariantInputError("attention logit softcapping (softcap) is not supported by invariant attention "
                                      "yet")
 
 
-def attend(query, key, value, kv_start, kv_end, q_start, scale, window: int = 0):
-    """The one kernel call of both layouts: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> [B, Lq, Hq, D].
-    With autograd recording, the autograd Function: the same forward bits, plus its backward."""
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return attention_autograd(query, key, value, kv_start, kv_end, q_start, scale, window=window)
-    return attention(query, key, value, kv_start, kv_end, q_start, scale, window=window)
+def attend(query, key, value, kv_start, kv_end, q_start, scale, window: int = 0, sinks=None):
+    """The one kernel call of both layouts: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> [B, Lq, Hq, D];
+    ``sinks`` [Hq]: gpt-oss's attention sinks (``s_aux``). With autograd recording, the autograd
+    Function: the same forward bits, plus its backward."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
+        return attention_autograd(query, key, value, kv_start, kv_end, q_start, scale, window=window, sinks=sinks)
+    return attention(query, key, value, kv_start, kv_end, q_start, scale, window=window, sinks=sinks)
 
 
 def register() -> None:

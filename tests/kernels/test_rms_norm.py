@@ -33,6 +33,24 @@ def test_rms_norm_accuracy(dtype, device, hidden):
         4 * torch.finfo(dtype).eps * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_scaled_in_fp32_accuracy_and_rows(dtype):
+    """gpt-oss's norm: an fp32 weight times the fp32 normed row, rounded once to x's dtype."""
+    x = (torch.randn(70, 300) * 3).to(dtype)
+    w = 1 + 0.1 * torch.randn(300)
+    norm = lambda x, w, eps: rms_norm(x, w, eps, scale_in_fp32=True)  # noqa: E731
+    y = norm(x, w, 1e-6)
+    xd = x.double()
+    ref = w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert y.dtype == dtype
+    # One rounding, so half the two-rounding tolerance; rounding the normed row first is less accurate.
+    relative = lambda y: ((y.double() - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()  # noqa: E731
+    assert relative(y) < TOLERANCE[dtype] / 2
+    if dtype != torch.float32:
+        assert relative(rms_norm(x, w.to(dtype), 1e-6)) > relative(y)
+    assert row_mismatches(norm, x, w) == []
+
+
 def row_mismatches(norm, x, w) -> list:
     """The row subsets (slices, a permutation) whose outputs differ from theirs in the full batch."""
     full = norm(x, w, 1e-6)

@@ -6,8 +6,8 @@ right, ``inputs_embeds``) and packed; logits are within fp32 tolerance of stock 
 same model with a window one key longer or shorter misses; ``generate`` decodes past the window
 with transformers' dynamic (it keeps the last 23 keys) and static sliding caches, each step
 bitwise one forward over the prefix, each row bitwise alone; the engine's requests equal alone
-under a cramped budget with prefix hits. Attention sinks (``s_aux``) and logit softcapping
-(``softcap``) are refused, never dropped."""
+under a cramped budget with prefix hits. Logit softcapping (``softcap``) is refused, never
+dropped."""
 from __future__ import annotations
 
 import copy
@@ -109,9 +109,7 @@ def test_engine_requests_equal_alone_with_prefix_hits(checkpoints):
     assert [(o.token_ids, o.logprobs) for o in mixed] == [(o.token_ids, o.logprobs) for o in alone]
 
 
-def test_attention_sinks_and_softcapping_are_refused_by_name():
+def test_softcapping_is_refused_by_name():
     q = torch.zeros(1, 2, 3, 16)
-    with pytest.raises(NonInvariantInputError, match="attention sinks"):
-        invariant_attention(None, q, q[:, :1], q[:, :1], None, s_aux=torch.zeros(2))
     with pytest.raises(NonInvariantInputError, match="softcapping"):
         invariant_attention(None, q, q[:, :1], q[:, :1], None, softcap=50.0)
