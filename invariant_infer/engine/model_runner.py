@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
+from ..model.attention import PAGED_BATCH_KWARG
 from ..model.linear_attention import LinearAttentionSlots
 from ..model.logits import head_logits
 from ..kernels import attention_config, token_logprobs

@@ -7,8 +7,6 @@ up, rounded. The backward computes each element's gradients from that element al
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -16,8 +14,6 @@ import triton.language as tl
 from .errors import InvalidArgumentError
 from .launch import launch
 
-SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-CUBIC = 0.044715
 
 
 @triton.jit
@@ -28,7 +24,8 @@ def _tanh(x):
 @triton.jit
 def _gelu_tanh_parts(g):
     """(gelu_tanh(g), tanh of its inner term) for fp32 g."""
-    t = _tanh(SQRT_2_OVER_PI * (g + CUBIC * g * g * g))
+    # Literals: a kernel cannot read a plain global when compiled for a GPU. sqrt(2 / pi), 0.044715.
+    t = _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
     return 0.5 * g * (1.0 + t), t
 
 
@@ -54,7 +51,7 @@ def _gelu_tanh_mul_backward_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, stride_
     u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, t = _gelu_tanh_parts(g)
-    slope = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * CUBIC * g * g)
+    slope = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
     offsets = rows[:, None] * stride_d + cols[None, :]
     tl.store(dg_ptr + offsets, (dy * u * slope).to(dg_ptr.dtype.element_ty), mask=mask)
     # d(up) uses the factor the forward multiplied by: gelu_tanh(g) rounded to the dtype.

@@ -19,17 +19,21 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..errors import UnsupportedModelError
 from .families import FamilyAdapter, MoeLayout
-from ..kernels import grouped_linear, grouped_silu_mul_linear, linear, moe_routing
+from ..kernels import clamped_swiglu, grouped_linear, grouped_silu_mul_linear, linear, moe_routing
 
 EXPERTS_IMPLEMENTATION = "invariant"
-# The expert layout the experts function computes: concatenated [gate; up], [out, in] weights,
-# no bias, a silu gate, no norm after the experts.
-_EXPERT_LAYOUT = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True,
-                      has_post_expert_norm=False)
+# The expert layouts the experts function computes, by MoeLayout.activation. "silu": concatenated
+# [gate; up], [out, in] weights, no bias. "clamped_swiglu" (gpt-oss): interleaved gate/up columns,
+# [in, out] weights, biases. Neither has a norm after the experts.
+_EXPERT_LAYOUTS = {
+    "silu": dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True, has_post_expert_norm=False),
+    "clamped_swiglu": dict(has_gate=True, has_bias=True, is_transposed=True, is_concatenated=False,
+                           has_post_expert_norm=False),
+}
 
 
 def refuse_grad(*tensors) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise UnsupportedModelError(
             "MoE training is not supported: the invariant router and experts have no backward (and the router "
             "aux loss is not covered). Run MoE models under torch.no_grad() / torch.inference_mode(), or freeze "
@@ -49,6 +53,15 @@ def expert_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
     intermediate = down_proj.shape[2]
     gate_up = grouped_linear(x, gate_up_proj, offsets)
     return grouped_silu_mul_linear(gate_up[:, :intermediate], gate_up[:, intermediate:], down_proj, offsets)
+
+
+def clamped_swiglu_expert_forward(x: torch.Tensor, experts: nn.Module, offsets: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's experts on rows sorted by expert: gate_up = x @ gate_up_proj[e] + bias (columns
+    gate, up, gate, up, ...), then ``clamped_swiglu``, then @ down_proj[e] + bias. The [in, out]
+    weights are read through transposed views (no copy)."""
+    gate_up = grouped_linear(x, experts.gate_up_proj.transpose(1, 2), offsets, bias=experts.gate_up_proj_bias)
+    hidden = clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], experts.alpha, experts.limit)
+    return grouped_linear(hidden, experts.down_proj.transpose(1, 2), offsets, bias=experts.down_proj_bias)
 
 
 def combine(pair_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -78,6 +91,11 @@ def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``invariant`` experts implementation: [T, H], [T, k] experts, [T, k] weights -> [T, H]."""
     refuse_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj)
+    if not getattr(self, "is_concatenated", True):  # gpt-oss's layout (checked by check_sparse_block)
+        refuse_grad(self.gate_up_proj_bias, self.down_proj_bias)
+        return routed_forward(hidden_states, top_k_index, top_k_weights, self.num_experts,
+                              lambda tokens, offsets: clamped_swiglu_expert_forward(hidden_states[tokens], self,
+                                                                                    offsets))
     return routed_forward(hidden_states, top_k_index, top_k_weights, self.num_experts,
                           lambda tokens, offsets: expert_forward(hidden_states[tokens], self.gate_up_proj,
                                                                  self.down_proj, offsets))
@@ -86,8 +104,9 @@ def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
 def router_forward(layout: MoeLayout):
     """The router forward of one family: (router logits, routing weights, expert indices), as stock."""
     def forward(self, hidden_states: torch.Tensor):
-        refuse_grad(hidden_states, self.weight)
-        logits = linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        bias = getattr(self, "bias", None)  # gpt-oss's router has one
+        refuse_grad(hidden_states, self.weight, bias)
+        logits = linear(hidden_states.reshape(-1, self.hidden_dim), self.weight, bias)
         weights, experts = route(logits, self.top_k, layout.normalize(self))
         return logits, weights.to(logits.dtype) if layout.weights_in_logits_dtype else weights, experts
     return forward
@@ -128,10 +147,10 @@ def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str, qua
     ``quantized_experts`` (checked by ``model.quantized_experts``) and quantized shared-expert
     layers in ``quantized_layers`` are accepted as they are."""
     layout = adapter.moe
-    router, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    router, experts = getattr(block, layout.router_attribute, None), getattr(block, "experts", None)
     if type(router) is not layout.router:
-        raise UnsupportedModelError(f"{where}.gate is {type(router).__name__}, not the {layout.router.__name__} "
-                                    "router the invariant routing replaces")
+        raise UnsupportedModelError(f"{where}.{layout.router_attribute} is {type(router).__name__}, not the "
+                                    f"{layout.router.__name__} router the invariant routing replaces")
     if layout.shared_expert:
         _check_shared_expert(adapter, block, where, quantized_layers)
     if getattr(experts, "_is_expert_parallel", False):
@@ -139,9 +158,10 @@ def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str, qua
                                     "(load the model on one device)")
     if experts not in quantized_experts:
         _check_dense_experts(layout, experts, where)
-    if router.weight.shape != (experts.num_experts, experts.gate_up_proj.shape[2]):
-        raise UnsupportedModelError(f"{where}.gate.weight has shape {tuple(router.weight.shape)}; expected "
-                                    f"({experts.num_experts}, {experts.gate_up_proj.shape[2]})")
+    hidden = experts.gate_up_proj.shape[1 if layout.activation == "clamped_swiglu" else 2]
+    if router.weight.shape != (experts.num_experts, hidden):
+        raise UnsupportedModelError(f"{where}.{layout.router_attribute}.weight has shape {tuple(router.weight.shape)}; "
+                                    f"expected ({experts.num_experts}, {hidden})")
 
 
 def _check_dense_experts(layout: MoeLayout, experts: nn.Module, where: str) -> None:
@@ -149,15 +169,17 @@ def _check_dense_experts(layout: MoeLayout, experts: nn.Module, where: str) -> N
         raise UnsupportedModelError(f"{where}.experts is {type(experts).__name__}, not {layout.experts.__name__} "
                                     "(replaced experts are not supported; quantized ones are in transformers' fp8 format, "
                                     "FP8Experts)")
-    for name, value in _EXPERT_LAYOUT.items():
+    expected = _EXPERT_LAYOUTS[layout.activation]
+    for name, value in expected.items():
         if getattr(experts, name, value) != value:
             raise UnsupportedModelError(f"{where}.experts has {name}={getattr(experts, name)}; the invariant experts "
-                                        f"compute the layout {_EXPERT_LAYOUT}")
-    for name in ("gate_up_proj", "down_proj"):
+                                        f"compute the layout {expected}")
+    biases = ("gate_up_proj_bias", "down_proj_bias") if expected["has_bias"] else ()
+    for name in ("gate_up_proj", "down_proj") + biases:
         weight = getattr(experts, name, None)
-        if type(weight) is not nn.Parameter or weight.dim() != 3:
-            raise UnsupportedModelError(f"{where}.experts.{name} is not a 3-D parameter (packed experts outside "
-                                        "transformers' fp8 format are not supported)")
+        if type(weight) is not nn.Parameter or weight.dim() != (2 if name in biases else 3):
+            raise UnsupportedModelError(f"{where}.experts.{name} is not a {2 if name in biases else 3}-D parameter "
+                                        "(packed experts outside transformers' fp8 format are not supported)")
 
 
 def register() -> None:

@@ -54,6 +54,7 @@ from .linear_attention import gated_delta_net_forward
 from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
 from .module_state import module_state, remove_state, state_of
 from .recomputed_backward import recomputed_backward
+from .rope import rotary_forward, set_rope_tables
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
@@ -107,6 +108,16 @@ def _zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.T
                                hidden_states, self.weight)
 
 
+def _fp32_scaled_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    eps = self.variance_epsilon
+
+    def reference(x, weight):  # gpt-oss's own formula
+        x = x.float()
+        return (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))).to(hidden_states.dtype)
+    return recomputed_backward(rms_norm(hidden_states, self.weight, eps, scale_in_fp32=True), reference,
+                               hidden_states, self.weight)
+
+
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if _records_grad(hidden_states, self.weight):
         return rms_norm_autograd(hidden_states, self.weight, self.variance_epsilon)
@@ -137,39 +148,6 @@ def _quantized_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # Compressed projections cannot take the fused prologue: silu(gate) * up is written, then down runs.
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj(silu_mul_autograd(gate, up) if _records_grad(gate, up) else silu_mul(gate, up))
-
-
-def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
-    state = state_of(self)
-    tables = state.rope_tables if layer_type is None else state.rope_tables_by_type[layer_type]
-    cos_table, sin_table = tables
-    if cos_table.device != x.device:
-        cos_table, sin_table = cos_table.to(x.device), sin_table.to(x.device)
-        if layer_type is None:
-            state.rope_tables = (cos_table, sin_table)
-        else:
-            state.rope_tables_by_type[layer_type] = (cos_table, sin_table)
-    if position_ids.dim() == 3:  # multimodal RoPE sections (Qwen3.5): text positions repeat one section
-        if not torch.compiler.is_compiling() and not bool((position_ids == position_ids[:1]).all()):
-            raise NonInvariantInputError("multimodal rotary positions (images, videos) are not supported yet; "
-                                         "pass text only")
-        position_ids = position_ids[0]
-    idx = position_ids.clamp(0, cos_table.shape[0] - 1)  # range is checked eagerly in the pre-hook
-    return cos_table[idx].to(x.dtype), sin_table[idx].to(x.dtype)
-
-
-def _rope_tables(rotary: nn.Module, max_positions: int, layer_type: str | None = None):
-    """cos/sin for every position, computed once with HF's own formula, so that a position's
-    values never depend on where it sits in a batch (elementwise kernels on CPU differ between
-    vectorized bodies and scalar tails). ``layer_type``: the frequencies of that layer type, for
-    a rotary embedding that keeps one set per type (Gemma 3)."""
-    prefix = "" if layer_type is None else f"{layer_type}_"
-    inv_freq = getattr(rotary, f"{prefix}inv_freq").float()
-    positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    scaling = getattr(rotary, f"{prefix}attention_scaling", 1.0)
-    return emb.cos() * scaling, emb.sin() * scaling
 
 
 # ---- input handling ------------------------------------------------------------------------------
@@ -312,7 +290,8 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
         elif type(module) is nn.Linear:
             _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward)
         elif type(module) is adapter.rms_norm:
-            _set_forward(module, _zero_centred_rms_norm_forward if adapter.zero_centred_norms else _rms_norm_forward)
+            _set_forward(module, _zero_centred_rms_norm_forward if adapter.zero_centred_norms else
+                         _fp32_scaled_rms_norm_forward if adapter.norms_scaled_in_fp32 else _rms_norm_forward)
         elif adapter.linear_attention is not None and type(module) is adapter.linear_attention.module:
             _set_forward(module, gated_delta_net_forward)
         elif adapter.gated_attention is not None and type(module) is adapter.gated_attention:
@@ -325,14 +304,8 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
         elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
             _set_forward(module, experts_interface.shared_expert_block_forward)
 
-    rotary = base.rotary_emb
-    max_positions, rotary_state = model.config.max_position_embeddings, module_state(rotary)
-    if getattr(rotary, "layer_types", None):  # one set of frequencies per layer type (Gemma 3)
-        rotary_state.rope_tables_by_type = {t: _rope_tables(rotary, max_positions, t) for t in rotary.layer_types}
-        rotary_state.rope_tables = next(iter(rotary_state.rope_tables_by_type.values()))
-    else:
-        rotary_state.rope_tables = _rope_tables(rotary, max_positions)
-    _set_forward(rotary, _rotary_forward)
+    set_rope_tables(base.rotary_emb, model.config.max_position_embeddings, adapter.rope_half_tables)
+    _set_forward(base.rotary_emb, rotary_forward)
 
     reattach_decompression = detach_decompression(model) if quantized else None
     hook = base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)

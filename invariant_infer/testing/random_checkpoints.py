@@ -2,8 +2,8 @@
 
 Real models' shapes (``"qwen2.5-1.5b"``, ``"llama-3.1-8b"`` ...) and small ones that run on CPU
 (``"tiny"``) come from each family's presets (``invariant_infer.model.families``). Weights are random,
-and so are the biases and RMSNorm weights that transformers initialises to constants, so that
-every patched path carries signal. The MoE families' 3-D expert weights and routers are drawn by
+and so are the biases, RMSNorm weights and attention sinks that transformers initialises to
+constants or near 0, so that every patched path carries signal. The MoE families' 3-D expert weights and routers are drawn by
 transformers' own init (normal, std ``initializer_range``), a different draw per expert.
 """
 from __future__ import annotations
@@ -37,8 +37,10 @@ def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = t
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_proj_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
                 param.normal_(0.0, 0.02)
+            elif name.endswith(".sinks"):  # gpt-oss's attention sinks: a share of each row's softmax
+                param.normal_(0.0, 1.0)
             elif "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm weights start at ones
                 param.add_(torch.randn_like(param) * 0.1)
     return model

@@ -87,11 +87,11 @@ def test_decode_equals_forward(model, prompts, alone):
 
 def test_decode_with_other_kv_block_is_caught(model, monkeypatch):
     """Negative control: a decode whose KV block differs from prefill's changes the bits."""
-    def other_block_attention(q, k, v, kv_start, kv_end, q_start, scale, config=None, window=0):
+    def other_block_attention(q, k, v, kv_start, kv_end, q_start, scale, config=None, window=0, sinks=None):
         if q.shape[2] == 1:
             base = attention_config(q.device.type, q.dtype, q.shape[-1])
             config = AttentionConfig(base.block_m, base.block_n // 4)
-        return attention(q, k, v, kv_start, kv_end, q_start, scale, config=config, window=window)
+        return attention(q, k, v, kv_start, kv_end, q_start, scale, config=config, window=window, sinks=sinks)
 
     attention = hf_attention.attention
     monkeypatch.setattr(hf_attention, "attention", other_block_attention)

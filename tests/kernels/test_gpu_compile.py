@@ -28,6 +28,8 @@ gdn_mod = sys.modules["invariant_infer.kernels.gated_delta_rule"]
 conv_mod = sys.modules["invariant_infer.kernels.causal_conv1d"]
 gated_norm_mod = sys.modules["invariant_infer.kernels.rms_norm_gated"]
 sigmoid_mod = sys.modules["invariant_infer.kernels.sigmoid_mul"]
+swiglu_mod = sys.modules["invariant_infer.kernels.clamped_swiglu"]
+gelu_mod = sys.modules["invariant_infer.kernels.gelu_tanh_mul"]
 
 TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 ARCHS = [90, 89, 80]
@@ -221,6 +223,31 @@ def test_row_kernels_compile(arch, dtype):
                 {"ptr": dt, "targets_ptr": "*i64", "logprob_ptr": "*fp32", "argmax_ptr": "*i32", "lse_ptr": "*fp32",
                  "temperature": "fp32"},
                 dict(BLOCK_ROWS=1, BLOCK_V=block_v, STORE_LSE=False), 8)
+
+
+def test_sink_window_and_gelu_families_kernels_compile():
+    """gpt-oss's and Gemma 3's paths for sm_90 in bf16 at head dim 64: attention with sinks (the
+    forward and the autograd forward that stores the LSE), the paged kernel with sinks, the clamped
+    SwiGLU, the fp32-scaled RMSNorm and gelu_tanh * up (forward and backward)."""
+    cfg = attention_config("cuda", torch.bfloat16, 64)
+    ints = {"kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32", "lse_ptr": "*fp32",
+            "sinks_ptr": "*fp32", "scale": "fp32"}
+    for store_lse in (False, True):
+        compile_for(attention_mod._attention_kernel, 90, {"ptr": "*bf16", **ints},
+                    dict(GROUP=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=64, DOT_PRECISION=DOT_PRECISION,
+                         STORE_LSE=store_lse, HAS_SINKS=True), cfg.num_warps, cfg.num_stages)
+    compile_for(paged_mod._paged_attention_kernel, 90,
+                {"ptr": "*bf16", "sinks_ptr": "*fp32", "query_starts_ptr": "*i32", "seq_lens_ptr": "*i32",
+                 "block_tables_ptr": "*i32", "scale": "fp32"},
+                dict(GROUP=8, PAGE_SIZE=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=64,
+                     DOT_PRECISION=DOT_PRECISION, HAS_SINKS=True), cfg.num_warps, cfg.num_stages)
+    compile_for(swiglu_mod._clamped_swiglu_kernel, 90, {"ptr": "*bf16", "alpha": "fp32", "limit": "fp32"},
+                dict(BLOCK_ROWS=1, BLOCK_N=1024))
+    block_rows, block_n, warps = rms_mod._launch_params(torch.device("cuda"), 2880)
+    compile_for(rms_mod._rms_norm_kernel, 90, {"ptr": "*bf16", "w_ptr": "*fp32", "eps": "fp32"},
+                dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n, SCALE_IN_FP32=True), warps)
+    compile_for(gelu_mod._gelu_tanh_mul_kernel, 90, {"ptr": "*bf16"}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
+    compile_for(gelu_mod._gelu_tanh_mul_backward_kernel, 90, {"ptr": "*bf16"}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
 
 
 @pytest.mark.heavy

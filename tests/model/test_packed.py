@@ -139,11 +139,11 @@ def test_negative_control_m_dependent_matmul_is_caught(family_checkpoint, monkey
     assert unequal(packed_logits(model, samples, **collate(samples, False)), alone(model, samples)) != []
 
 
-def width_dependent_attend(query, key, value, kv_start, kv_end, q_start, scale, window=0):
+def width_dependent_attend(query, key, value, kv_start, kv_end, q_start, scale, window=0, sinks=None):
     """Negative control: a KV block picked by the batch's key width (16 when wider than 32 keys)."""
     block_n = 16 if key.shape[2] > 32 else 64
     return attention(query, key, value, kv_start, kv_end, q_start, scale, config=AttentionConfig(32, block_n),
-                     window=window)
+                     window=window, sinks=sinks)
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)

@@ -56,8 +56,8 @@ def test_negative_control_a_trainer_window_one_key_longer(checkpoint, monkeypatc
     sequences, prompt_lengths, engine_logps = zip(*rollouts(model))
     attend = attention_module.attend
 
-    def wider(query, key, value, kv_start, kv_end, q_start, scale, window=0):
-        return attend(query, key, value, kv_start, kv_end, q_start, scale, window + 1 if window else 0)
+    def wider(query, key, value, kv_start, kv_end, q_start, scale, window=0, sinks=None):
+        return attend(query, key, value, kv_start, kv_end, q_start, scale, window + 1 if window else 0, sinks)
     monkeypatch.setattr(attention_module, "attend", wider)
     with torch.enable_grad():
         got = trainer_logprobs(model.train(), list(sequences), prompt_lengths, 4, "left", T)

@@ -19,15 +19,21 @@ from ...errors import UnsupportedModelError
 
 @dataclass(frozen=True)
 class MoeLayout:
-    """The sparse MoE block of a family: ``block.gate`` (router) and ``block.experts``."""
+    """The sparse MoE block of a family: the router (``block.gate``, or ``block.<router_attribute>``)
+    and ``block.experts``."""
     block: type
-    router: type                          # .weight [E, hidden], .top_k
-    experts: type                         # @use_experts_implementation: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+    router: type                          # .weight [E, hidden], .top_k, optionally .bias [E]
+    # @use_experts_implementation. "silu": gate_up_proj [E, 2I, H] ([gate; up]), down_proj [E, H, I],
+    # no biases. "clamped_swiglu" (gpt-oss): gate_up_proj [E, H, 2I] with gate and up interleaved,
+    # down_proj [E, I, H], biases, and (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    experts: type
     normalize: Callable[[nn.Module], bool]  # whether the router renormalises its top-k weights to sum 1
     weights_in_logits_dtype: bool         # routing weights cast to the router logits' dtype (else kept in fp32)
     # A dense shared expert (the family's ``mlp`` class) added to every token's output, scaled by
     # sigmoid(shared_expert_gate(x)) (Qwen2-MoE).
     shared_expert: bool = False
+    router_attribute: str = "gate"
+    activation: str = "silu"
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,10 @@ class FamilyAdapter:
     # The MLP's activation: "silu" (config.hidden_act) or "gelu_tanh" (Gemma's hidden_activation
     # "gelu_pytorch_tanh").
     mlp_activation: str = "silu"
+    norms_scaled_in_fp32: bool = False    # every RMSNorm computes fp32 x * weight, rounded once (gpt-oss)
+    # The rotary embedding gives cos/sin for half the head dim, which the family's apply pairs with
+    # the two halves of each head (gpt-oss); otherwise for the whole head dim (the halves repeated).
+    rope_half_tables: bool = False
 
     def is_sparse(self, layer: nn.Module) -> bool:
         return self.moe is not None and type(layer.mlp) is self.moe.block
@@ -102,7 +112,7 @@ def family_of(config) -> FamilyAdapter:
 
 
 # Each family module registers itself.
-from . import (gemma3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5,  # noqa: E402,F401
+from . import (gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5,  # noqa: E402,F401
                qwen3_5_moe, qwen3_moe, qwen3_next)
 
 __all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "family_of", "register_family"]

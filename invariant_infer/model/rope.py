@@ -1,0 +1,53 @@
+"""The rotary embedding as a table lookup: cos/sin for every position, computed once per model
+with transformers' own formula, so that a position's values never depend on where it sits in a
+batch (elementwise kernels on CPU differ between vectorized bodies and scalar tails)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import NonInvariantInputError
+from .module_state import module_state, state_of
+
+
+def rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
+    """The patched forward of a model's rotary embedding: (cos, sin) of ``position_ids`` in x's dtype."""
+    state = state_of(self)
+    tables = state.rope_tables if layer_type is None else state.rope_tables_by_type[layer_type]
+    cos_table, sin_table = tables
+    if cos_table.device != x.device:
+        cos_table, sin_table = cos_table.to(x.device), sin_table.to(x.device)
+        if layer_type is None:
+            state.rope_tables = (cos_table, sin_table)
+        else:
+            state.rope_tables_by_type[layer_type] = (cos_table, sin_table)
+    if position_ids.dim() == 3:  # multimodal RoPE sections (Qwen3.5): text positions repeat one section
+        if not torch.compiler.is_compiling() and not bool((position_ids == position_ids[:1]).all()):
+            raise NonInvariantInputError("multimodal rotary positions (images, videos) are not supported yet; "
+                                         "pass text only")
+        position_ids = position_ids[0]
+    idx = position_ids.clamp(0, cos_table.shape[0] - 1)  # range is checked eagerly in the pre-hook
+    return cos_table[idx].to(x.dtype), sin_table[idx].to(x.dtype)
+
+
+def set_rope_tables(rotary: nn.Module, max_positions: int, half: bool = False) -> None:
+    """Compute the tables of ``rotary`` (one set per layer type where it keeps several, as Gemma 3's)
+    into its module state. ``half``: cos/sin of the frequencies themselves, for a family whose apply
+    pairs them with the two halves of each head (gpt-oss); otherwise repeated over both halves."""
+    state = module_state(rotary)
+    if getattr(rotary, "layer_types", None):
+        state.rope_tables_by_type = {t: rope_tables(rotary, max_positions, t, half) for t in rotary.layer_types}
+        state.rope_tables = next(iter(state.rope_tables_by_type.values()))
+    else:
+        state.rope_tables = rope_tables(rotary, max_positions, half=half)
+
+
+def rope_tables(rotary: nn.Module, max_positions: int, layer_type: str | None = None, half: bool = False):
+    """(cos, sin) fp32 [max_positions, D or D / 2], scaled by the embedding's attention scaling (yarn's)."""
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    inv_freq = getattr(rotary, f"{prefix}inv_freq").float()
+    positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = freqs if half else torch.cat((freqs, freqs), dim=-1)
+    scaling = getattr(rotary, f"{prefix}attention_scaling", 1.0)
+    return emb.cos() * scaling, emb.sin() * scaling
