@@ -1,7 +1,9 @@
 """RMSNorm (vs the family's own HF RMSNorm class, e.g. Qwen2RMSNorm) and attention (vs torch SDPA,
 called as HF's "sdpa" calls it), at a model preset's widths (default Qwen2.5-1.5B). Attention rows
 with a sliding window (``window`` > 0: each query sees its last ``window`` keys) give SDPA the
-windowed mask transformers builds for such layers."""
+windowed mask transformers builds for such layers. Rows with attention sinks (``sinks``: gpt-oss's
+one logit per head, with its 128-key window or none) compare with transformers' eager sink
+attention, as gpt-oss runs stock (SDPA has no sink term)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +26,9 @@ QUICK_DECODE_GRID = [(2, 64), (2, 128)]
 # (batch, tokens, window): prefill of 8k with a 1k or 4k window; decode past the window.
 WINDOW_PREFILL, QUICK_WINDOW_PREFILL = [(1, 8192, 1024), (1, 8192, 4096)], [(1, 48, 16)]
 WINDOW_DECODE, QUICK_WINDOW_DECODE = [(b, 8192, w) for b in (1, 16) for w in (1024, 4096)], [(2, 128, 40)]
+# (batch, q tokens, kv tokens, window) with sinks: prefill 4k and decode past 8k, gpt-oss's window or none.
+SINK_CASES = [(1, 4096, 4096, 128), (1, 4096, 4096, 0), (16, 1, 8192, 128), (16, 1, 8192, 0)]
+QUICK_SINK_CASES = [(1, 48, 48, 16), (2, 1, 128, 0)]
 
 
 @dataclass(frozen=True)
@@ -109,8 +114,23 @@ def _rmsnorm(ctx: Run, dtype, w: Widths) -> list:
     return rows
 
 
+def stock_sink_attention(q, k, v, mask, sinks):
+    """transformers' eager attention with sinks (gpt-oss): scores, the sink column, softmax, drop it."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    lq, lk = q.shape[2], k.shape[2]
+    if mask is None:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)[None, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, lq, 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(combined - combined.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 def _attention_case(ctx: Run, gen, dtype, heads: tuple, batch: int, lq: int, lk: int, pads: list,
-                    window: int = 0) -> dict:
+                    window: int = 0, with_sinks: bool = False) -> dict:
     hq, hkv, d = heads
     q = torch.randn(batch, hq, lq, d, generator=gen, device=ctx.device, dtype=dtype)
     k = torch.randn(batch, hkv, lk, d, generator=gen, device=ctx.device, dtype=dtype)
@@ -120,8 +140,10 @@ def _attention_case(ctx: Run, gen, dtype, heads: tuple, batch: int, lq: int, lk:
     q_start = torch.full((batch,), lk - lq, **i32)  # query i sits at key position lk - lq + i
     scale = d ** -0.5
     mask = padding_mask(pads, lq, lk, ctx.device, window)
-    stock_fn = lambda: stock_attention(q, k, v, mask)  # noqa: E731
-    inv_fn = lambda: attention(q, k, v, kv_start, kv_end, q_start, scale, window=window)  # noqa: E731
+    sinks = torch.randn(hq, generator=gen, device=ctx.device, dtype=dtype) if with_sinks else None
+    stock_fn = (lambda: stock_sink_attention(q, k, v, mask, sinks)) if with_sinks else \
+        (lambda: stock_attention(q, k, v, mask))
+    inv_fn = lambda: attention(q, k, v, kv_start, kv_end, q_start, scale, window=window, sinks=sinks)  # noqa: E731
     y_stock, y_inv = stock_fn().transpose(1, 2), inv_fn()
     stock_ms = time_ms(stock_fn, ctx.device, flush_l2=True)
     inv_ms = time_ms(inv_fn, ctx.device, reps=3 if ctx.on_gpu else 1, warmup=0, flush_l2=True)
@@ -129,6 +151,7 @@ def _attention_case(ctx: Run, gen, dtype, heads: tuple, batch: int, lq: int, lk:
     diff = max((max_abs_diff(y_inv[i, r], y_stock[i, r]) for i, r in enumerate(real) if r.start < r.stop), default=0.0)
     return {"batch": batch, "q_len": lq, "kv_len": lk, "heads": hq, "kv_heads": hkv, "head_dim": d,
             "padded_rows": sum(1 for p in pads if p), "pad_tokens": int(sum(pads)), "window": window,
+            "sinks": with_sinks,
             "stock_ms": stock_ms, "invariant_ms": inv_ms, "ratio": inv_ms / stock_ms, "max_abs_diff": diff}
 
 
@@ -166,4 +189,12 @@ def run(ctx: Run, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY, preset: st
                 out[key].append(_attention_case(ctx, gen, dtype, heads, batch, lq, lk, [0] * batch, window))
             except Exception as exc:
                 ctx.failed(f"{key} {batch}x{lk} window {window}", exc)
+        for batch, lq, lk, window in tqdm(QUICK_SINK_CASES if ctx.quick else SINK_CASES, desc="sink attn", leave=False):
+            key = "attention" if lq > 1 else "decode_attention"
+            if ctx.out_of_time(f"{key} {batch}x{lk} sinks window {window}"):
+                continue
+            try:
+                out[key].append(_attention_case(ctx, gen, dtype, heads, batch, lq, lk, [0] * batch, window, True))
+            except Exception as exc:
+                ctx.failed(f"{key} {batch}x{lk} sinks window {window}", exc)
     return out

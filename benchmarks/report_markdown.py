@@ -90,11 +90,12 @@ def markdown(results: dict) -> str:
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),
         ("stock GB/s", "stock_gbps"), ("invariant GB/s", "invariant_gbps"), ("bitwise = stock", "bitwise_equal_to_stock")]))
     attn_cols = [("batch", "batch"), ("q len", "q_len"), ("kv len", "kv_len"), ("heads q/kv/d", "_heads"),
-                 ("padded rows", "padded_rows"), ("window", "window"), ("stock ms", "stock_ms"),
+                 ("padded rows", "padded_rows"), ("window", "window"), ("sinks", "sinks"), ("stock ms", "stock_ms"),
                  ("invariant ms", "invariant_ms"),
                  ("ratio", "ratio"), ("max abs Δ", "max_abs_diff")]
     out.append("\n## Prefill attention (causal, GQA, left padding; window: a sliding window of that many keys, "
-               "SDPA given the windowed mask): torch SDPA vs `invariant_infer.kernels.attention`\n")
+               "SDPA given the windowed mask; sinks: gpt-oss's attention sinks, stock is transformers' eager sink "
+               "attention): torch SDPA vs `invariant_infer.kernels.attention`\n")
     out.append(table(results.get("attention"), attn_cols))
     out.append("\n## Decode attention (Lq = 1)\n")
     out.append(table(results.get("decode_attention"), attn_cols))

@@ -79,12 +79,16 @@ def test_matmul_rows(results):
 def test_norm_attention_rows(results):
     assert [r["M"] for r in results["rmsnorm"]] == list(norm_attention.QUICK_NORM_MS)
     assert all(r["N"] == 1536 and r["stock_class"] == "Qwen2RMSNorm" for r in results["rmsnorm"])
-    windowless = {key: [r for r in results[key] if not r["window"]] for key in ("attention", "decode_attention")}
-    assert [(r["batch"], r["q_len"]) for r in windowless["attention"]] == norm_attention.QUICK_PREFILL_GRID
-    assert [(r["batch"], r["kv_len"]) for r in windowless["decode_attention"]] == norm_attention.QUICK_DECODE_GRID
+    plain = {key: [r for r in results[key] if not r["window"] and not r["sinks"]]
+             for key in ("attention", "decode_attention")}
+    assert [(r["batch"], r["q_len"]) for r in plain["attention"]] == norm_attention.QUICK_PREFILL_GRID
+    assert [(r["batch"], r["kv_len"]) for r in plain["decode_attention"]] == norm_attention.QUICK_DECODE_GRID
     windowed = [(r["batch"], r["kv_len"], r["window"]) for key in ("attention", "decode_attention")
-                for r in results[key] if r["window"]]
+                for r in results[key] if r["window"] and not r["sinks"]]
     assert windowed == norm_attention.QUICK_WINDOW_PREFILL + norm_attention.QUICK_WINDOW_DECODE
+    with_sinks = [(r["batch"], r["q_len"], r["kv_len"], r["window"]) for key in ("attention", "decode_attention")
+                  for r in results[key] if r["sinks"]]
+    assert with_sinks == norm_attention.QUICK_SINK_CASES
     for row in results["attention"] + results["decode_attention"]:
         assert (row["heads"], row["kv_heads"], row["head_dim"]) == (4, 2, 64) and row["max_abs_diff"] < 0.05
 
