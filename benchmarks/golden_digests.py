@@ -84,6 +84,20 @@ CONFIGS = {
                        decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False,
                        attention_bias=False,
                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+    # A sliding layer (a window of 4 keys, shorter than the samples) and a global one, as released.
+    "gemma3_text": dict(_COMMON, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                        sliding_window=4, head_dim=32, query_pre_attn_scalar=32, rms_norm_eps=1e-6,
+                        tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                        attn_logit_softcapping=None, final_logit_softcapping=None,
+                        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                         "full_attention": dict(rope_type="default", rope_theta=1000000.0)}),
+    # Sinks in both layers, one sliding (4 keys) and one full; yarn RoPE; experts with biases.
+    "gpt_oss": dict(_COMMON, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                    sliding_window=4, head_dim=32, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True, swiglu_alpha=1.702,
+                    swiglu_limit=7.0, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                                           beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                           original_max_position_embeddings=32)),
 }
 SAMPLE_LENGTHS = (6, 1, 11, 3)
 # name -> (members in batch order, padding side, extra padding, inputs_embeds)
