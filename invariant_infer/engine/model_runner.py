@@ -20,7 +20,8 @@ what capture needs besides).
 
 ``kernels="invariant"`` (the model is wrapped by ``make_invariant``) runs the paged Triton
 attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kernels="stock"``
-(an unwrapped model) runs stock linear layers and torch SDPA per sequence, for benchmarks.
+(an unwrapped model) runs stock linear layers and torch SDPA per sequence, for benchmarks (both in
+``engine/paged_batch.py``).
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ Every supported family has the Llama layout: ``model.layers[i].self_attn`` with 
 projections, ``model.layers[i].mlp`` with gate/up/down projections and a silu activation,
 RMSNorms, and one rotary embedding on the base model. In a mixture-of-experts family
 (``FamilyAdapter.moe``) ``mlp`` is a sparse block instead (a router, ``gate`` or gpt-oss's
-``router``, and fused 3-D ``experts``) in every layer or in some (the others keep the dense MLP). An adapter names the
-family's classes and any family-specific refusal; adding a family is one file here plus its tests.
+``router``, and fused 3-D ``experts``) in every layer or in some (the others keep the dense MLP).
+An adapter names the family's classes and any family-specific refusal; adding a family is one file
+here plus its tests.
 """
 from __future__ import annotations
 
