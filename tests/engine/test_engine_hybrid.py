@@ -134,8 +134,9 @@ def prefix_run(model, budget: int):
 
 
 @pytest.mark.fast_cells(ids=["qwen3_5_text-7"])
-@pytest.mark.parametrize("family, budget", [("qwen3_5_text", 7), ("qwen3_5_text", 2048), ("qwen3_next", 7)],
-                         ids=lambda v: str(v))
+# The saved states are the Gated DeltaNet layers' own, the same in every hybrid family (the engine's
+# schedule test runs Qwen3-Next's): the dense family suffices (CI time).
+@pytest.mark.parametrize("family, budget", [("qwen3_5_text", 7), ("qwen3_5_text", 2048)], ids=lambda v: str(v))
 def test_a_prefix_hit_restores_the_state_a_miss_computes(hybrid_models, family, budget):
     engine, cached, uncached = prefix_run(hybrid_models(family), budget)
     assert engine.blocks.prefix_states.restored >= 3 and engine.blocks.prefix_hits >= 3 * 128

@@ -91,11 +91,11 @@ def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
 def test_engine_requests_equal_alone_with_prefix_hits(checkpoint):
     model = make_invariant(load_model(checkpoint, torch.bfloat16))
     shared = make_samples(model.config.vocab_size, (130,), seed=3)[0].tolist()
-    prompts = [shared + [7, 8], [5, 6, 7], shared + [9], list(range(40, 110))]
-    params = SamplingParams(max_tokens=5, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    prompts = [shared + [7, 8], [5, 6, 7], shared + [9]]
+    params = SamplingParams(max_tokens=4, logprobs=1, prompt_logprobs=1, ignore_eos=True)
     alone = [Engine(model).generate([prompt], params)[0] for prompt in prompts]
     engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=13)
-    mixed = engine.generate(prompts, [SamplingParams(max_tokens=5, logprobs=1, ignore_eos=True)] * 4)
+    mixed = engine.generate(prompts, [SamplingParams(max_tokens=4, logprobs=1, ignore_eos=True)] * 3)
     assert engine.blocks.prefix_hits > 0
     assert [(o.token_ids, o.logprobs) for o in mixed] == [(o.token_ids, o.logprobs) for o in alone]
 

@@ -36,8 +36,11 @@ HYBRID_DTYPE_CELLS = [pytest.param(f, d, id=f"{f}-{str(d).removeprefix('torch.')
 
 
 # The negative controls break the Gated DeltaNet path, which every hybrid family shares: one family
-# catches them (CI time).
+# catches them (CI time). Packing, the cache, accuracy and scores run the dense family and Qwen3-Next
+# (fused projections, sparse blocks); Qwen3.5-MoE's layers are the one's attention and linear
+# attention with the other's kind of sparse block.
 NEGATIVE_CONTROL_FAMILIES = ["qwen3_5_text"]
+LAYOUT_FAMILIES = ["qwen3_5_text", "qwen3_next"]
 
 
 def samples_for(model, lengths=(9, 1, 70, 5)):
@@ -53,7 +56,7 @@ def test_rows_alone_equal_rows_in_any_batch(family_checkpoints, family, dtype):
 
 
 @pytest.mark.fast_cells(ids=["qwen3_5_text"])
-@pytest.mark.parametrize("family", HYBRID_FAMILY_NAMES)
+@pytest.mark.parametrize("family", LAYOUT_FAMILIES)
 def test_packed_rows_equal_alone(family_checkpoints, family):
     model = make_invariant(load_model(family_checkpoints(family), torch.float32))
     samples = samples_for(model, (5, 1, 70, 3))
@@ -107,7 +110,7 @@ def test_generate_decode_equals_prefill_and_a_batch_equals_each_prompt_alone(fam
 
 
 @pytest.mark.fast_cells(ids=["qwen3_5_text"])
-@pytest.mark.parametrize("family", HYBRID_FAMILY_NAMES)
+@pytest.mark.parametrize("family", LAYOUT_FAMILIES)
 def test_a_prefill_cut_anywhere_through_the_cache_equals_one_forward(family_checkpoints, family):
     """The prompt fed through the cache in pieces (before, at and after the chunk boundary), as a
     chunked prefill does: every token's logits equal one forward over the whole prompt."""
@@ -124,7 +127,7 @@ def test_a_prefill_cut_anywhere_through_the_cache_equals_one_forward(family_chec
 
 
 @pytest.mark.fast_cells(ids=["qwen3_5_text"])
-@pytest.mark.parametrize("family", HYBRID_FAMILY_NAMES)
+@pytest.mark.parametrize("family", LAYOUT_FAMILIES)
 def test_accuracy_against_stock_in_float64(family_checkpoints, family):
     """fp32 invariant logits within 1e-4 of transformers' own forward in float64 (its torch fallbacks)."""
     stock = load_model(family_checkpoints(family), torch.float64)
@@ -201,7 +204,7 @@ def test_a_qwen3_5_checkpoint_loads_as_its_text_model(tmp_path):
 
 
 @pytest.mark.fast_cells(ids=["qwen3_5_text"])
-@pytest.mark.parametrize("family", HYBRID_FAMILY_NAMES)
+@pytest.mark.parametrize("family", LAYOUT_FAMILIES)
 def test_scores_are_each_sequence_alone(family_checkpoints, family):
     model = make_invariant(load_model(family_checkpoints(family), torch.bfloat16))
     sequences = [s.tolist() for s in samples_for(model, (70, 5, 20))]
