@@ -9,17 +9,9 @@ import torch
 
 from helpers.models import DTYPES
 from invariant_infer.kernels import attention, attention_autograd, attention_config, paged_attention
+from test_attention_window import HKV, HQ, WINDOW, D, paged_caches, qkv
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-6}
-HQ, HKV, D = 4, 2, 32
-WINDOW = 24
-
-
-def _qkv(lengths, total, dtype, seed=0, left=True):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(len(lengths), h, total, D, generator=g).to(dtype) for h in (HQ, HKV, HKV))
-    starts = torch.tensor([total - n if left else 0 for n in lengths], dtype=torch.int32)
-    return q, k, v, starts, starts + torch.tensor(lengths, dtype=torch.int32)
 
 
 def _sinks(dtype, seed=9):
@@ -52,7 +44,7 @@ def _reference(q, k, v, starts, ends, sinks, window=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [0, WINDOW])
 def test_sinks_accuracy_and_leaving_them_out_is_caught(dtype, window):
-    q, k, v, starts, ends = _qkv([150, 9, 70], 150, dtype)
+    q, k, v, starts, ends = qkv([150, 9, 70], 150, dtype)
     sinks = _sinks(dtype)
     out = _run(q, k, v, starts, ends, sinks, window)
     real = torch.arange(150)[None, :] >= starts[:, None]
@@ -67,11 +59,11 @@ def test_sinks_accuracy_and_leaving_them_out_is_caught(dtype, window):
 def test_sinks_row_alone_equals_row_in_any_padded_batch(dtype):
     n = 140
     sinks = _sinks(torch.float32)  # a float32 parameter with a bf16/fp16 model is accepted as is
-    q, k, v, s0, e0 = _qkv([n], n, dtype, seed=1)
+    q, k, v, s0, e0 = qkv([n], n, dtype, seed=1)
     for window in (0, WINDOW):
         alone = _run(q, k, v, s0, e0, sinks, window)[0]
         for total, others, left in [(n + 13, [3, n + 13], True), (n + 64, [1], True), (n + 29, [n + 29, 2], False)]:
-            qb, kb, vb, sb, eb = _qkv(others + [n], total, dtype, seed=2, left=left)
+            qb, kb, vb, sb, eb = qkv(others + [n], total, dtype, seed=2, left=left)
             sl = slice(total - n, total) if left else slice(0, n)
             qb[-1, :, sl], kb[-1, :, sl], vb[-1, :, sl] = q[0], k[0], v[0]
             assert torch.equal(_run(qb, kb, vb, sb, eb, sinks, window)[-1, sl], alone), (total, left, window)
@@ -80,9 +72,9 @@ def test_sinks_row_alone_equals_row_in_any_padded_batch(dtype):
 def test_negative_control_blocks_anchored_at_the_padded_index_0():
     n, pads = 140, 29
     sinks = _sinks(torch.bfloat16)
-    q, k, v, s0, e0 = _qkv([n], n, torch.bfloat16, seed=1)
+    q, k, v, s0, e0 = qkv([n], n, torch.bfloat16, seed=1)
     alone = _run(q, k, v, s0, e0, sinks)[0]
-    qb, kb, vb, sb, eb = _qkv([n], n + pads, torch.bfloat16, seed=2)
+    qb, kb, vb, sb, eb = qkv([n], n + pads, torch.bfloat16, seed=2)
     qb[0, :, pads:], kb[0, :, pads:], vb[0, :, pads:] = q[0], k[0], v[0]
     kb[0, :, :pads] = -1e4  # pads no query may weigh
     assert torch.equal(_run(qb, kb, vb, sb, eb, sinks)[0, pads:], alone)
@@ -94,7 +86,7 @@ def test_sinks_decode_equals_prefill(dtype):
     """Decode steps (one query over the keys so far) and a chunk of 5 queries give the prefill's bits."""
     pads, n = 13, 150
     sinks = _sinks(dtype)
-    q, k, v, starts, ends = _qkv([n], pads + n, dtype, seed=3)
+    q, k, v, starts, ends = qkv([n], pads + n, dtype, seed=3)
     prefill = _run(q, k, v, starts, ends, sinks)[0]
     for step in (pads, pads + 70, pads + n - 1):
         out = _run(q[:, :, step:step + 1], k[:, :, :step + 1], v[:, :, :step + 1], starts,
@@ -111,22 +103,11 @@ def test_paged_sinks_equal_padded_sinks(dtype):
     page = attention_config("cpu", dtype, D).block_n
     lengths = (150, 40)
     sinks = _sinks(dtype)
-    q, k, v, starts, ends = _qkv([150], 150, dtype, seed=4)
-    q2, k2, v2, s2, e2 = _qkv([40], 40, dtype, seed=5)
+    q, k, v, starts, ends = qkv([150], 150, dtype, seed=4)
+    q2, k2, v2, s2, e2 = qkv([40], 40, dtype, seed=5)
     for window in (0, WINDOW):
         padded = [_run(q, k, v, starts, ends, sinks, window)[0], _run(q2, k2, v2, s2, e2, sinks, window)[0]]
-        pages = [-(-n // page) for n in lengths]
-        k_cache = torch.zeros(sum(pages), page, HKV, D, dtype=dtype)
-        v_cache = torch.zeros_like(k_cache)
-        tables = torch.zeros(2, max(pages), dtype=torch.int32)
-        first = 0
-        for s, (kk, vv, n) in enumerate(((k, v, 150), (k2, v2, 40))):
-            for j in range(pages[s]):
-                tables[s, j] = first + j
-                rows = slice(j * page, min((j + 1) * page, n))
-                k_cache[first + j, :rows.stop - rows.start] = kk[0, :, rows].transpose(0, 1)
-                v_cache[first + j, :rows.stop - rows.start] = vv[0, :, rows].transpose(0, 1)
-            first += pages[s]
+        k_cache, v_cache, tables = paged_caches([(k, v), (k2, v2)], page)
         queries = torch.cat([q[0, :, 120:150].transpose(0, 1), q2[0, :, 39:40].transpose(0, 1)])
         out = paged_attention(queries, k_cache, v_cache, torch.tensor([0, 30, 31], dtype=torch.int32),
                               torch.tensor(lengths, dtype=torch.int32), tables, D ** -0.5, max_query_len=30,
@@ -135,7 +116,7 @@ def test_paged_sinks_equal_padded_sinks(dtype):
 
 
 def test_autograd_sinks_forward_bits_and_gradients_against_float64():
-    q, k, v, starts, ends = _qkv([100, 37], 100, torch.float32, seed=6)
+    q, k, v, starts, ends = qkv([100, 37], 100, torch.float32, seed=6)
     sinks = _sinks(torch.float32)
     q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sinks))
     q_start = torch.zeros_like(starts)

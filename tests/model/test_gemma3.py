@@ -17,10 +17,10 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from helpers.models import load_model, make_samples
 from invariant_infer import UnsupportedModelError, make_invariant
-from invariant_infer.engine import Engine, SamplingParams
-from invariant_infer.model.padding import left_pad
 from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
-from test_sliding_window import assert_rows_equal_alone_in_any_batch_and_packed
+from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
+                                 assert_generate_past_the_window_equals_prefill_and_alone,
+                                 assert_rows_equal_alone_in_any_batch_and_packed)
 
 FAMILY = "gemma3_text"
 LENGTHS = (9, 1, 40, 5)  # past the 24-key window
@@ -72,32 +72,14 @@ def test_accuracy_against_float64_and_what_its_tolerance_catches(checkpoint):
 @pytest.mark.heavy  # the fast tier decodes past a window (dynamic cache) in tests/model/test_sliding_window.py
 @pytest.mark.parametrize("cache", ["static"])
 def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
-    model = make_invariant(load_model(checkpoint, torch.bfloat16))
-    prompts = [s.tolist() for s in make_samples(model.config.vocab_size, (70, 5, 30))]
-    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
-                   return_dict_in_generate=True, cache_implementation=cache)
-    ids, mask = left_pad(prompts)
-    batch = model.generate(input_ids=ids, attention_mask=mask, **options)
-    for row, prompt in enumerate(prompts):
-        alone = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                               dtype=torch.long), **options)
-        assert all(torch.equal(batch.scores[t][row], alone.scores[t][0]) for t in range(8))
-        with torch.no_grad():
-            full = model(alone.sequences[:, :-1]).logits[0, len(prompt) - 1:]
-        assert all(torch.equal(alone.scores[t][0], full[t].float()) for t in range(8))
+    assert_generate_past_the_window_equals_prefill_and_alone(make_invariant(load_model(checkpoint, torch.bfloat16)),
+                                                             cache, new_tokens=8)
 
 
 @pytest.mark.heavy
 def test_engine_requests_equal_alone_with_prefix_hits(checkpoint):
-    model = make_invariant(load_model(checkpoint, torch.bfloat16))
-    shared = make_samples(model.config.vocab_size, (130,), seed=3)[0].tolist()
-    prompts = [shared + [7, 8], [5, 6, 7], shared + [9]]
-    params = SamplingParams(max_tokens=4, logprobs=1, prompt_logprobs=1, ignore_eos=True)
-    alone = [Engine(model).generate([prompt], params)[0] for prompt in prompts]
-    engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=13)
-    mixed = engine.generate(prompts, [SamplingParams(max_tokens=4, logprobs=1, ignore_eos=True)] * 3)
-    assert engine.blocks.prefix_hits > 0
-    assert [(o.token_ids, o.logprobs) for o in mixed] == [(o.token_ids, o.logprobs) for o in alone]
+    assert_engine_requests_equal_alone_with_prefix_hits(make_invariant(load_model(checkpoint, torch.bfloat16)),
+                                                        new_tokens=4, alone_prompt_logprobs=True)
 
 
 @pytest.mark.parametrize("field, value, match", [("final_logit_softcapping", 30.0, "softcapping"),

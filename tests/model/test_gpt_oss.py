@@ -22,9 +22,10 @@ from invariant_infer import UnsupportedModelError, make_invariant
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.model import experts as experts_module
 from invariant_infer.model.checks import check_model
-from invariant_infer.model.padding import left_pad
 from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
-from test_sliding_window import assert_rows_equal_alone_in_any_batch_and_packed
+from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
+                                 assert_generate_past_the_window_equals_prefill_and_alone,
+                                 assert_rows_equal_alone_in_any_batch_and_packed)
 
 FAMILY = "gpt_oss"
 LENGTHS = (9, 1, 40, 5)  # past the 24-key window
@@ -88,32 +89,14 @@ def test_accuracy_against_float64_and_what_its_tolerance_catches(checkpoint):
 @pytest.mark.heavy
 @pytest.mark.parametrize("cache", ["dynamic"])
 def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
-    model = make_invariant(load_model(checkpoint, torch.bfloat16))
-    prompts = [s.tolist() for s in make_samples(model.config.vocab_size, (70, 5, 30))]
-    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
-                   return_dict_in_generate=True, cache_implementation=cache)
-    ids, mask = left_pad(prompts)
-    batch = model.generate(input_ids=ids, attention_mask=mask, **options)
-    for row, prompt in enumerate(prompts):
-        alone = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                               dtype=torch.long), **options)
-        assert all(torch.equal(batch.scores[t][row], alone.scores[t][0]) for t in range(8))
-        with torch.no_grad():  # each step's logits: one forward over its whole prefix
-            full = model(alone.sequences[:, :-1]).logits[0, len(prompt) - 1:]
-        assert all(torch.equal(alone.scores[t][0], full[t].float()) for t in range(8))
+    assert_generate_past_the_window_equals_prefill_and_alone(make_invariant(load_model(checkpoint, torch.bfloat16)),
+                                                             cache, new_tokens=8)
 
 
 @pytest.mark.heavy  # the fast tier serves gpt-oss (tests/server/test_server_state_and_sinks.py)
 def test_engine_requests_equal_alone_with_prefix_hits(checkpoint):
-    model = make_invariant(load_model(checkpoint, torch.bfloat16))
-    shared = make_samples(model.config.vocab_size, (130,), seed=3)[0].tolist()
-    prompts = [shared + [7, 8], [5, 6, 7], shared + [9]]
-    params = SamplingParams(max_tokens=4, logprobs=1, ignore_eos=True)
-    alone = [Engine(model).generate([prompt], params)[0] for prompt in prompts]
-    engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=13)
-    mixed = engine.generate(prompts, params)
-    assert engine.blocks.prefix_hits > 0 and all(len(o.token_ids) == 4 for o in mixed)
-    assert [(o.token_ids, o.logprobs) for o in mixed] == [(o.token_ids, o.logprobs) for o in alone]
+    assert_engine_requests_equal_alone_with_prefix_hits(make_invariant(load_model(checkpoint, torch.bfloat16)),
+                                                        new_tokens=4)
 
 
 def test_mxfp4_experts_and_tensor_parallelism_are_refused_by_name():

@@ -80,32 +80,49 @@ def test_accuracy_against_float64_and_a_window_off_by_one_misses_it(checkpoints,
 @pytest.mark.fast_cells(ids=["dynamic"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_past_the_window_equals_prefill_and_alone(checkpoints, cache):
-    model = make_invariant(load_model(checkpoints("mistral"), torch.bfloat16))
+    assert_generate_past_the_window_equals_prefill_and_alone(
+        make_invariant(load_model(checkpoints("mistral"), torch.bfloat16)), cache, new_tokens=10)
+
+
+def assert_generate_past_the_window_equals_prefill_and_alone(model, cache: str, new_tokens: int) -> None:
+    """Greedy ``generate`` of prompts of 70, 5 and 30 tokens, left-padded together: each row's
+    tokens and scores are those of the prompt alone, and each step's logits one forward's."""
     prompts = [s.tolist() for s in make_samples(model.config.vocab_size, (70, 5, 30))]
-    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, output_scores=True,
+    options = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
                    return_dict_in_generate=True, cache_implementation=cache)
     ids, mask = left_pad(prompts)
     batch = model.generate(input_ids=ids, attention_mask=mask, **options)
     for row, prompt in enumerate(prompts):
         alone = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                                dtype=torch.long), **options)
-        assert torch.equal(batch.sequences[row, -10:], alone.sequences[0, -10:])
-        assert all(torch.equal(batch.scores[t][row], alone.scores[t][0]) for t in range(10))
+        assert torch.equal(batch.sequences[row, -new_tokens:], alone.sequences[0, -new_tokens:])
+        assert all(torch.equal(batch.scores[t][row], alone.scores[t][0]) for t in range(new_tokens))
         with torch.no_grad():  # each step's logits: one forward over its whole prefix
             full = model(alone.sequences[:, :-1]).logits[0, len(prompt) - 1:]
-        assert all(torch.equal(alone.scores[t][0], full[t].float()) for t in range(10))
+        assert all(torch.equal(alone.scores[t][0], full[t].float()) for t in range(new_tokens))
 
 
 @pytest.mark.heavy  # the fast tier checks the paged window in tests/kernels/test_attention_window.py
 def test_engine_requests_equal_alone_with_prefix_hits(checkpoints):
-    model = make_invariant(load_model(checkpoints("mistral"), torch.bfloat16))
-    shared = make_samples(model.config.vocab_size, (130,), seed=3)[0].tolist()  # two pages of 64 on CPU
-    prompts = [shared + [7, 8], [5, 6, 7], shared + [9], list(range(40, 110))]
-    params = SamplingParams(max_tokens=5, logprobs=1, ignore_eos=True)
-    alone = [Engine(model).generate([prompt], params)[0] for prompt in prompts]
+    assert_engine_requests_equal_alone_with_prefix_hits(
+        make_invariant(load_model(checkpoints("mistral"), torch.bfloat16)), new_tokens=5,
+        extra_prompts=[list(range(40, 110))])
+
+
+def assert_engine_requests_equal_alone_with_prefix_hits(model, new_tokens: int, extra_prompts=(),
+                                                         alone_prompt_logprobs: bool = False) -> None:
+    """Two prompts sharing a 130-token prefix (two pages of 64 on CPU) and a short one, in an engine
+    of 2 sequences and 13 tokens a step: prefix hits, and each request's outputs those alone
+    (``alone_prompt_logprobs``: alone with prompt logprobs, which compute the whole prompt)."""
+    shared = make_samples(model.config.vocab_size, (130,), seed=3)[0].tolist()
+    prompts = [shared + [7, 8], [5, 6, 7], shared + [9], *extra_prompts]
+    params = SamplingParams(max_tokens=new_tokens, logprobs=1, ignore_eos=True)
+    alone_params = SamplingParams(max_tokens=new_tokens, logprobs=1, ignore_eos=True,
+                                  prompt_logprobs=1 if alone_prompt_logprobs else None)
+    alone = [Engine(model).generate([prompt], alone_params)[0] for prompt in prompts]
     engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=13)
     mixed = engine.generate(prompts, params)
-    assert engine.blocks.prefix_hits > 0
+    assert engine.blocks.prefix_hits > 0 and all(len(o.token_ids) == new_tokens for o in mixed)
     assert [(o.token_ids, o.logprobs) for o in mixed] == [(o.token_ids, o.logprobs) for o in alone]
 
 
