@@ -12,6 +12,7 @@ from .configs import (LINEAR_CONFIGS, AttentionBackwardConfig, AttentionConfig, 
                       attention_config, linear_config)
 from .fused_linear_autograd import SiluMulLinearFunction, silu_mul_linear_autograd
 from .gated_delta_rule import chunk_gated_delta_rule
+from .gelu import GeluFunction, gelu, gelu_autograd
 from .gelu_tanh_mul import GeluTanhMulFunction, gelu_tanh_mul, gelu_tanh_mul_autograd
 from .grouped_linear import grouped_linear, grouped_silu_mul_linear
 from .grouped_quantized_linear import grouped_quantized_linear
@@ -41,7 +42,8 @@ __all__ = [
     "quantized_linear",
     "QuantizedLinearFunction", "quantized_linear_autograd",
     "rms_norm", "rms_norm_gated", "silu_mul", "token_logprobs", "causal_conv1d_silu", "chunk_gated_delta_rule",
-    "sigmoid_mul", "gelu_tanh_mul", "GeluTanhMulFunction", "gelu_tanh_mul_autograd",
+    "sigmoid_mul", "gelu", "GeluFunction", "gelu_autograd",
+    "gelu_tanh_mul", "GeluTanhMulFunction", "gelu_tanh_mul_autograd",
     "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",
     "SiluMulLinearFunction", "silu_mul_linear_autograd", "TokenLogprobsFunction", "token_logprobs_autograd",
 ]

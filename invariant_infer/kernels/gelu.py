@@ -1,0 +1,84 @@
+"""gelu(x) with erf (torch's default ``nn.GELU``; Qwen2.5-VL's patch merger) as a kernel, with its backward.
+
+Elementwise, so invariant in principle; a kernel so every element runs the same code wherever it
+sits in the batch (torch's CPU kernels split vectorized bodies from scalar tails, and the tail
+moves with the batch shape). As torch: 0.5 x (1 + erf(x / sqrt(2))) in fp32, rounded once to the
+dtype. The backward computes each element's gradient from that element alone.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gelu_tanh_mul import _blocks, _rows
+from .launch import launch
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gelu_kernel(x_ptr, y_ptr, stride_x, stride_y, M, N, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Literals: a kernel cannot read a plain global when compiled for a GPU. 1 / sqrt(2).
+    y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gelu_backward_kernel(x_ptr, dy_ptr, dx_ptr, stride_x, stride_dy, stride_dx, M, N,
+                          BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # d/dx: Phi(x) + x phi(x); 1 / sqrt(2 pi) = 0.3989422804014327.
+    slope = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], (dy * slope).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """gelu(x) (erf form), elementwise, in x's dtype."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    m = x2.shape[0]
+    y = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    block_rows, block_n = _blocks(x.device, n)
+    if m:
+        launch(_gelu_kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), x.device,
+               x2, y, x2.stride(0), y.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n)
+    return y.reshape(x.shape)
+
+
+def gelu_backward(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """d x of ``gelu(x)`` for the output gradient ``grad_out``."""
+    n = x.shape[-1]
+    x2, dy2 = _rows(x, n), _rows(grad_out.to(x.dtype), n)
+    m = x2.shape[0]
+    dx = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    block_rows, block_n = _blocks(x.device, n)
+    if m:
+        launch(_gelu_backward_kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), x.device,
+               x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n)
+    return dx.reshape(x.shape)
+
+
+class GeluFunction(torch.autograd.Function):
+    """``gelu`` (bitwise its forward) with the batch-invariant elementwise backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        return gelu_backward(x, grad_out)
+
+
+def gelu_autograd(x: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``gelu``: same forward bits, batch-invariant, deterministic gradients."""
+    return GeluFunction.apply(x)
