@@ -24,8 +24,12 @@ SHARES = {"matmul": 0.23, "norm_attention": 0.12, "e2e": 0.23, "scoring": 0.09, 
 DEFAULT_MODEL_PRESET = f"{DEFAULT_FAMILY}:{DEFAULT_PRESET}"
 
 
+# The sections run text models (vision-language models have their own tests).
+TEXT_FAMILIES = {name: adapter for name, adapter in sorted(FAMILIES.items()) if adapter.vision is None}
+
+
 def _presets() -> str:
-    return "; ".join(f"{family}:{{{','.join(adapter.presets)}}}" for family, adapter in sorted(FAMILIES.items()))
+    return "; ".join(f"{family}:{{{','.join(adapter.presets)}}}" for family, adapter in TEXT_FAMILIES.items())
 
 
 def model_preset(value: str) -> tuple[str, str]:
@@ -34,8 +38,8 @@ def model_preset(value: str) -> tuple[str, str]:
     family, sep, preset = value.partition(":")
     if not sep or not family or not preset:
         raise argparse.ArgumentTypeError(f"expected FAMILY:PRESET (e.g. llama:llama-3.1-8b), got {value!r}")
-    if family not in FAMILIES:
-        raise argparse.ArgumentTypeError(f"unknown family {family!r}; choose from {', '.join(sorted(FAMILIES))}")
+    if family not in TEXT_FAMILIES:
+        raise argparse.ArgumentTypeError(f"unknown family {family!r}; choose from {', '.join(TEXT_FAMILIES)}")
     if preset not in FAMILIES[family].presets:
         raise argparse.ArgumentTypeError(f"unknown {family} preset {preset!r}; choose from "
                                          f"{', '.join(FAMILIES[family].presets)}")

@@ -355,7 +355,8 @@ def replay_command(args, index: int) -> str:
 
 
 # The families the engine runs (not yet the hybrid ones, with Gated DeltaNet layers).
-ENGINE_FAMILIES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is None)
+ENGINE_FAMILIES = sorted(name for name, adapter in FAMILIES.items()
+                         if adapter.linear_attention is None and adapter.vision is None)
 
 
 def parse(argv=None):

@@ -22,6 +22,7 @@ from ..errors import (DeviceError, EngineBusyError, InvalidArgumentError, LoraAd
                       TensorParallelError, raise_if_device_failure)
 from ..model.executor import Executor, executor_for
 from ..model.lora import is_peft_model
+from ..model.checks import refuse_vision_language
 from ..model.patch import is_invariant, make_invariant
 from .block_manager import BlockManager, block_table_rows
 from .hybrid import check_hybrid, is_hybrid
@@ -60,6 +61,7 @@ class EngineCore:
             raise InvalidArgumentError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise InvalidArgumentError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        refuse_vision_language(model.config, "the engine")
         if kernels == "invariant":
             make_invariant(model)
         elif is_invariant(model):

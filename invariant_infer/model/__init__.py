@@ -3,4 +3,5 @@
 Files: ``patch`` (``make_invariant``, ``restore``), ``attention`` and ``experts`` (the entries
 registered in transformers' ``AttentionInterface`` and ``ExpertsInterface``), ``padding`` and
 ``packing`` (positions and sequence bounds from masks and packed batches), ``tensor_parallel``
-(the TP-size-independent arithmetic), ``families/`` (one adapter per model family)."""
+(the TP-size-independent arithmetic), ``vision`` and ``multimodal`` (a vision-language model's
+tower and the positions around its language model), ``families/`` (one adapter per model family)."""

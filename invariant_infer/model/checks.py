@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from . import experts as experts_interface
 from ..errors import UnsupportedModelError
-from .families import family_of
+from .families import family_of, text_config
 from .lora import base_linear, lora_layers
 from .quantization import quantization_method, quantized_layers
 from .quantized_experts import quantized_experts
@@ -22,11 +22,20 @@ STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 def base_model(model: nn.Module) -> nn.Module:
+    """The decoder: ``model.model``, or a vision-language model's ``model.model.language_model``."""
     base = getattr(model, "model", model)
+    base = getattr(base, "language_model", base)
     if not (hasattr(base, "layers") and hasattr(base, "rotary_emb") and hasattr(base, "norm")):
         raise UnsupportedModelError(f"{type(model).__name__} does not have the decoder layout (model.layers, "
                                     "model.norm, model.rotary_emb)")
     return base
+
+
+def refuse_vision_language(config, what: str) -> None:
+    """Vision-language models run in process (``model(...)``, ``generate``); ``what`` does not take them yet."""
+    if getattr(config, "vision_config", None) is not None:
+        raise UnsupportedModelError(f"{config.model_type}: {what} does not take vision-language models yet; they run "
+                                    "in process (model(...) and generate, with images)")
 
 
 def _not_plain_linear(name: str, module) -> UnsupportedModelError:
@@ -43,8 +52,10 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
     problem = (sharded and moe_refusal(adapter)) or adapter.refuse_config(config)
     if problem:
         raise UnsupportedModelError(f"{config.model_type}: {problem}")
-    _check_activation(adapter, config)
-    rope = getattr(config, "rope_parameters", None) or {}
+    _check_activation(adapter, text_config(config))
+    if adapter.vision is not None:
+        _check_vision(adapter, model)
+    rope = getattr(text_config(config), "rope_parameters", None) or {}
     nested = [params for params in rope.values() if isinstance(params, dict)]  # per layer type (Gemma 3)
     for rope_type in [params.get("rope_type", "default") for params in nested or [rope]]:
         if rope_type not in STATIC_ROPE_TYPES:
@@ -110,6 +121,22 @@ def _check_activation(adapter, config) -> None:
     if got not in names:
         raise UnsupportedModelError(f"{config.model_type}: only the {names[0]} MLP is supported, "
                                     f"config.{field}={got!r}")
+
+
+def multimodal_model(model: nn.Module) -> nn.Module:
+    """A vision-language model's module holding ``visual`` and ``language_model``: ``model.model``, or the
+    model itself when loaded with ``AutoModel``."""
+    return model if hasattr(model, "visual") else getattr(model, "model", model)
+
+
+def _check_vision(adapter, model: nn.Module) -> None:
+    tower = getattr(multimodal_model(model), "visual", None)
+    if type(tower) is not adapter.vision.tower:
+        raise UnsupportedModelError(f"{adapter.model_type}: model.model.visual is {type(tower).__name__}, not the "
+                                    f"{adapter.vision.tower.__name__} the adapter patches")
+    problem = adapter.vision.refuse_tower(tower)
+    if problem:
+        raise UnsupportedModelError(f"{adapter.model_type}: {problem}")
 
 
 def _check_linear_attention(adapter, module, name: str) -> None:

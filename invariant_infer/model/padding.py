@@ -123,6 +123,22 @@ def resolve_positions(attention_mask: torch.Tensor | None, position_ids: torch.T
     return positions
 
 
+def check_multimodal_positions(attention_mask, position_ids: torch.Tensor, max_positions: int) -> None:
+    """Checks multimodal rope positions [3 or 4, B, L] (Qwen2.5-VL's, from ``get_rope_index``, which counts
+    each row's real tokens only): a 2-D mask without holes, real tokens' positions in [0, max_positions)."""
+    has_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+    if has_mask:
+        if bool(mask_holes(attention_mask).any()):
+            raise _holes_error(mask_holes(attention_mask))
+        real = attention_mask[:, -position_ids.shape[-1]:].to(torch.bool).expand_as(position_ids)
+        positions = position_ids[real]
+    else:
+        positions = position_ids
+    if bool(((positions < 0) | (positions >= max_positions)).any()):
+        raise NonInvariantInputError(f"position ids of real tokens must lie in [0, {max_positions}) "
+                                     "(max_position_embeddings)")
+
+
 def check_left_padded(attention_mask: torch.Tensor) -> bool:
     """Raise unless every row is pads then one run of real tokens ending at the last column.
     Returns whether any row has padding."""

@@ -44,19 +44,21 @@ from torch import nn
 
 from . import attention as attention_interface, experts as experts_interface
 from ..errors import NonInvariantInputError
-from .checks import check_model
+from .checks import check_model, multimodal_model
 from ..kernels import (gelu_tanh_mul, gelu_tanh_mul_autograd, linear, linear_autograd, rms_norm, rms_norm_autograd,
                        silu_mul, silu_mul_autograd, silu_mul_linear_autograd)
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
+from .families import text_config
 from .gated_attention import gated_attention_forward
 from .linear_attention import gated_delta_net_forward
 from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
 from .module_state import module_state, remove_state, state_of
+from .multimodal import multimodal_pre_hook
 from .recomputed_backward import recomputed_backward
 from .rope import rotary_forward, set_rope_tables
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
-from .padding import is_sequence_bounds, resolve_positions
+from .padding import check_multimodal_positions, is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
 from .quantized_experts import quantized_experts_forward
 from .tensor_parallel import tp_forwards, tp_layout
@@ -68,7 +70,7 @@ _STATE_ATTR = "_invariant_infer_state"
 class ModelPatch:
     """What ``make_invariant`` changed on the model as a whole (each patched module keeps its own
     ``ModuleState``); ``restore`` undoes it."""
-    hook: Any                         # the base model's pre-forward hook handle
+    hooks: list                       # the pre-forward hook handles (base model; multimodal model)
     attn_implementation: str | None   # the config's before the patch
     experts_implementation: str | None  # likewise, for MoE families (None: not changed)
     extensions: list                  # the (install, remove) pairs that ran
@@ -183,6 +185,11 @@ def _base_pre_hook(module, args, kwargs):
     if check and module.training:
         _refuse_dropout(module)
     max_positions = state_of(module.rotary_emb).rope_tables[0].shape[0]
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:  # multimodal RoPE: per-row, as given
+        if check:
+            check_multimodal_positions(mask, position_ids, max_positions)
+        return (), kwargs
     if check and mask is None:
         # Packed rows (position_ids restarting, cu_seq_lens_*): attention regroups them per sequence.
         flash = {name: kwargs.pop(name) for name in FLASH_KWARGS if name in kwargs}
@@ -303,12 +310,18 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
             _set_forward(module, router_forward)
         elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
             _set_forward(module, experts_interface.shared_expert_block_forward)
+        elif adapter.vision is not None and type(module) is adapter.vision.tower:
+            adapter.vision.prepare(module)
+            _set_forward(module, adapter.vision.forward)
 
-    set_rope_tables(base.rotary_emb, model.config.max_position_embeddings, adapter.rope_half_tables)
+    set_rope_tables(base.rotary_emb, text_config(model.config).max_position_embeddings, adapter.rope_half_tables,
+                    getattr(base.rotary_emb, "mrope_section", None) if adapter.mrope_sections else None)
     _set_forward(base.rotary_emb, rotary_forward)
 
     reattach_decompression = detach_decompression(model) if quantized else None
-    hook = base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)
+    hooks = [base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)]
+    if adapter.vision is not None:  # the multimodal model around the language model
+        hooks.append(multimodal_model(model).register_forward_pre_hook(multimodal_pre_hook, with_kwargs=True))
     previous_attn = model.config._attn_implementation
     model.set_attn_implementation(attention_interface.ATTN_IMPLEMENTATION)
     previous_experts = None
@@ -319,7 +332,7 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     extensions = list(_INSTANCE_EXTENSIONS)
     for install, _ in extensions:
         install(model)
-    setattr(model, _STATE_ATTR, ModelPatch(hook, previous_attn, previous_experts, extensions, reattach_decompression,
+    setattr(model, _STATE_ATTR, ModelPatch(hooks, previous_attn, previous_experts, extensions, reattach_decompression,
                                            hub_kernels))
     return wrapper
 
@@ -344,7 +357,8 @@ def restore(model: nn.Module) -> nn.Module:
                 module.forward = module_patch.previous_forward
         if module_patch.refuses_merge:
             del module.merge
-    state.hook.remove()
+    for hook in state.hooks:
+        hook.remove()
     if state.reattach_decompression is not None:
         state.reattach_decompression()
     model.set_attn_implementation(state.attn_implementation)

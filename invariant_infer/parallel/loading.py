@@ -12,6 +12,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..errors import CheckpointLoadError, InvalidArgumentError, TensorParallelError, UnsupportedModelError
+from ..model.checks import refuse_vision_language
 from ..model.families import family_of
 from ..model.patch import make_invariant
 from ..model.tensor_parallel import moe_refusal, tp_size_of, tp_size_refusal
@@ -29,6 +30,7 @@ def check_tensor_parallel_size(path: str, size: int, device: torch.device) -> No
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise CheckpointLoadError(f"cannot load the config of {path}: {exc}") from None
+    refuse_vision_language(config, "tensor parallelism")
     problem = moe_refusal(family_of(config)) or tp_size_refusal(config, size)
     if problem:
         raise UnsupportedModelError(problem)

@@ -24,6 +24,7 @@ import torch
 from ..errors import InvalidArgumentError, TensorParallelError, raise_if_device_failure
 from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
 from ..model.lora import unwrap_peft
+from ..model.checks import refuse_vision_language
 from ..model.patch import is_invariant
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
@@ -156,6 +157,7 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
     process; for the model of ``TensorParallelRanks``, pass the ranks: ``executor=ranks``)."""
     model = unwrap_peft(model)  # a PeftModel scores through the model inside (its LoRA layers unmerged)
     executor = executor_for(model, executor)
+    refuse_vision_language(model.config, "score_sequences")
     if not is_invariant(model):
         raise InvalidArgumentError("score_sequences needs a batch-invariant model: call make_invariant(model) first")
     if prompt_lengths is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 from ..model.families import FAMILIES
 from ..errors import InvalidArgumentError
@@ -32,9 +32,11 @@ def qwen2_config(preset: str = "tiny", **overrides) -> PretrainedConfig:
 
 
 def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A randomly initialised causal LM for ``config``, in eval mode."""
+    """A randomly initialised causal LM (or vision-language model) for ``config``, in eval mode."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    vision = FAMILIES[config.model_type].vision is not None if config.model_type in FAMILIES else False
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto_class.from_config(config).to(dtype).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith((".bias", "_proj_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias

@@ -19,6 +19,7 @@ from ..errors import InvalidArgumentError, NonInvariantInputError
 from ..model.logits import token_logprobs_from_hidden_autograd
 from ..model.lora import unwrap_peft
 from ..model.padding import positions_from_mask
+from ..model.checks import refuse_vision_language
 from ..model.patch import is_invariant
 
 
@@ -46,6 +47,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     ``make_invariant`` (a ``PeftModel`` too: its LoRA adapters run unmerged); padded rows (either side) and
     packed rows (``position_ids`` restarting at 0) both work."""
     model = unwrap_peft(model)  # a PeftModel: the model inside, its LoRA layers unmerged
+    refuse_vision_language(model.config, "token_logprobs")
     if not is_invariant(model):
         raise InvalidArgumentError("token_logprobs needs a batch-invariant model: call make_invariant(model) first")
     if not temperature > 0:

@@ -8,12 +8,12 @@ from invariant_infer.kernels import LinearConfig, grouped_linear, linear, linear
 from invariant_infer.model.module_state import state_of
 
 
-def m_dependent_linear(x, weight, bias=None, config=None):
-    """Negative control: picks BLOCK_K by M, as batch-size-keyed heuristics and autotuners do
-    (whatever ``config`` the caller asks for, e.g. a row-parallel layer's K tree)."""
+def m_dependent_linear(x, weight, bias=None, config=None, small_m: int = 4):
+    """Negative control: picks BLOCK_K by M (up to ``small_m`` rows or more), as batch-size-keyed
+    heuristics and autotuners do (whatever ``config`` the caller asks for, e.g. a row-parallel layer's K tree)."""
     m = x.reshape(-1, x.shape[-1]).shape[0]
     base = linear_config(x.device.type, x.dtype, *weight.shape)
-    cfg = LinearConfig(base.block_m, base.block_n, 16 if m <= 4 else 64)
+    cfg = LinearConfig(base.block_m, base.block_n, 16 if m <= small_m else 64)
     return linear(x, weight, bias, config=cfg)
 
 

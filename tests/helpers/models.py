@@ -18,12 +18,14 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 # Dense families of the Llama layout: the FAMILY-driven tests run over these. The MoE, hybrid (Gated
-# DeltaNet), Gemma and gpt-oss families have their own tests (tests/model/test_moe.py, test_hybrid.py,
+# DeltaNet), Gemma, gpt-oss and vision-language families have their own tests (tests/model/test_moe.py, test_hybrid.py,
 # test_gemma3.py, test_gpt_oss.py), so CI time does not multiply.
 GEMMA_FAMILY_NAMES = ["gemma3_text"]
 GPT_OSS_FAMILY_NAMES = ["gpt_oss"]
+VISION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.vision is not None)  # own tests
 FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
-                      if adapter.moe is None and adapter.linear_attention is None and name not in GEMMA_FAMILY_NAMES)
+                      if adapter.moe is None and adapter.linear_attention is None and adapter.vision is None
+                      and name not in GEMMA_FAMILY_NAMES)
 MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
                           if adapter.moe is not None and adapter.linear_attention is None
                           and name not in GPT_OSS_FAMILY_NAMES)

@@ -30,6 +30,7 @@ gated_norm_mod = sys.modules["invariant_infer.kernels.rms_norm_gated"]
 sigmoid_mod = sys.modules["invariant_infer.kernels.sigmoid_mul"]
 swiglu_mod = sys.modules["invariant_infer.kernels.clamped_swiglu"]
 gelu_mod = sys.modules["invariant_infer.kernels.gelu_tanh_mul"]
+exact_gelu_mod = sys.modules["invariant_infer.kernels.gelu"]
 
 TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 ARCHS = [90, 89, 80]
@@ -247,6 +248,19 @@ def test_sink_window_and_gelu_families_kernels_compile():
                 dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n, SCALE_IN_FP32=True), warps)
     compile_for(gelu_mod._gelu_tanh_mul_kernel, 90, {"ptr": "*bf16"}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
     compile_for(gelu_mod._gelu_tanh_mul_backward_kernel, 90, {"ptr": "*bf16"}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
+
+
+def test_vision_tower_kernels_compile():
+    """Qwen2.5-VL's tower for sm_90 in bf16: attention at its head dim 80 (padded to a block of 128)
+    and the merger's exact GELU (forward and backward)."""
+    cfg = attention_config("cuda", torch.bfloat16, 80)
+    ints = {"kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32", "lse_ptr": "*fp32",
+            "sinks_ptr": "*fp32", "scale": "fp32"}
+    compile_for(attention_mod._attention_kernel, 90, {"ptr": "*bf16", **ints},
+                dict(GROUP=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=128, DOT_PRECISION=DOT_PRECISION),
+                cfg.num_warps, cfg.num_stages)
+    compile_for(exact_gelu_mod._gelu_kernel, 90, {"ptr": "*bf16"}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
+    compile_for(exact_gelu_mod._gelu_backward_kernel, 90, {"ptr": "*bf16"}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
 
 
 @pytest.mark.heavy

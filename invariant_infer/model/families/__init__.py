@@ -46,6 +46,16 @@ class LinearAttentionLayout:
 
 
 @dataclass(frozen=True)
+class VisionLayout:
+    """A vision-language family's image side: the vision tower (``model.model.visual``), whose forward
+    make_invariant replaces, and the multimodal model around the language model (``model.model``)."""
+    tower: type
+    forward: Callable                     # the tower's invariant forward
+    prepare: Callable[[nn.Module], None]  # computes what the forward reads (its rope tables) into the tower's state
+    refuse_tower: Callable[[nn.Module], str | None]  # why a loaded tower cannot run invariantly, or None
+
+
+@dataclass(frozen=True)
 class FamilyAdapter:
     model_type: str                       # config.model_type
     config_class: type
@@ -74,6 +84,12 @@ class FamilyAdapter:
     # The rotary embedding gives cos/sin for half the head dim, which the family's apply pairs with
     # the two halves of each head (gpt-oss); otherwise for the whole head dim (the halves repeated).
     rope_half_tables: bool = False
+    # Vision-language families only: the vision tower; the language model is ``model.model.language_model``,
+    # its config ``config.text_config``.
+    vision: VisionLayout | None = None
+    # Multimodal RoPE in sections (Qwen2.5-VL): [3, B, L] positions (temporal, height, width) each rotate
+    # their own columns (the rotary embedding's ``mrope_section``).
+    mrope_sections: bool = False
 
     def is_sparse(self, layer: nn.Module) -> bool:
         return self.moe is not None and type(layer.mlp) is self.moe.block
@@ -102,6 +118,11 @@ def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
     return adapter
 
 
+def text_config(config):
+    """The language model's config: ``config.text_config`` of a vision-language model, else ``config``."""
+    return getattr(config, "text_config", None) or config
+
+
 def family_of(config) -> FamilyAdapter:
     """The adapter for ``config.model_type``; ``UnsupportedModelError`` for any other family."""
     model_type = getattr(config, "model_type", None)
@@ -113,7 +134,8 @@ def family_of(config) -> FamilyAdapter:
 
 
 # Each family module registers itself.
-from . import (gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5,  # noqa: E402,F401
-               qwen3_5_moe, qwen3_moe, qwen3_next)
+from . import (gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen3,  # noqa: E402,F401
+               qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next)
 
-__all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "family_of", "register_family"]
+__all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "VisionLayout", "family_of",
+           "register_family", "text_config"]
