@@ -16,6 +16,7 @@ from .gelu import GeluFunction, gelu, gelu_autograd
 from .gelu_tanh_mul import GeluTanhMulFunction, gelu_tanh_mul, gelu_tanh_mul_autograd
 from .grouped_linear import grouped_linear, grouped_silu_mul_linear
 from .grouped_quantized_linear import grouped_quantized_linear
+from .layer_norm import layer_norm
 from .linear import linear
 from .linear_autograd import LinearFunction, linear_autograd
 from .moe_routing import moe_routing
@@ -41,7 +42,8 @@ __all__ = [
     "QuantizedLinearConfig", "QuantizedWeight", "dequantize_weight", "grouped_quantized_linear", "quantize_activations",
     "quantized_linear",
     "QuantizedLinearFunction", "quantized_linear_autograd",
-    "rms_norm", "rms_norm_gated", "silu_mul", "token_logprobs", "causal_conv1d_silu", "chunk_gated_delta_rule",
+    "layer_norm", "rms_norm", "rms_norm_gated",
+    "silu_mul", "token_logprobs", "causal_conv1d_silu", "chunk_gated_delta_rule",
     "sigmoid_mul", "gelu", "GeluFunction", "gelu_autograd",
     "gelu_tanh_mul", "GeluTanhMulFunction", "gelu_tanh_mul_autograd",
     "RMSNormFunction", "rms_norm_autograd", "SiluMulFunction", "silu_mul_autograd",

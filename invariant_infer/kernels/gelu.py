@@ -1,9 +1,11 @@
-"""gelu(x) with erf (torch's default ``nn.GELU``; Qwen2.5-VL's patch merger) as a kernel, with its backward.
+"""gelu(x) with erf (torch's default ``nn.GELU``; the Qwen-VL patch mergers) as a kernel, with its backward,
+and its tanh form (``gelu_pytorch_tanh``: Qwen3-VL's vision MLP), forward only.
 
 Elementwise, so invariant in principle; a kernel so every element runs the same code wherever it
 sits in the batch (torch's CPU kernels split vectorized bodies from scalar tails, and the tail
 moves with the batch shape). As torch: 0.5 x (1 + erf(x / sqrt(2))) in fp32, rounded once to the
-dtype. The backward computes each element's gradient from that element alone.
+dtype (the tanh form as ``gelu_tanh_mul`` computes it). The backward computes each element's
+gradient from that element alone.
 """
 from __future__ import annotations
 
@@ -11,18 +13,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .gelu_tanh_mul import _blocks, _rows
+from .errors import InvalidArgumentError
+from .gelu_tanh_mul import _blocks, _gelu_tanh_parts, _rows
 from .launch import launch
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gelu_kernel(x_ptr, y_ptr, stride_x, stride_y, M, N, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gelu_kernel(x_ptr, y_ptr, stride_x, stride_y, M, N, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 TANH: tl.constexpr = False):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # Literals: a kernel cannot read a plain global when compiled for a GPU. 1 / sqrt(2).
-    y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    if TANH:
+        y = _gelu_tanh_parts(x)[0]
+    else:
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -39,8 +46,10 @@ def _gelu_backward_kernel(x_ptr, dy_ptr, dx_ptr, stride_x, stride_dy, stride_dx,
     tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], (dy * slope).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """gelu(x) (erf form), elementwise, in x's dtype."""
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(x), elementwise, in x's dtype: the erf form, or with ``approximate="tanh"`` the tanh form."""
+    if approximate not in ("none", "tanh"):
+        raise InvalidArgumentError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     n = x.shape[-1]
     x2 = _rows(x, n)
     m = x2.shape[0]
@@ -48,7 +57,8 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     block_rows, block_n = _blocks(x.device, n)
     if m:
         launch(_gelu_kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), x.device,
-               x2, y, x2.stride(0), y.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n)
+               x2, y, x2.stride(0), y.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
+               TANH=approximate == "tanh")
     return y.reshape(x.shape)
 
 

@@ -21,8 +21,8 @@ class ModuleState:
     adapter_slots: Any = None        # the engine's multi-LoRA SlotWeights on this projection (lora.py)
     rope_tables: tuple | None = None  # a rotary embedding's (cos, sin) tables over every position
     rope_tables_by_type: dict | None = None  # those tables per layer type (Gemma 3's local and global RoPE)
-    # Multimodal RoPE (Qwen2.5-VL): the frequency columns each of the (temporal, height, width) positions rotates.
-    mrope_section: tuple[int, ...] | None = None
+    # Multimodal RoPE (Qwen-VL): which of the (temporal, height, width) positions each frequency takes.
+    mrope_axes: tuple[int, ...] | None = None
 
     @property
     def adds_lora_delta(self) -> bool:

@@ -56,7 +56,7 @@ from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward
 from .module_state import module_state, remove_state, state_of
 from .multimodal import multimodal_pre_hook
 from .recomputed_backward import recomputed_backward
-from .rope import rotary_forward, set_rope_tables
+from .rope import mrope_axes, rotary_forward, set_rope_tables
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import check_multimodal_positions, is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
@@ -314,8 +314,8 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
             adapter.vision.prepare(module)
             _set_forward(module, adapter.vision.forward)
 
-    set_rope_tables(base.rotary_emb, text_config(model.config).max_position_embeddings, adapter.rope_half_tables,
-                    getattr(base.rotary_emb, "mrope_section", None) if adapter.mrope_sections else None)
+    axes = mrope_axes(base.rotary_emb.mrope_section, adapter.mrope == "interleaved") if adapter.mrope else None
+    set_rope_tables(base.rotary_emb, text_config(model.config).max_position_embeddings, adapter.rope_half_tables, axes)
     _set_forward(base.rotary_emb, rotary_forward)
 
     reattach_decompression = detach_decompression(model) if quantized else None

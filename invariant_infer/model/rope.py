@@ -21,9 +21,9 @@ def rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type
             state.rope_tables = (cos_table, sin_table)
         else:
             state.rope_tables_by_type[layer_type] = (cos_table, sin_table)
-    if position_ids.dim() == 3 and state.mrope_section is not None:
-        return _mrope(cos_table, x.dtype, position_ids, state.mrope_section), \
-            _mrope(sin_table, x.dtype, position_ids, state.mrope_section)
+    if position_ids.dim() == 3 and state.mrope_axes is not None:
+        return _mrope(cos_table, x.dtype, position_ids, state.mrope_axes), \
+            _mrope(sin_table, x.dtype, position_ids, state.mrope_axes)
     if position_ids.dim() == 3:  # multimodal RoPE sections (Qwen3.5): text positions repeat one section
         if not torch.compiler.is_compiling() and not bool((position_ids == position_ids[:1]).all()):
             raise NonInvariantInputError("multimodal rotary positions (images, videos) are not supported yet; "
@@ -33,28 +33,39 @@ def rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type
     return cos_table[idx].to(x.dtype), sin_table[idx].to(x.dtype)
 
 
-def _mrope(table: torch.Tensor, dtype: torch.dtype, position_ids: torch.Tensor, sections) -> torch.Tensor:
-    """Qwen2.5-VL's multimodal rope from a table: [3, B, L] (temporal, height, width) positions ->
-    [B, L, D]; frequency section i takes its values at positions[i % 3], as transformers composes them."""
+def mrope_axes(sections, interleaved: bool) -> tuple[int, ...]:
+    """Which of the (temporal, height, width) positions each rotary frequency takes, as transformers
+    composes them: in sections (Qwen2.5-VL: the first ``sections[0]`` frequencies temporal, then height,
+    then width) or interleaved (Qwen3-VL: t h w t h w ..., height and width over their first
+    3 * sections[i] frequencies, temporal elsewhere)."""
+    half = sum(sections)
+    if not interleaved:
+        return tuple(axis for axis, width in enumerate(sections) for _ in range(width))
+    return tuple(j % 3 if (j % 3 and j < 3 * sections[j % 3]) else 0 for j in range(half))
+
+
+def _mrope(table: torch.Tensor, dtype: torch.dtype, position_ids: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    """Multimodal rope from a table: [3, B, L] (temporal, height, width) positions -> [B, L, D]; frequency
+    j takes its value at positions[axes[j]]."""
     half = table.shape[-1] // 2
+    if len(axes) != half:
+        raise NonInvariantInputError(f"mrope_section covers {len(axes)} rotary frequencies, not the model's {half}")
     idx = position_ids.clamp(0, table.shape[0] - 1)
-    parts, start = [], 0
-    for i, width in enumerate(sections):
-        parts.append(table[idx[i % 3], start:start + width])
-        start += width
-    if start != half:
-        raise NonInvariantInputError(f"mrope_section {tuple(sections)} does not cover the {half} rotary frequencies")
-    values = torch.cat(parts, dim=-1)
+    values = table[idx[0], :half].clone()
+    for axis in (1, 2):
+        columns = torch.tensor([a == axis for a in axes], device=table.device)
+        values[..., columns] = table[idx[axis], :half][..., columns]
     return torch.cat((values, values), dim=-1).to(dtype)
 
 
-def set_rope_tables(rotary: nn.Module, max_positions: int, half: bool = False, mrope_section=None) -> None:
+def set_rope_tables(rotary: nn.Module, max_positions: int, half: bool = False,
+                    mrope_axes: tuple[int, ...] | None = None) -> None:
     """Compute the tables of ``rotary`` (one set per layer type where it keeps several, as Gemma 3's)
     into its module state. ``half``: cos/sin of the frequencies themselves, for a family whose apply
     pairs them with the two halves of each head (gpt-oss); otherwise repeated over both halves.
-    ``mrope_section``: a multimodal rope's frequency sections (Qwen2.5-VL), read with 3-D positions."""
+    ``mrope_axes``: a multimodal rope's axis per frequency (``mrope_axes``), read with 3-D positions."""
     state = module_state(rotary)
-    state.mrope_section = tuple(mrope_section) if mrope_section is not None else None
+    state.mrope_axes = mrope_axes
     if getattr(rotary, "layer_types", None):
         state.rope_tables_by_type = {t: rope_tables(rotary, max_positions, t, half) for t in rotary.layer_types}
         state.rope_tables = next(iter(state.rope_tables_by_type.values()))

@@ -1,9 +1,10 @@
-"""Qwen2.5-VL's vision tower on the invariant kernels: each image's features are bitwise those of
-the image alone, whatever images share the call and in whatever order.
+"""The Qwen-VL vision towers (Qwen2.5-VL's and Qwen3-VL's) on the invariant kernels: each image's
+features are bitwise those of the image alone, whatever images share the call and in whatever order.
 
 Every op but attention works on one token (one row) at a time with a fixed reduction order: the
 patch embedding (the Conv3d, whose stride equals its kernel, is one GEMM over flattened patches),
-the RMSNorms, the qkv/proj/MLP projections, the merger's GELU. Attention runs over segments (a
+the norms (RMSNorm in 2.5, LayerNorm in 3), the qkv/proj/MLP projections, the GELUs, Qwen3-VL's
+bilinear position embedding (four taps summed in one order) and its deepstack mergers. Attention runs over segments (a
 window of patches, or one image's frame) laid out one segment per row of a padded batch, every
 query seeing every key of its own segment: the kernel's KV blocks start at each segment's first
 patch, so no other segment can move a block or add a term. The 2-D rotary embedding is a lookup
@@ -17,7 +18,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..errors import NonInvariantInputError
-from ..kernels import attention, gelu, linear, silu_mul
+from ..kernels import attention, gelu, layer_norm, linear, silu_mul
 from .module_state import module_state, state_of
 
 # The vision rope table's length: patch rows and columns per image (a 3584-pixel side at 14-pixel patches is 256).
@@ -90,17 +91,61 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return ((xf * cos) + (rotated * sin)).to(x.dtype)
 
 
-def _block_forward(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               lengths: list[int]) -> torch.Tensor:
+    q, k, v = attn.qkv(h).reshape(h.shape[0], 3, attn.num_heads, -1).unbind(1)
+    out = segment_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, lengths, attn.scaling)
+    return attn.proj(out.reshape(h.shape[0], -1))
+
+
+def _qwen2_5_block(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    lengths: list[int]) -> torch.Tensor:
-    attn = block.attn
-    h = block.norm1(x)
-    q, k, v = attn.qkv(h).reshape(x.shape[0], 3, attn.num_heads, -1).unbind(1)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    out = segment_attention(q, k, v, lengths, attn.scaling)
-    x = x + attn.proj(out.reshape(x.shape[0], -1))
-    mlp = block.mlp
-    h = block.norm2(x)
+    x = x + _attention(block.attn, block.norm1(x), cos, sin, lengths)
+    mlp, h = block.mlp, block.norm2(x)
     return x + mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+
+
+def _layer_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer_norm(x, norm.weight, norm.bias, norm.eps)
+
+
+def _qwen3_block(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 lengths: list[int]) -> torch.Tensor:
+    x = x + _attention(block.attn, _layer_norm(block.norm1, x), cos, sin, lengths)
+    mlp = block.mlp
+    return x + mlp.linear_fc2(gelu(mlp.linear_fc1(_layer_norm(block.norm2, x)), approximate="tanh"))
+
+
+def _qwen3_merger(merger: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3-VL's merger: LayerNorm before the merge x merge patches are joined (after, for the deepstack
+    mergers), then linear, exact GELU, linear."""
+    if merger.use_postshuffle_norm:
+        x = _layer_norm(merger.norm, x.reshape(-1, merger.hidden_size))
+    else:
+        x = _layer_norm(merger.norm, x).reshape(-1, merger.hidden_size)
+    return merger.linear_fc2(gelu(merger.linear_fc1(x)))
+
+
+def _refuse_training(tower: nn.Module) -> None:
+    if torch.is_grad_enabled() and any(p.requires_grad for p in tower.parameters()):
+        raise NonInvariantInputError("training the vision tower is not supported yet: freeze it "
+                                     "(model.model.visual.requires_grad_(False)) or run under torch.no_grad()")
+
+
+def _rope(tower: nn.Module, rows: torch.Tensor, cols: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per patch: cos/sin [N, 1, head_dim] = (row, column, row, column) frequencies, from the tables."""
+    cos_table, sin_table = state_of(tower).rope_tables
+    rows, cols = rows.to(cos_table.device), cols.to(cos_table.device)
+    cos = torch.cat([cos_table[rows], cos_table[cols]] * 2, dim=-1).to(device)[:, None, :]
+    sin = torch.cat([sin_table[rows], sin_table[cols]] * 2, dim=-1).to(device)[:, None, :]
+    return cos, sin
+
+
+def _patch_embed(tower: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The Conv3d (stride = kernel) as one GEMM over the flattened patches [N, C*T*P*P]."""
+    embed = tower.patch_embed.proj
+    weight = embed.weight.reshape(embed.weight.shape[0], -1)
+    return linear(hidden_states.to(weight.dtype), weight, embed.bias)
 
 
 def qwen2_5_vision_forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
@@ -110,12 +155,9 @@ def qwen2_5_vision_forward(self, hidden_states: torch.Tensor, grid_thw: torch.Te
     merge = self.spatial_merge_size
     unit = merge * merge
     grids = _grids(grid_thw, merge)
-    if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-        raise NonInvariantInputError("training the vision tower is not supported yet: freeze it "
-                                     "(model.model.visual.requires_grad_(False)) or run under torch.no_grad()")
+    _refuse_training(self)
     window = self.window_size // merge // self.patch_size
     device = hidden_states.device
-    cos_table, sin_table = state_of(self).rope_tables
     orders, windows, frames, rows, cols = [], [], [], [], []
     first_unit = 0
     for t, h, w in grids:
@@ -129,19 +171,60 @@ def qwen2_5_vision_forward(self, hidden_states: torch.Tensor, grid_thw: torch.Te
         first_unit += t * (h // merge) * (w // merge)
     unit_order = torch.cat(orders)
     patch_order = (unit_order[:, None] * unit + torch.arange(unit)).flatten()
-    rows, cols = torch.cat(rows)[patch_order].to(cos_table.device), torch.cat(cols)[patch_order].to(cos_table.device)
-    # Per patch, in window order: cos/sin [N, 1, head_dim] = (row, column, row, column) frequencies.
-    cos = torch.cat([cos_table[rows], cos_table[cols]] * 2, dim=-1).to(device)[:, None, :]
-    sin = torch.cat([sin_table[rows], sin_table[cols]] * 2, dim=-1).to(device)[:, None, :]
-    patch_order = patch_order.to(device)
-
-    embed = self.patch_embed.proj
-    x = linear(hidden_states.to(embed.weight.dtype), embed.weight.reshape(embed.weight.shape[0], -1))
-    x = x[patch_order]
+    cos, sin = _rope(self, torch.cat(rows)[patch_order], torch.cat(cols)[patch_order], device)
+    x = _patch_embed(self, hidden_states)[patch_order.to(device)]
     for index, block in enumerate(self.blocks):
-        x = _block_forward(block, x, cos, sin, frames if index in self.fullatt_block_indexes else windows)
+        x = _qwen2_5_block(block, x, cos, sin, frames if index in self.fullatt_block_indexes else windows)
     merger = self.merger
     merged = merger.ln_q(x).reshape(-1, merger.hidden_size)
     merged = merger.mlp[2](gelu(merger.mlp[0](merged)))
     merged = merged[torch.argsort(unit_order).to(device)]
     return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=merged)
+
+
+def _bilinear_positions(tower: nn.Module, rows: torch.Tensor, cols: torch.Tensor, heights: torch.Tensor,
+                        widths: torch.Tensor) -> torch.Tensor:
+    """Qwen3-VL's learned position embedding (a side x side grid) sampled at each patch of its image's
+    h x w grid, bilinear with aligned corners: 2 x 2 taps, their weighted sum in fp32 in one order."""
+    side = tower.num_grid_per_side
+    table = tower.pos_embed.weight
+
+    def axis(index, size):
+        src = index.float() * (side - 1) / (size - 1).clamp(min=1).float()
+        floor = torch.floor(src)
+        offsets = torch.arange(2)
+        taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+        return taps, (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    row_taps, row_weights = axis(rows, heights)
+    col_taps, col_weights = axis(cols, widths)
+    indices = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4).to(table.device)
+    weights = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4).to(table.device)
+    terms = table[indices] * weights[:, :, None]
+    return ((terms[:, 0] + terms[:, 1]) + terms[:, 2]) + terms[:, 3]
+
+
+def qwen3_vl_vision_forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs):
+    """The patched forward of ``Qwen3VLVisionModel``: patches [N, C*T*P*P] -> last_hidden_state [N, hidden],
+    pooler_output [N / merge^2, out_hidden] and the deepstack mergers' features, each [N / merge^2,
+    out_hidden] (image order throughout)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+    merge = self.spatial_merge_size
+    grids = _grids(grid_thw, merge)
+    _refuse_training(self)
+    device = hidden_states.device
+    positions = [patch_positions(t, h, w, merge) for t, h, w in grids]
+    rows, cols = torch.cat([r for r, _ in positions]), torch.cat([c for _, c in positions])
+    sizes = [t * h * w for t, h, w in grids]
+    heights = torch.cat([torch.full((n,), h) for n, (_, h, _) in zip(sizes, grids)])
+    widths = torch.cat([torch.full((n,), w) for n, (_, _, w) in zip(sizes, grids)])
+    cos, sin = _rope(self, rows, cols, device)
+    x = _patch_embed(self, hidden_states)
+    x = x + _bilinear_positions(self, rows, cols, heights, widths).to(device=device, dtype=x.dtype)
+    frames = [h * w for t, h, w in grids for _ in range(t)]
+    deepstack = []
+    for index, block in enumerate(self.blocks):
+        x = _qwen3_block(block, x, cos, sin, frames)
+        if index in self.deepstack_visual_indexes:
+            deepstack.append(_qwen3_merger(self.deepstack_merger_list[self.deepstack_visual_indexes.index(index)], x))
+    return BaseModelOutputWithDeepstackFeatures(last_hidden_state=x, pooler_output=_qwen3_merger(self.merger, x),
+                                                deepstack_features=deepstack)

@@ -32,3 +32,15 @@ def test_gradient_against_float64():
     F.gelu(x64).backward(grad.double())
     assert (x.grad.double() - x64.grad).abs().max().item() < 1e-5
     assert torch.equal(gelu_autograd(x).detach(), gelu(x.detach()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tanh_form_is_gelu_tanh_mul_by_one(dtype):
+    """The tanh form computes what gelu_tanh(gate) * up does for up = 1 (its rounded activation), bitwise."""
+    from invariant_infer.kernels import gelu_tanh_mul
+    x = torch.randn(37, 300, generator=torch.Generator().manual_seed(2)).mul(3).to(dtype)
+    out = gelu(x, approximate="tanh")
+    assert torch.equal(out, gelu_tanh_mul(x, torch.ones_like(x)))
+    assert not torch.equal(out, gelu(x))
+    for rows in (slice(0, 1), slice(3, 20)):
+        assert torch.equal(gelu(x[rows], approximate="tanh"), out[rows])

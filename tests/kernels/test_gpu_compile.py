@@ -31,6 +31,7 @@ sigmoid_mod = sys.modules["invariant_infer.kernels.sigmoid_mul"]
 swiglu_mod = sys.modules["invariant_infer.kernels.clamped_swiglu"]
 gelu_mod = sys.modules["invariant_infer.kernels.gelu_tanh_mul"]
 exact_gelu_mod = sys.modules["invariant_infer.kernels.gelu"]
+layer_norm_mod = sys.modules["invariant_infer.kernels.layer_norm"]
 
 TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 ARCHS = [90, 89, 80]
@@ -251,8 +252,8 @@ def test_sink_window_and_gelu_families_kernels_compile():
 
 
 def test_vision_tower_kernels_compile():
-    """Qwen2.5-VL's tower for sm_90 in bf16: attention at its head dim 80 (padded to a block of 128)
-    and the merger's exact GELU (forward and backward)."""
+    """The Qwen-VL towers for sm_90 in bf16: attention at Qwen2.5-VL's head dim 80 (padded to a block of
+    128), the mergers' exact GELU (forward and backward), Qwen3-VL's gelu_tanh MLP and LayerNorm."""
     cfg = attention_config("cuda", torch.bfloat16, 80)
     ints = {"kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32", "lse_ptr": "*fp32",
             "sinks_ptr": "*fp32", "scale": "fp32"}
@@ -261,6 +262,9 @@ def test_vision_tower_kernels_compile():
                 cfg.num_warps, cfg.num_stages)
     compile_for(exact_gelu_mod._gelu_kernel, 90, {"ptr": "*bf16"}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
     compile_for(exact_gelu_mod._gelu_backward_kernel, 90, {"ptr": "*bf16"}, dict(BLOCK_ROWS=1, BLOCK_N=1024))
+    compile_for(exact_gelu_mod._gelu_kernel, 90, {"ptr": "*bf16"}, dict(BLOCK_ROWS=1, BLOCK_N=1024, TANH=True))
+    compile_for(layer_norm_mod._layer_norm_kernel, 90, {"ptr": "*bf16", "eps": "fp32"},
+                dict(BLOCK_ROWS=1, BLOCK_N=1024), 4)
 
 
 @pytest.mark.heavy

@@ -87,9 +87,9 @@ class FamilyAdapter:
     # Vision-language families only: the vision tower; the language model is ``model.model.language_model``,
     # its config ``config.text_config``.
     vision: VisionLayout | None = None
-    # Multimodal RoPE in sections (Qwen2.5-VL): [3, B, L] positions (temporal, height, width) each rotate
-    # their own columns (the rotary embedding's ``mrope_section``).
-    mrope_sections: bool = False
+    # Multimodal RoPE: [3, B, L] positions (temporal, height, width) each rotate their own frequencies (the
+    # rotary embedding's ``mrope_section``), "sectioned" (Qwen2.5-VL) or "interleaved" (Qwen3-VL); None: text RoPE.
+    mrope: str | None = None
 
     def is_sparse(self, layer: nn.Module) -> bool:
         return self.moe is not None and type(layer.mlp) is self.moe.block
@@ -135,7 +135,7 @@ def family_of(config) -> FamilyAdapter:
 
 # Each family module registers itself.
 from . import (gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen3,  # noqa: E402,F401
-               qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next)
+               qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
 
 __all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "VisionLayout", "family_of",
            "register_family", "text_config"]

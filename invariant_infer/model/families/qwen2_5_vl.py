@@ -36,7 +36,7 @@ _TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, 
 
 ADAPTER = register_family(FamilyAdapter(
     model_type="qwen2_5_vl", config_class=Qwen2_5_VLConfig, rms_norm=Qwen2_5_VLRMSNorm, mlp=Qwen2MLP,
-    refuse_config=_refuse_config, mrope_sections=True,
+    refuse_config=_refuse_config, mrope="sectioned",
     vision=VisionLayout(tower=Qwen2_5_VisionTransformerPretrainedModel, forward=qwen2_5_vision_forward,
                         prepare=set_vision_rope_tables, refuse_tower=_refuse_tower),
     refused="videos (`pixel_values_videos`); training the vision tower; sliding-window layers",

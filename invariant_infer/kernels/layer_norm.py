@@ -1,0 +1,50 @@
+"""Batch-invariant LayerNorm (Qwen3-VL's vision tower): each row reduced on its own, forward only.
+
+As torch's ``nn.LayerNorm``: in fp32, the row's mean, then the mean of its squared deviations,
+(x - mean) / sqrt(var + eps) * weight + bias, rounded once to the input dtype. A program may hold
+several rows (BLOCK_ROWS, fixed per device), but every sum runs along one row, so a row's bits
+never depend on its neighbours.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .errors import InvalidArgumentError
+from .launch import launch
+
+
+@triton.jit(do_not_specialize=["M"])
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, stride_x, stride_y, M, N, eps,
+                       BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = centred * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim with an affine weight and bias, in x's dtype."""
+    n = x.shape[-1]
+    if weight.shape != (n,) or bias.shape != (n,):
+        raise InvalidArgumentError(f"layer_norm: weight {tuple(weight.shape)} / bias {tuple(bias.shape)} do not match "
+                                   f"hidden size {n}")
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    block_rows = 16 if x.device.type == "cpu" else 1  # the interpreter pays per program
+    block_n = triton.next_power_of_2(n)
+    if m:
+        launch(_layer_norm_kernel, (triton.cdiv(m, block_rows),), x.device, x2, weight, bias, y, x2.stride(0),
+               y.stride(0), m, n, eps, BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=4 if block_n <= 4096 else 8)
+    return y.reshape(x.shape)
