@@ -1,14 +1,16 @@
 """Qwen2.5-VL and Qwen3-VL, loaded with ``AutoModelForImageTextToText`` from saved random checkpoints,
-images made by transformers' own image processor. Each image's features are bitwise those of the image alone,
-in any company and order; each row's logits (one image, two images, text only) are bitwise alone in
-any padded batch; the ``inputs_embeds`` path (merged features, ``get_rope_index`` positions) gives the
-``input_ids`` path's bits, and a text-only ``inputs_embeds`` call after an image call is not shifted by
-the image call's rope deltas (Qwen3-VL's deepstack features passed as ``mm_encoder_outputs``); ``generate`` with images gives each row's tokens and logits alone, greedy
-and seeded, and each step equals one forward over the sequence. fp32 is within tolerance of stock
-float64, which references without Qwen2.5-VL's windows or Qwen3-VL's deepstack, or without the
-multimodal positions, miss.
+images made by transformers' own image processor. Each image's features are bitwise those of the
+image alone, in any company and order; each row's logits (one image, two images, text only) are
+bitwise alone in any padded batch; the ``inputs_embeds`` paths (merged features with
+``get_rope_index`` positions, Qwen3-VL's deepstack features beside them; transformers' own, with
+``mm_encoder_outputs``) give the ``input_ids`` path's bits, and a text-only ``inputs_embeds`` call
+after an image call is not shifted by the image call's rope deltas; ``generate`` with images gives
+each row's tokens and logits alone, greedy and seeded, and each greedy step equals one forward over
+the sequence. fp32 is within tolerance of stock float64, which references without Qwen2.5-VL's
+windows or Qwen3-VL's deepstack, or without the multimodal positions, miss.
 Negative controls: an M-dependent GEMM (rows), a segment-count-dependent attention block (images).
-Videos, training the tower and Qwen2-VL are refused by name."""
+Videos, training the tower and Qwen2-VL are refused by name; the engine, scoring, token_logprobs and
+tensor parallelism refuse vision-language models by name."""
 from __future__ import annotations
 
 import copy

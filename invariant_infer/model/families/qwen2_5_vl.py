@@ -4,8 +4,8 @@ window attention beside full attention per image, a silu MLP with bias, the patc
 invariant kernels (``invariant_infer.model.vision``). Videos are refused by name."""
 from torch import nn
 from transformers import Qwen2_5_VLConfig
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLRMSNorm,
-                                                                Qwen2MLP)
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (Qwen2_5_VisionTransformerPretrainedModel,
+                                                                Qwen2_5_VLRMSNorm, Qwen2MLP)
 
 from ..vision import qwen2_5_vision_forward, set_vision_rope_tables
 from . import FamilyAdapter, VisionLayout, register_family
