@@ -4,7 +4,8 @@ A page holds ``page_size`` consecutive positions of one sequence, and page_size 
 kernel's KV block, so a page never splits a block. A full page is identified by a hash chained
 over the token ids of its sequence up to its end: the KV of a token depends only on the tokens
 before it (and blocks are aligned to the sequence start), so two sequences with the same prefix
-may share those pages and get bitwise the same attention. Freed pages keep their hash and stay
+may share those pages and get bitwise the same attention (with images, the chain also takes the
+digests of the images a page holds tokens of). Freed pages keep their hash and stay
 findable until they are reused, least recently freed first.
 
 The block table: each sequence holding pages owns a row of it (``seq.block_row``), and every page
@@ -89,7 +90,10 @@ class BlockManager:
         while len(seq.page_hashes) <= j:
             k = len(seq.page_hashes)
             previous = seq.page_hashes[-1] if k else seq.hash_seed
-            seq.page_hashes.append(page_hash(previous, seq.token_ids[k * self.page_size:(k + 1) * self.page_size]))
+            first, end = k * self.page_size, (k + 1) * self.page_size
+            if seq.multimodal is not None:  # the digests of the images this page holds tokens of
+                previous += seq.multimodal.page_key(first, end)
+            seq.page_hashes.append(page_hash(previous, seq.token_ids[first:end]))
         return seq.page_hashes[j]
 
     def match_prefix(self, seq: Sequence) -> None:

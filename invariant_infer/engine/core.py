@@ -22,12 +22,13 @@ from ..errors import (DeviceError, EngineBusyError, InvalidArgumentError, LoraAd
                       TensorParallelError, raise_if_device_failure)
 from ..model.executor import Executor, executor_for
 from ..model.lora import is_peft_model
-from ..model.checks import refuse_vision_language
+from ..model.families import text_config
 from ..model.patch import is_invariant, make_invariant
 from .block_manager import BlockManager, block_table_rows
 from .hybrid import check_hybrid, is_hybrid
 from .lora_slots import LoraAdapter, LoraSlots
 from .model_runner import ModelRunner
+from .multimodal import ImageInputs, check_vision_language
 from .prefix_states import PrefixStates, saved_state_interval
 from .logprob_rows import record_prompt_logprobs, record_top_logprobs, row_logprobs
 from .output import SequenceDelta
@@ -61,7 +62,9 @@ class EngineCore:
             raise InvalidArgumentError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise InvalidArgumentError("max_num_seqs and max_num_batched_tokens must be at least 1")
-        refuse_vision_language(model.config, "the engine")
+        vision = getattr(model.config, "vision_config", None) is not None
+        if vision:
+            check_vision_language(model.config.model_type, kernels, speculative, max_loras, executor)
         if kernels == "invariant":
             make_invariant(model)
         elif is_invariant(model):
@@ -73,7 +76,11 @@ class EngineCore:
         if hybrid:
             check_hybrid(model.config.model_type, kernels, speculative, max_loras)
         self.model, self.tokenizer = model.eval(), tokenizer
-        config = model.config
+        # A vision-language model's requests with images go through its processor (multimodal.py).
+        self.images = ImageInputs(model, tokenizer) if vision else None
+        if hasattr(tokenizer, "image_processor"):  # a processor: its tokenizer, for text and stop strings
+            self.tokenizer = tokenizer = getattr(tokenizer, "tokenizer", None)
+        config = text_config(model.config)
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
         dtype, device = model.get_output_embeddings().weight.dtype, model.get_output_embeddings().weight.device
         page_size = ModelRunner.page_size_for(config, device, dtype)
@@ -143,22 +150,34 @@ class EngineCore:
             raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)", param="stop")
 
     def add_token_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                          lora=None) -> tuple[str, int]:
+                          lora=None, images=None) -> tuple[str, int]:
         """Queue a request for the core alone: ``step_deltas`` returns its deltas, which the caller
-        turns into outputs (its text and stop strings too: the core does not decode). Returns its id
-        and seed."""
-        seq = self._add(list(prompt_ids), params, request_id, lora)
+        turns into outputs (its text and stop strings too: the core does not decode). ``images``: a
+        vision-language model's images for the prompt's image tokens (``multimodal.py``). Returns its
+        id and seed."""
+        seq = self._add(list(prompt_ids), params, request_id, lora, images)
         return seq.request_id, seq.seed
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams, request_id, lora) -> Sequence:
+    def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
+        """(the prompt with its image tokens expanded, its MultimodalPrompt); (prompt_ids, None) without images."""
+        if not images:
+            return prompt_ids, None
+        if self.images is None:
+            raise RequestError("this model takes no images", param="multi_modal_data")
+        return self.images.prepare(prompt_ids, images)
+
+    def _add(self, prompt_ids: list[int], params: SamplingParams, request_id, lora, images=None,
+             multimodal=None) -> Sequence:
         lora_fields = self._lora_fields(lora)
+        if images is not None:
+            prompt_ids, multimodal = self.prepare_images(prompt_ids, images)
         self.check_request(prompt_ids, params)
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)
         if request_id in self.sequences:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        seq = Sequence(request_id, prompt_ids, params, seed, arrival, **lora_fields)
+        seq = Sequence(request_id, prompt_ids, params, seed, arrival, multimodal=multimodal, **lora_fields)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq

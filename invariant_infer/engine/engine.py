@@ -50,11 +50,33 @@ class Engine(EngineCore):
             raise RequestError("a prompt is a string or a list of token ids")
         return list(prompt)
 
+    def split_prompt(self, prompt) -> tuple[list[int], list | None]:
+        """(token ids, images or None) of a prompt: a string, token ids, or vLLM's multimodal form
+        ``{"prompt_token_ids": ids (or "prompt": text), "multi_modal_data": {"image": image or [images]}}``."""
+        if not isinstance(prompt, dict):
+            return self.encode(prompt), None
+        unknown = set(prompt) - {"prompt_token_ids", "prompt", "multi_modal_data"}
+        if unknown or ("prompt_token_ids" in prompt) == ("prompt" in prompt):
+            raise RequestError("a multimodal prompt is {'prompt_token_ids': ids or 'prompt': text, "
+                               f"'multi_modal_data': {{'image': [...]}}}}; got the keys {sorted(prompt)}")
+        data = prompt.get("multi_modal_data") or {}
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise RequestError(f"multi_modal_data takes images only ('image'; videos are not supported yet), got "
+                               f"{sorted(data) if isinstance(data, dict) else type(data).__name__}",
+                               param="multi_modal_data")
+        images = data.get("image")
+        images = None if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        return self.encode(prompt.get("prompt_token_ids", prompt.get("prompt"))), images or None
+
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, lora=None) -> str:
         """Queue a request on adapter ``lora`` (None: the base model); returns its id, or raises ``RequestError``.
-        ``step`` returns its outputs, with text and stop strings when the engine has a tokenizer."""
-        params = params or SamplingParams()
-        seq = self._add(self.encode(prompt), params, request_id, lora)
+        ``prompt``: text, token ids, or with images ``split_prompt``'s form. ``step`` returns its outputs,
+        with text and stop strings when the engine has a tokenizer."""
+        return self._queue(*self.prepare_images(*self.split_prompt(prompt)), params or SamplingParams(), request_id,
+                           lora)
+
+    def _queue(self, prompt_ids: list[int], multimodal, params: SamplingParams, request_id, lora) -> str:
+        seq = self._add(prompt_ids, params, request_id, lora, multimodal=multimodal)
         self.processors[seq.request_id] = OutputProcessor(seq.request_id, seq.prompt_ids, params, seq.seed,
                                                           self.tokenizer)
         return seq.request_id
@@ -109,15 +131,17 @@ class Engine(EngineCore):
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidArgumentError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        encoded, loras = [self.encode(p) for p in prompts], self._loras_for(lora, len(prompts))
-        for i, (ids, p) in enumerate(zip(encoded, params_list)):
+        loras, prepared = self._loras_for(lora, len(prompts)), []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             try:
-                self.check_request(ids, p)
+                prepared.append(self.prepare_images(*self.split_prompt(prompt)))  # images encoded here, once
+                self.check_request(prepared[-1][0], p)
             except RequestError as exc:
                 raise RequestError(f"request {i}: {exc}", param=exc.param) from None
         # One output per request, when it finishes: no step copies a request's output so far.
         final = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
-        ids = [self.add_request(prompt, p, lora=name) for prompt, p, name in zip(encoded, final, loras)]
+        ids = [self._queue(prompt_ids, multimodal, p, None, name)
+               for (prompt_ids, multimodal), p, name in zip(prepared, final, loras)]
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         with tqdm(total=len(ids), unit="req", disable=not progress) as bar:  # disabled: every call does nothing

@@ -34,6 +34,8 @@ import torch
 from transformers import AttentionInterface
 
 from ..model.attention import PAGED_BATCH_KWARG
+from ..model.checks import base_model
+from ..model.families import text_config
 from ..model.linear_attention import LinearAttentionSlots
 from ..model.logits import head_logits
 from ..kernels import attention_config, token_logprobs
@@ -76,6 +78,10 @@ class StepMetadata:
     lora_groups: list = field(default_factory=list)  # (slot, packed rows) per LoRA adapter (engine.lora_slots)
     # The prefix cache's linear-attention state copies to apply first, in order (prefix_states.py).
     state_copies: list[tuple[str, int, int]] = field(default_factory=list)
+    # Vision-language models: the (temporal, height, width) positions [3 * T], and per chunk with image
+    # tokens (its MultimodalPrompt, first feature row, end, the packed rows they replace).
+    mrope_positions: list[int] | None = None
+    image_pieces: list = field(default_factory=list)
 
 
 @dataclass
@@ -97,8 +103,9 @@ class ModelRunner:
         caching)."""
         self.model, self.invariant = model, invariant
         self.executor = executor_for(model, executor)
-        config = model.config
-        self.base = model.model
+        config = text_config(model.config)
+        self.base = base_model(model)  # the decoder (a vision-language model's language model)
+        self.multimodal = getattr(model.config, "vision_config", None) is not None
         self.lm_head = model.get_output_embeddings()
         self.device, self.dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
         self.num_layers = config.num_hidden_layers
@@ -135,6 +142,7 @@ class ModelRunner:
         def buffer(*size, dtype):
             return torch.zeros(size, dtype=dtype, device=self.device)
         self.input_ids, self.positions = buffer(max_tokens, dtype=torch.long), buffer(max_tokens, dtype=torch.long)
+        self.mrope_positions = buffer(3, max_tokens, dtype=torch.long) if self.multimodal else None
         self.slot_mapping = buffer(max_tokens, dtype=torch.int64)
         self.query_starts, self.seq_lens = buffer(max_seqs + 1, dtype=torch.int32), buffer(max_seqs, dtype=torch.int32)
         self.block_tables = buffer(max_seqs, max_pages, dtype=torch.int32)
@@ -175,11 +183,13 @@ class ModelRunner:
     @staticmethod
     def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:
         """The attention kernel's KV block: a page never splits one."""
+        config = text_config(config)
         return attention_config(device.type, dtype, _head_dim(config)).block_n
 
     @staticmethod
     def page_bytes(config, dtype: torch.dtype, page_size: int, tp_size: int = 1) -> int:
         """Bytes of one page on one rank (a rank holds 1 / tp_size of the KV heads)."""
+        config = text_config(config)
         element = torch.empty((), dtype=dtype).element_size()
         kv_heads = config.num_key_value_heads // tp_size
         return 2 * len(_attention_layers(config)) * page_size * kv_heads * _head_dim(config) * element
@@ -211,8 +221,16 @@ class ModelRunner:
         page_size = self.page_size
         ids, positions, slots, starts, lens, rows = [], [], [], [0], [], []
         width = 1
+        mrope, pieces = [], []
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            if self.multimodal:
+                mrope.append(self._mrope_positions(seq, start, end))
+                if seq.multimodal is not None:
+                    first, last, _ = seq.multimodal.image_rows(start, end)
+                    if first < last:
+                        packed = [len(ids) + p - start for p in seq.multimodal.image_positions[first:last]]
+                        pieces.append((seq.multimodal, first, last, packed))
             ids += chunk.token_ids
             positions += range(start, end)
             pages = seq.pages
@@ -231,7 +249,19 @@ class ModelRunner:
             lens.append(offset + 1)
             rows.append(self.num_table_rows + i // page_size)
         self.padding_rows += len(ids) - num_real
-        return StepMetadata(ids, positions, slots, starts, lens, rows, width, list(self.pending_writes), num_real)
+        metadata = StepMetadata(ids, positions, slots, starts, lens, rows, width, list(self.pending_writes), num_real)
+        if self.multimodal:
+            padding = torch.tensor(positions[num_real:], dtype=torch.long)[None].expand(3, -1)
+            metadata.mrope_positions = torch.cat(mrope + [padding], dim=1).flatten().tolist()
+            metadata.image_pieces = pieces
+        return metadata
+
+    @staticmethod
+    def _mrope_positions(seq, start: int, end: int) -> torch.Tensor:
+        """long [3, end - start]: a request's multimodal positions, or a text-only one's (all three its index)."""
+        if seq.multimodal is not None:
+            return seq.multimodal.positions_of(start, end)
+        return torch.arange(start, end)[None].expand(3, -1)
 
     def load(self, metadata: StepMetadata) -> StepInputs:
         """Apply the block-table writes and copy the step's metadata into the persistent buffers:
@@ -259,6 +289,10 @@ class ModelRunner:
             self.table[write[:, 0], write[:, 1]] = write[:, 2].to(torch.int32)
         self.input_ids[:tokens].copy_(pieces[0])
         self.positions[:tokens].copy_(pieces[1])
+        position_ids = self.positions[:tokens][None]
+        if self.multimodal:
+            self.mrope_positions[:, :tokens].copy_(torch.tensor(m.mrope_positions, dtype=torch.long).view(3, tokens))
+            position_ids = self.mrope_positions[:, None, :tokens]
         self.slot_mapping[:tokens].copy_(pieces[2])
         self.query_starts[:seqs + 1].copy_(pieces[3])
         self.seq_lens[:seqs].copy_(pieces[4])
@@ -277,8 +311,7 @@ class ModelRunner:
             batch.linear_attention = self.linear_slots.step(m.table_rows, computed, query_lens, fresh, self.device)
         lora_rows = [(slot, torch.tensor(rows, dtype=torch.long, device=self.device))
                      for slot, rows in m.lora_groups]
-        return StepInputs(self.input_ids[:tokens][None], self.positions[:tokens][None], batch,
-                          m.num_real_tokens, m, lora_rows)
+        return StepInputs(self.input_ids[:tokens][None], position_ids, batch, m.num_real_tokens, m, lora_rows)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states [T, H] of the step's real packed tokens (on every rank, in step)."""
@@ -289,12 +322,31 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         # A prepared 4-D mask: transformers passes it through untouched (attention ignores it here).
         mask = sequence_bounds(None, 1, inputs.input_ids.shape[1], 0, self.device)
+        tokens = self._multimodal_inputs(inputs) if self.multimodal else dict(input_ids=inputs.input_ids)
         with self.loras.selecting(inputs.lora_rows) if self.loras is not None else contextlib.nullcontext():
-            out = self.base(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=mask,
-                            use_cache=False, **{PAGED_BATCH_KWARG: inputs.batch})
+            out = self.base(**tokens, position_ids=inputs.position_ids, attention_mask=mask, use_cache=False,
+                            **{PAGED_BATCH_KWARG: inputs.batch})
         if inputs.batch.linear_attention is not None:
             inputs.batch.linear_attention.commit()
         return out.last_hidden_state[0, :inputs.num_real_tokens]
+
+    def _multimodal_inputs(self, inputs: StepInputs) -> dict:
+        """The language model's inputs for a step with images: the token embeddings with each image token's
+        row replaced by its feature row, and Qwen3-VL's deepstack features at those rows."""
+        embeds = self.base.embed_tokens(inputs.input_ids)
+        pieces = inputs.metadata.image_pieces
+        if not pieces:
+            return dict(inputs_embeds=embeds)
+        rows = torch.tensor([r for *_, packed in pieces for r in packed], device=self.device)
+        embeds[0, rows] = torch.cat([mm.features[first:last] for mm, first, last, _ in pieces]).to(embeds.dtype)
+        out = dict(inputs_embeds=embeds)
+        layers = len(pieces[0][0].deepstack)
+        if layers:
+            visual = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=self.device)
+            visual[0, rows] = True
+            out.update(visual_pos_masks=visual, deepstack_visual_embeds=[
+                torch.cat([mm.deepstack[k][first:last] for mm, first, last, _ in pieces]) for k in range(layers)])
+        return out
 
     def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         return self.forward(self.prepare(chunks, []))

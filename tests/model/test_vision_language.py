@@ -9,8 +9,8 @@ each row's tokens and logits alone, greedy and seeded, and each greedy step equa
 the sequence. fp32 is within tolerance of stock float64, which references without Qwen2.5-VL's
 windows or Qwen3-VL's deepstack, or without the multimodal positions, miss.
 Negative controls: an M-dependent GEMM (rows), a segment-count-dependent attention block (images).
-Videos, training the tower and Qwen2-VL are refused by name; the engine, scoring, token_logprobs and
-tensor parallelism refuse vision-language models by name."""
+Videos, training the tower and Qwen2-VL are refused by name; scoring, token_logprobs and tensor
+parallelism refuse vision-language models by name (the engine's tests: tests/engine/test_engine_vision_language.py)."""
 from __future__ import annotations
 
 import copy
@@ -285,14 +285,13 @@ def test_qwen2_vl_is_refused_by_name():
 
 
 @pytest.mark.parametrize("family", cells("qwen2_5_vl"))
-def test_engine_scoring_logprobs_and_tensor_parallelism_refuse_it_by_name(checkpoints, family):
-    from invariant_infer.engine import Engine
+def test_scoring_logprobs_and_tensor_parallelism_refuse_it_by_name(checkpoints, family):
     from invariant_infer.parallel.loading import check_tensor_parallel_size
     from invariant_infer.scoring import score_sequences
     from invariant_infer.training import token_logprobs
     model = make_invariant(load(checkpoints[family], torch.float32))
     ids = torch.tensor([[5, 6, 7]])
-    for call in (lambda: Engine(model), lambda: score_sequences(model, [[5, 6, 7]]), lambda: token_logprobs(model, ids),
+    for call in (lambda: score_sequences(model, [[5, 6, 7]]), lambda: token_logprobs(model, ids),
                  lambda: check_tensor_parallel_size(checkpoints[family], 2, torch.device("cpu"))):
         with pytest.raises(UnsupportedModelError, match=f"{family}: .* vision-language models"):
             call()
