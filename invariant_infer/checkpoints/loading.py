@@ -4,10 +4,12 @@ a checkpoint alike."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoTokenizer, PreTrainedTokenizerFast)
 
 from ..model.patch import make_invariant
 from .quantized import quantized_loading
@@ -36,11 +38,13 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(path: str, *, dtype: str | None = None, device: str | None = None, invariant: bool = True):
-    """``AutoModelForCausalLM.from_pretrained(path)`` in ``dtype`` on ``device``, in eval mode, and
-    wrapped by ``make_invariant`` unless ``invariant`` is False (the stock baselines)."""
+    """``AutoModelForCausalLM.from_pretrained(path)`` (``AutoModelForImageTextToText`` for a vision-language
+    checkpoint) in ``dtype`` on ``device``, in eval mode, and wrapped by ``make_invariant`` unless
+    ``invariant`` is False (the stock baselines)."""
     where = resolve_device(device)
+    auto_class = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
     with quantized_loading():  # quantized checkpoints load as stored, kept compressed
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, where)).to(where).eval()
+        model = auto_class.from_pretrained(path, dtype=resolve_dtype(dtype, where)).to(where).eval()
     return make_invariant(model) if invariant else model
 
 
@@ -63,6 +67,27 @@ def load_tokenizer(path: str):
             if tokenizer_class == "PreTrainedTokenizerFast":
                 return PreTrainedTokenizerFast.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
+
+
+def is_vision_language(path: str) -> bool:
+    """Whether the checkpoint's config has a vision tower (``vision_config``)."""
+    try:
+        return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+    except Exception:  # noqa: BLE001  (from_pretrained reports a checkpoint it cannot load)
+        return False
+
+
+@dataclass
+class ImageProcessing:
+    """A vision-language checkpoint's image processor and tokenizer, which is all ``Engine`` takes from a
+    processor (``AutoProcessor`` also builds a video processor, which needs torchvision)."""
+    image_processor: object
+    tokenizer: object
+
+
+def load_processor(path: str, tokenizer) -> ImageProcessing:
+    """The image processor saved at ``path``, with ``tokenizer``."""
+    return ImageProcessing(AutoImageProcessor.from_pretrained(path), tokenizer)
 
 
 class LazyTokenizer:

@@ -72,27 +72,40 @@ class AsyncEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
-    def _add(self, prompt, params, request_id, loop, queue, lora=None) -> tuple[str, int, list[int]]:
-        """(request id, seed, prompt ids): the prompt is tokenized before the engine's lock is taken."""
-        if isinstance(prompt, str):
+    def _add(self, prompt, params, request_id, loop, queue, lora=None,
+             multimodal=None) -> tuple[str, int, list[int]]:
+        """(request id, seed, prompt ids): the prompt is tokenized before the engine's lock is taken; a
+        prompt with images (``Engine.split_prompt``'s form) has its images encoded under the lock (the
+        vision tower is the model's)."""
+        images = None
+        if isinstance(prompt, (str, dict)):
             with self._encode_lock:
-                prompt_ids = self.engine.encode(prompt)
+                prompt_ids, images = self.engine.split_prompt(prompt)
         else:
             prompt_ids = self.engine.encode(prompt)
         with self._lock:
-            request_id, seed = self.engine.add_token_request(prompt_ids, params, request_id, lora=lora)
+            if images:
+                prompt_ids, multimodal = self.engine.prepare_images(prompt_ids, images)
+            request_id, seed = self.engine.add_token_request(prompt_ids, params, request_id, lora=lora,
+                                                             multimodal=multimodal)
             self._streams[request_id] = (loop, queue)
         return request_id, seed, prompt_ids
 
+    def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
+        """``Engine.prepare_images`` under the engine's lock (the vision tower is the model's), from any thread."""
+        with self._lock:
+            return self.engine.prepare_images(prompt_ids, images)
+
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
+                       lora: str | None = None, multimodal=None) -> AsyncIterator[RequestOutput]:
         """Add a request (on adapter ``lora``; ``RequestError`` for a bad one) and yield its outputs (of its
-        ``output_kind``) until it finishes. Leaving the iteration early (a client that went away)
-        aborts it and frees its pages."""
+        ``output_kind``) until it finishes. ``prompt``: text, token ids, or with images ``Engine.split_prompt``'s
+        form (or its expanded ids with ``multimodal``, what ``prepare_images`` made of them). Leaving the
+        iteration early (a client that went away) aborts it and frees its pages."""
         params = params or SamplingParams()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        adding = loop.run_in_executor(None, self._add, prompt, params, request_id, loop, queue, lora)
+        adding = loop.run_in_executor(None, self._add, prompt, params, request_id, loop, queue, lora, multimodal)
         try:
             request_id, seed, prompt_ids = await asyncio.shield(adding)
         except asyncio.CancelledError:  # the caller left while the request was being added

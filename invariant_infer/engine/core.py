@@ -150,12 +150,12 @@ class EngineCore:
             raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)", param="stop")
 
     def add_token_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                          lora=None, images=None) -> tuple[str, int]:
+                          lora=None, multimodal=None) -> tuple[str, int]:
         """Queue a request for the core alone: ``step_deltas`` returns its deltas, which the caller
-        turns into outputs (its text and stop strings too: the core does not decode). ``images``: a
-        vision-language model's images for the prompt's image tokens (``multimodal.py``). Returns its
+        turns into outputs (its text and stop strings too: the core does not decode). ``multimodal``:
+        what ``prepare_images`` made of its images (``prompt_ids`` then its expanded prompt). Returns its
         id and seed."""
-        seq = self._add(list(prompt_ids), params, request_id, lora, images)
+        seq = self._add(list(prompt_ids), params, request_id, lora, multimodal)
         return seq.request_id, seq.seed
 
     def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
@@ -166,11 +166,8 @@ class EngineCore:
             raise RequestError("this model takes no images", param="multi_modal_data")
         return self.images.prepare(prompt_ids, images)
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams, request_id, lora, images=None,
-             multimodal=None) -> Sequence:
+    def _add(self, prompt_ids: list[int], params: SamplingParams, request_id, lora, multimodal=None) -> Sequence:
         lora_fields = self._lora_fields(lora)
-        if images is not None:
-            prompt_ids, multimodal = self.prepare_images(prompt_ids, images)
         self.check_request(prompt_ids, params)
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)

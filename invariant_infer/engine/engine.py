@@ -76,7 +76,7 @@ class Engine(EngineCore):
                            lora)
 
     def _queue(self, prompt_ids: list[int], multimodal, params: SamplingParams, request_id, lora) -> str:
-        seq = self._add(prompt_ids, params, request_id, lora, multimodal=multimodal)
+        seq = self._add(prompt_ids, params, request_id, lora, multimodal)
         self.processors[seq.request_id] = OutputProcessor(seq.request_id, seq.prompt_ids, params, seq.seed,
                                                           self.tokenizer)
         return seq.request_id

@@ -21,7 +21,7 @@ import sys
 import uvicorn
 
 from ..engine import AsyncEngine, Engine
-from ..checkpoints.loading import load_model, load_tokenizer
+from ..checkpoints.loading import is_vision_language, load_model, load_processor, load_tokenizer
 from ..errors import CheckpointLoadError, InvalidArgumentError, InvariantInferError, LoraAdapterError
 from ..parallel import TensorParallelRanks
 from ..parallel.forced_exit import FORCED_EXIT_AFTER_S, exit_later
@@ -60,7 +60,10 @@ def build(options: ServerOptions, ranks: TensorParallelRanks | None = None):
         model = load_model(options.model, dtype=options.dtype, device=options.device, invariant=False)
     tokenizer = load_tokenizer(options.tokenizer or options.model)
     serves_loras = options.enable_lora or bool(options.lora_modules)
-    engine = Engine(model, tokenizer, max_num_seqs=options.max_num_seqs,
+    # A vision-language checkpoint's engine takes its image processor beside the tokenizer (image_url parts).
+    processing = load_processor(options.model, tokenizer) if ranks is None and is_vision_language(options.model) \
+        else tokenizer
+    engine = Engine(model, processing, max_num_seqs=options.max_num_seqs,
                     max_num_batched_tokens=options.max_num_batched_tokens, kv_cache_memory=options.kv_cache_memory,
                     enable_prefix_caching=options.enable_prefix_caching, kernels=options.kernels, executor=ranks,
                     speculative=options.speculative_config,

@@ -171,21 +171,65 @@ class CompletionRequest(Sampling):
         return value
 
 
+def decode_image_url(part: dict):
+    """An ``image_url`` part's image: HxWx3 uint8. Only base64 ``data:`` URLs: a server should not fetch
+    from the network on a request's behalf."""
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise refuse("image_url: only base64 data: URLs are accepted (data:image/png;base64,...); this server does "
+                     "not fetch images from the network", "unsupported_parameter")
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        raise refuse("image_url: the data: URL must be base64 (data:image/...;base64,...)")
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(payload, validate=True))) as image:
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except Exception as exc:  # noqa: BLE001  (any undecodable payload is the request's fault)
+        raise refuse(f"image_url: not a decodable image ({type(exc).__name__}: {exc})") from None
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Text
-    content: Text
+    content: Any  # text, or the parts that hold an image (checked by ``_parts``)
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts(cls, value):
-        """``[{"type": "text", "text": ...}, ...]`` -> their text joined; other parts are refused."""
-        if isinstance(value, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in value):
-                raise refuse("only text parts are supported", "unsupported_parameter")
-            return "".join(p["text"] for p in value)
-        return value
+    def _parts(cls, value):
+        """Text; ``[{"type": "text", "text": ...}, ...]`` -> their text joined; with ``image_url`` parts, the
+        parts as ``{"type": "text", "text": ...}`` and ``{"type": "image", "image": HxWx3 uint8}``; others are
+        refused."""
+        if isinstance(value, str):
+            return _unicode(value)
+        if not isinstance(value, list):
+            raise refuse("Input should be a valid string or a list of content parts", "string_type")
+        parts = []
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": _unicode(part["text"])})
+            elif kind == "image_url":
+                parts.append({"type": "image", "image": decode_image_url(part)})
+            else:
+                raise refuse("only text and image_url parts are supported", "unsupported_parameter")
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
+
+    def images(self) -> list:
+        return [] if isinstance(self.content, str) else [p["image"] for p in self.content if p["type"] == "image"]
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: image parts as ``{"type": "image"}``."""
+        if isinstance(self.content, str):
+            return {"role": self.role, "content": self.content}
+        return {"role": self.role, "content": [p if p["type"] == "text" else {"type": "image"} for p in self.content]}
 
 
 class ChatCompletionRequest(Sampling):

@@ -86,7 +86,7 @@ class ServerState:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad("the tokenizer has no chat template: use /v1/completions", "messages", "no_chat_template")
         try:
-            return self.tokenizer.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
+            return self.tokenizer.apply_chat_template([m.for_template() for m in messages], tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001  (a template that raises on these messages)
             raise bad(f"the chat template failed on these messages: {exc}", "messages") from None
