@@ -19,7 +19,6 @@ from ..errors import InvalidArgumentError, NonInvariantInputError
 from ..model.logits import token_logprobs_from_hidden_autograd
 from ..model.lora import unwrap_peft
 from ..model.padding import positions_from_mask
-from ..model.checks import refuse_vision_language
 from ..model.patch import is_invariant
 
 
@@ -41,13 +40,24 @@ def scored_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   position_ids: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+                   position_ids: torch.Tensor | None = None, temperature: float = 1.0,
+                   **image_inputs) -> torch.Tensor:
     """fp32 [B, L-1] logprobs of each next token at ``temperature``; 0 where nothing is scored
     (``scored_positions``). Differentiable when grad is enabled. ``model`` must be patched by
     ``make_invariant`` (a ``PeftModel`` too: its LoRA adapters run unmerged); padded rows (either side) and
-    packed rows (``position_ids`` restarting at 0) both work."""
+    packed rows (``position_ids`` restarting at 0) both work. A vision-language model takes the rows'
+    images as its processor gives them (``pixel_values``, ``image_grid_thw``; ``mm_token_type_ids`` are
+    derived when absent), with padded rows; its vision tower must be frozen (its backward is not
+    supported yet)."""
     model = unwrap_peft(model)  # a PeftModel: the model inside, its LoRA layers unmerged
-    refuse_vision_language(model.config, "token_logprobs")
+    vision = getattr(model.config, "vision_config", None) is not None
+    unknown = set(image_inputs) - ({"pixel_values", "image_grid_thw", "mm_token_type_ids"} if vision else set())
+    if unknown:
+        raise InvalidArgumentError(f"token_logprobs got unexpected arguments {sorted(unknown)}"
+                                   + ("" if vision else " (images: vision-language models only)"))
+    if vision and position_ids is not None:
+        raise NonInvariantInputError("token_logprobs on a vision-language model takes padded rows (no position_ids): "
+                                     "the model computes each row's multimodal positions")
     if not is_invariant(model):
         raise InvalidArgumentError("token_logprobs needs a batch-invariant model: call make_invariant(model) first")
     if not temperature > 0:
@@ -55,7 +65,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise NonInvariantInputError(f"input_ids must be [batch, length >= 2], got {tuple(input_ids.shape)}")
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state
+                         use_cache=False, **image_inputs).last_hidden_state
     valid = scored_positions(input_ids, attention_mask, position_ids)
     rows = hidden[:, :-1][valid]
     targets = input_ids[:, 1:][valid]
