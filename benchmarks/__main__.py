@@ -20,7 +20,7 @@ from .timing import Run, free_memory
 # Share of the time budget per section; time one section leaves unused passes to the next.
 SHARES = {"matmul": 0.23, "norm_attention": 0.12, "e2e": 0.23, "scoring": 0.09, "divergence": 0.18, "engine": 0.14,
           "host_overhead": 0.05, "server": 0.11, "train": 0.1, "moe": 0.1, "gdn": 0.06, "tensor_parallel": 0.08,
-          "spec": 0.08, "quant": 0.06, "lora": 0.08}
+          "spec": 0.08, "quant": 0.06, "lora": 0.08, "vlm": 0.06}
 DEFAULT_MODEL_PRESET = f"{DEFAULT_FAMILY}:{DEFAULT_PRESET}"
 
 
@@ -80,7 +80,8 @@ def main(argv=None) -> int:
                     "matmul": [], "rmsnorm": [], "attention": [], "decode_attention": [], "e2e": [], "decode": [],
                     "scoring_memory": [], "scoring_throughput": [], "divergence": [], "engine": [],
                     "host_overhead": [], "server": [], "train": [], "moe": [], "gdn": [], "gdn_prefill": [],
-                    "gdn_decode": [], "tp_exchange": [], "tp_steps": [], "spec": [], "quant": [], "lora": []})
+                    "gdn_decode": [], "tp_exchange": [], "tp_steps": [], "spec": [], "quant": [], "lora": [],
+                    "vlm": []})
     out = args.out or Path("bench_out") / f"{time.strftime('%Y%m%d-%H%M%S')}-{results['device'].split(' (')[0].replace(' ', '-')}"
     for i, name in enumerate(args.only):
         if end is not None:  # this section's share of what is left

@@ -51,6 +51,8 @@ REQUIRED = {
 REQUIRED["gdn_prefill"], REQUIRED["gdn_decode"] = REQUIRED["e2e"], ("batch", "prompt", "new_tokens")
 REQUIRED["lora"] = ("mode", "phase", "adapters", "rank", "requests", "tokens", "elapsed_s", "tokens_per_s",
                     "time_ratio_to_base", "bitwise_rows_checked", "bitwise_rows_equal")
+REQUIRED["vlm"] = ("case", "images", "batch", "side", "image_tokens", "stock_ms", "invariant_ms", "ratio",
+                   "stock_alone_bitwise_equal", "invariant_alone_bitwise_equal", "max_abs_diff_to_stock")
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 
 
@@ -108,7 +110,7 @@ def validate(results: dict) -> list:
     missing = [key for key in REQUIRED["top"] if key not in results]
     for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
                     "server", "train", "moe", "gdn", "gdn_prefill", "gdn_decode", "tp_exchange", "tp_steps", "spec",
-                    "quant", "lora"):
+                    "quant", "lora", "vlm"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing

@@ -32,10 +32,11 @@ def base_model(model: nn.Module) -> nn.Module:
 
 
 def refuse_vision_language(config, what: str) -> None:
-    """Vision-language models run in process (``model(...)``, ``generate``); ``what`` does not take them yet."""
+    """``what`` does not take vision-language models yet (they run in ``model(...)``, ``generate``, the engine,
+    ``serve`` and ``token_logprobs``)."""
     if getattr(config, "vision_config", None) is not None:
         raise UnsupportedModelError(f"{config.model_type}: {what} does not take vision-language models yet; they run "
-                                    "in process (model(...) and generate, with images)")
+                                    "in model(...), generate, the engine, serve and token_logprobs, with images")
 
 
 def _not_plain_linear(name: str, module) -> UnsupportedModelError:

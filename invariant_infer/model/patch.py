@@ -187,6 +187,9 @@ def _base_pre_hook(module, args, kwargs):
     max_positions = state_of(module.rotary_emb).rope_tables[0].shape[0]
     position_ids = kwargs.get("position_ids")
     if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:  # multimodal RoPE: per-row, as given
+        if any(kwargs.get(name) is not None for name in FLASH_KWARGS):
+            raise NonInvariantInputError("packed rows (cu_seq_lens_*) with multimodal positions are not supported; "
+                                         "pass padded rows with their attention_mask")
         if check:
             check_multimodal_positions(mask, position_ids, max_positions)
         return (), kwargs

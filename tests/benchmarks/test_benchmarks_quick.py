@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks import (SECTIONS, divergence, e2e, gdn, host_overhead, matmul, moe, norm_attention,  # noqa: E402
-                        quant, scoring, train)
+                        quant, scoring, train, vlm)
 from benchmarks import tensor_parallel as tp_bench  # noqa: E402
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
@@ -505,3 +505,14 @@ def test_lora_bits_catch_a_rows_dependent_shrink(monkeypatch):
         return LinearConfig(base.block_m, base.block_n, 16, k_chunks=4 if rows < 12 else 1)
     monkeypatch.setattr(lora_module, "shrink_config", rows_dependent)
     assert equal_rows() < 2
+
+
+def test_vlm_rows(results):
+    """Quick vlm rows: the tower on each image count, prefill at each batch; the invariant rows bitwise alone."""
+    rows = results["vlm"]
+    assert [(r["case"], r["images"] if r["case"] == "tower" else r["batch"]) for r in rows] == [
+        ("tower", n) for n in vlm.QUICK_IMAGES] + [("prefill", b) for b in vlm.QUICK_PREFILL]
+    for row in rows:
+        assert row["invariant_alone_bitwise_equal"] is True and row["side"] == vlm.QUICK_SIDE
+        assert row["max_abs_diff_to_stock"] < 0.1 and row["ratio"] > 0  # bf16, the same weights
+

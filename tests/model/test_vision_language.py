@@ -9,8 +9,9 @@ each row's tokens and logits alone, greedy and seeded, and each greedy step equa
 the sequence. fp32 is within tolerance of stock float64, which references without Qwen2.5-VL's
 windows or Qwen3-VL's deepstack, or without the multimodal positions, miss.
 Negative controls: an M-dependent GEMM (rows), a segment-count-dependent attention block (images).
-Videos, training the tower and Qwen2-VL are refused by name; scoring, token_logprobs and tensor
-parallelism refuse vision-language models by name (the engine's tests: tests/engine/test_engine_vision_language.py)."""
+Videos, training the tower and Qwen2-VL are refused by name; scoring and tensor parallelism refuse
+vision-language models by name (the engine's, the server's and token_logprobs' tests are in
+tests/engine, tests/server and tests/training)."""
 from __future__ import annotations
 
 import copy
@@ -245,7 +246,8 @@ def generated(model, rows, images, new_tokens=5, seeds=None):
 
 @pytest.mark.parametrize("family, seeded", [("qwen2_5_vl", False), ("qwen3_vl", True),
                                             pytest.param("qwen3_vl", False, marks=pytest.mark.heavy),
-                                            pytest.param("qwen2_5_vl", True, marks=pytest.mark.heavy)])
+                                            pytest.param("qwen2_5_vl", True, marks=pytest.mark.heavy)],
+                         ids=["qwen2_5_vl-greedy", "qwen3_vl-seeded", "qwen3_vl-greedy", "qwen2_5_vl-seeded"])
 def test_generate_with_images_equals_alone_and_each_step_one_forward(checkpoints, images, family, seeded):
     model, images = make_invariant(load(checkpoints[family], torch.bfloat16)), images[family]
     seeds = [11, 12, 13] if seeded else None
@@ -285,13 +287,11 @@ def test_qwen2_vl_is_refused_by_name():
 
 
 @pytest.mark.parametrize("family", cells("qwen2_5_vl"))
-def test_scoring_logprobs_and_tensor_parallelism_refuse_it_by_name(checkpoints, family):
+def test_scoring_and_tensor_parallelism_refuse_it_by_name(checkpoints, family):
     from invariant_infer.parallel.loading import check_tensor_parallel_size
     from invariant_infer.scoring import score_sequences
-    from invariant_infer.training import token_logprobs
     model = make_invariant(load(checkpoints[family], torch.float32))
-    ids = torch.tensor([[5, 6, 7]])
-    for call in (lambda: score_sequences(model, [[5, 6, 7]]), lambda: token_logprobs(model, ids),
+    for call in (lambda: score_sequences(model, [[5, 6, 7]]),
                  lambda: check_tensor_parallel_size(checkpoints[family], 2, torch.device("cpu"))):
         with pytest.raises(UnsupportedModelError, match=f"{family}: .* vision-language models"):
             call()

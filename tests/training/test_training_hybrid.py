@@ -48,7 +48,7 @@ def rollouts(model):
     return [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids), o.logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.heavy)], ids=str)
 def test_trainer_logprobs_equal_the_engines_at_any_micro_batch(checkpoint, dtype):
     model = make_invariant(load_model(checkpoint, dtype))
     sequences, prompt_lengths, engine_logps = zip(*rollouts(model))

@@ -96,6 +96,7 @@ def test_trainer_logprobs_equal_the_engines_at_any_micro_batch(rollouts):
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.heavy  # CI time: a second rollout in fp32; the model-level tests' controls run in the fast tier
 def test_negative_control_an_m_dependent_gemm(checkpoint, monkeypatch):
     """The sampler's decode steps (3 rows) take another K tile than its prefill and the trainer's micro-batch;
     fp32, where a reordered sum shows."""
