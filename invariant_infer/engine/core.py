@@ -28,7 +28,7 @@ from .block_manager import BlockManager, block_table_rows
 from .hybrid import check_hybrid, is_hybrid
 from .lora_slots import LoraAdapter, LoraSlots
 from .model_runner import ModelRunner
-from .multimodal import ImageInputs, check_vision_language
+from .multimodal import check_vision_language
 from .prefix_states import PrefixStates, saved_state_interval
 from .logprob_rows import record_prompt_logprobs, record_top_logprobs, row_logprobs
 from .output import SequenceDelta
@@ -62,9 +62,7 @@ class EngineCore:
             raise InvalidArgumentError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise InvalidArgumentError("max_num_seqs and max_num_batched_tokens must be at least 1")
-        vision = getattr(model.config, "vision_config", None) is not None
-        if vision:
-            check_vision_language(model.config.model_type, kernels, speculative, max_loras, executor)
+        check_vision_language(model.config, kernels, speculative, max_loras, executor)
         if kernels == "invariant":
             make_invariant(model)
         elif is_invariant(model):
@@ -76,10 +74,6 @@ class EngineCore:
         if hybrid:
             check_hybrid(model.config.model_type, kernels, speculative, max_loras)
         self.model, self.tokenizer = model.eval(), tokenizer
-        # A vision-language model's requests with images go through its processor (multimodal.py).
-        self.images = ImageInputs(model, tokenizer) if vision else None
-        if hasattr(tokenizer, "image_processor"):  # a processor: its tokenizer, for text and stop strings
-            self.tokenizer = tokenizer = getattr(tokenizer, "tokenizer", None)
         config = text_config(model.config)
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
         dtype, device = model.get_output_embeddings().weight.dtype, model.get_output_embeddings().weight.device
@@ -151,20 +145,10 @@ class EngineCore:
 
     def add_token_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                           lora=None, multimodal=None) -> tuple[str, int]:
-        """Queue a request for the core alone: ``step_deltas`` returns its deltas, which the caller
-        turns into outputs (its text and stop strings too: the core does not decode). ``multimodal``:
-        what ``prepare_images`` made of its images (``prompt_ids`` then its expanded prompt). Returns its
-        id and seed."""
+        """Queue a request for the core alone (with images: ``Engine.prepare_images``'s ``multimodal``); returns its id
+        and seed. ``step_deltas`` returns its deltas; the caller makes outputs (the core does not decode)."""
         seq = self._add(list(prompt_ids), params, request_id, lora, multimodal)
         return seq.request_id, seq.seed
-
-    def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
-        """(the prompt with its image tokens expanded, its MultimodalPrompt); (prompt_ids, None) without images."""
-        if not images:
-            return prompt_ids, None
-        if self.images is None:
-            raise RequestError("this model takes no images", param="multi_modal_data")
-        return self.images.prepare(prompt_ids, images)
 
     def _add(self, prompt_ids: list[int], params: SamplingParams, request_id, lora, multimodal=None) -> Sequence:
         lora_fields = self._lora_fields(lora)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from ..errors import InvalidArgumentError, RequestError, RequestFailedError
 from ..scoring.core import ScoreResult
 from .core import EngineCore
+from .multimodal import ImageInputs
 from .output import OutputProcessor, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -34,7 +35,12 @@ class Engine(EngineCore):
     enable_prefix_caching, kernels, decode_buckets, executor, speculative, max_loras, max_lora_rank."""
 
     def __init__(self, model, tokenizer=None, **options):
-        super().__init__(model, tokenizer, **options)
+        """``tokenizer``: the model's tokenizer, or a vision-language model's processor (its ``image_processor``
+        and ``tokenizer``), through which requests with images go (``multimodal.py``)."""
+        processor = tokenizer if hasattr(tokenizer, "image_processor") else None
+        super().__init__(model, getattr(tokenizer, "tokenizer", None) if processor is not None else tokenizer,
+                         **options)
+        self.images = ImageInputs(model, processor) if getattr(model.config, "vision_config", None) else None
         self.processors: dict[str, OutputProcessor] = {}  # of the requests add_request queued
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -67,6 +73,14 @@ class Engine(EngineCore):
         images = data.get("image")
         images = None if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
         return self.encode(prompt.get("prompt_token_ids", prompt.get("prompt"))), images or None
+
+    def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
+        """(the prompt with its image tokens expanded, its MultimodalPrompt); (prompt_ids, None) without images."""
+        if not images:
+            return prompt_ids, None
+        if self.images is None:
+            raise RequestError("this model takes no images", param="multi_modal_data")
+        return self.images.prepare(prompt_ids, images)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, lora=None) -> str:
         """Queue a request on adapter ``lora`` (None: the base model); returns its id, or raises ``RequestError``.

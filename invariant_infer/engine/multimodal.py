@@ -23,13 +23,15 @@ import torch
 from ..errors import RequestError, UnsupportedModelError
 
 
-def check_vision_language(model_type: str, kernels: str, speculative, max_loras: int, executor) -> None:
-    """Refuse, by name, what the engine does not run with a vision-language model."""
+def check_vision_language(config, kernels: str, speculative, max_loras: int, executor) -> None:
+    """Refuse, by name, what the engine does not run with a vision-language model (any other: nothing)."""
+    if getattr(config, "vision_config", None) is None:
+        return
     refused = [what for what, asked in (
         ("kernels='stock'", kernels != "invariant"), ("speculative decoding", speculative),
         ("LoRA adapters", max_loras), ("tensor parallelism", executor.tensor_parallel_size > 1)) if asked]
     if refused:
-        raise UnsupportedModelError(f"{model_type}: the engine does not run vision-language models with "
+        raise UnsupportedModelError(f"{config.model_type}: the engine does not run vision-language models with "
                                     f"{'; '.join(refused)} yet")
 
 

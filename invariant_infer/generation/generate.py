@@ -202,7 +202,8 @@ def check_generate_options(model, options: dict) -> dict:
             raise NonInvariantInputError(f"generate with padded prompts: {problem}")
 
     image_token = getattr(model.config, "image_token_id", None)
-    if image_token is not None and options.get("image_grid_thw") is not None and options.get("mm_token_type_ids") is None \
+    if image_token is not None and options.get("image_grid_thw") is not None \
+            and options.get("mm_token_type_ids") is None \
             and isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
         # Without them transformers gives image tokens text positions: derived as the model's forward does.
         options["mm_token_type_ids"] = (inputs == image_token).to(torch.int32)
