@@ -140,9 +140,8 @@ def run(ctx: Run, family: str | None = None, preset: str | None = None, dtype=to
     return {"vlm": out}
 
 
-def markdown(results: dict) -> str:
-    """RESULTS.md's table of this section."""
-    from .report_markdown import table  # noqa: PLC0415  (report_markdown imports this module)
+def markdown(results: dict, table) -> str:
+    """RESULTS.md's table of this section (``table``: report_markdown's, which calls this)."""
     if not results.get("vlm"):
         return ""
     out = ["\n## Vision-language models (Qwen2.5-VL): vision tower and image + text prefill, invariant vs stock\n\n"
