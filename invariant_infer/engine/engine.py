@@ -145,11 +145,20 @@ class Engine(EngineCore):
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidArgumentError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        loras, prepared = self._loras_for(lora, len(prompts)), []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        prepared = []
+        for i, prompt in enumerate(prompts):
             try:
                 prepared.append(self.prepare_images(*self.split_prompt(prompt)))  # images encoded here, once
-                self.check_request(prepared[-1][0], p)
+            except RequestError as exc:
+                raise RequestError(f"request {i}: {exc}", param=exc.param) from None
+        return self._run(prepared, params_list, progress, lora)
+
+    def _run(self, prepared: list, params_list: list[SamplingParams], progress: bool, lora) -> list[RequestOutput]:
+        """``generate`` on prompts ``prepare_images`` prepared: (token ids, MultimodalPrompt or None) each."""
+        loras = self._loras_for(lora, len(prepared))
+        for i, ((prompt_ids, _), p) in enumerate(zip(prepared, params_list)):
+            try:
+                self.check_request(prompt_ids, p)
             except RequestError as exc:
                 raise RequestError(f"request {i}: {exc}", param=exc.param) from None
         # One output per request, when it finishes: no step copies a request's output so far.
@@ -168,12 +177,19 @@ class Engine(EngineCore):
 
     def score(self, sequences, prompt_lengths: list[int] | None = None, lora=None) -> list[ScoreResult]:
         """Logprobs of every token after ``prompt_lengths[i]`` (default 1): bitwise what
-        ``score_sequences`` gives for the same model (with ``lora``: its ``PeftModel``)."""
-        sequences = [self.encode(s) for s in sequences]
-        prompt_lengths = prompt_lengths or [1] * len(sequences)
-        if any(not 1 <= start < len(seq) for seq, start in zip(sequences, prompt_lengths)):
+        ``score_sequences`` gives for the same model (with ``lora``: its ``PeftModel``). A sequence with
+        images (``split_prompt``'s form) counts its prompt length in its own token ids, one image token per
+        image; its images' tokens are expanded, and the scores (``token_logprobs``' at temperature 1) start
+        after the expanded prompt."""
+        split = [self.split_prompt(s) for s in sequences]
+        prompt_lengths = prompt_lengths or [1] * len(split)
+        if any(not 1 <= start < len(ids) for (ids, _), start in zip(split, prompt_lengths)):
             raise RequestError("each sequence needs 1 <= prompt_length < its length")
-        outputs = self.generate(sequences, SamplingParams(max_tokens=0, prompt_logprobs=0), lora=lora)
+        prepared = [self.prepare_images(ids, images) for ids, images in split]
+        prompt_lengths = [start if mm is None else mm.expanded_position(ids, start)
+                          for (ids, _), (_, mm), start in zip(split, prepared, prompt_lengths)]
+        outputs = self._run(prepared, [SamplingParams(max_tokens=0, prompt_logprobs=0)] * len(prepared), False,
+                            lora)
         results = []
         for out, start in zip(outputs, prompt_lengths):
             if out.error:

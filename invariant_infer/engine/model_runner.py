@@ -227,7 +227,7 @@ class ModelRunner:
             if self.multimodal:
                 mrope.append(self._mrope_positions(seq, start, end))
                 if seq.multimodal is not None:
-                    first, last, _ = seq.multimodal.image_rows(start, end)
+                    first, last = seq.multimodal.image_rows(start, end)
                     if first < last:
                         packed = [len(ids) + p - start for p in seq.multimodal.image_positions[first:last]]
                         pieces.append((seq.multimodal, first, last, packed))

@@ -51,13 +51,27 @@ class MultimodalPrompt:
         generated = torch.arange(max(start, prompt), max(end, prompt)) + self.rope_delta
         return torch.cat([self.positions[:, start:min(end, prompt)], generated[None].expand(3, -1)], dim=1)
 
-    def image_rows(self, start: int, end: int) -> tuple[int, int, int]:
-        """(first feature row, end, offset of the first image token from ``start``) of the image tokens among
-        positions start .. end - 1, which are consecutive feature rows (a prefill chunk cuts them anywhere)."""
-        first = bisect.bisect_left(self.image_positions, start)
-        last = bisect.bisect_left(self.image_positions, end)
-        offset = self.image_positions[first] - start if first < last else 0
-        return first, last, offset
+    def image_rows(self, start: int, end: int) -> tuple[int, int]:
+        """(first feature row, end) of the image tokens among positions start .. end - 1, which are consecutive
+        feature rows (a prefill chunk cuts them anywhere)."""
+        return bisect.bisect_left(self.image_positions, start), bisect.bisect_left(self.image_positions, end)
+
+    def expanded_position(self, token_ids: list[int], index: int) -> int:
+        """Where position ``index`` of the unexpanded prompt ``token_ids`` (one image token per image, or each
+        image's tokens) lies in the expanded one. An index inside an image's tokens is refused."""
+        shift = 0
+        for k, (start, end, _) in enumerate(self.image_spans):
+            first = start - shift  # the image's first token in token_ids
+            run = 1
+            while first + run < len(token_ids) and token_ids[first + run] == token_ids[first]:
+                run += 1
+            if index <= first:
+                return index + shift
+            if index < first + run:
+                raise RequestError(f"the prompt length {index} falls inside image {k}'s tokens",
+                                   param="prompt_lengths")
+            shift += (end - start) - run
+        return index + shift
 
     def page_key(self, first: int, end: int) -> bytes:
         """The digests of the images with tokens in positions first .. end - 1 (a page), in order."""

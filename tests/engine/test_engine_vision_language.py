@@ -6,7 +6,7 @@ request beside them) gives each request its tokens and logprobs alone, which equ
 on the same images; seeded sampling too. Prefix caching keys pages by the images' pixels: the same
 tokens with another image never hit, the same image hits and changes nothing. Videos, images without
 a processor, placeholders that do not match the images and the engine's options that do not run with
-images yet are refused by name."""
+images yet are refused by name. ``engine.score`` on sequences with images equals ``token_logprobs``."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -151,3 +151,31 @@ def test_refusals_name_what_is_not_supported(setups):
     for options in (dict(max_loras=1), dict(speculative={"method": "ngram", "num_speculative_tokens": 2})):
         with pytest.raises(UnsupportedModelError, match="qwen2_5_vl: the engine does not run vision-language"):
             Engine(model, processor, **options)
+
+
+def test_score_with_images_equals_token_logprobs(setups):
+    """engine.score on sequences with images (the prompt length counted with one token per image) gives
+    token_logprobs' values at temperature 1 after the expanded prompt, bitwise."""
+    from invariant_infer.training import token_logprobs
+    path, processor, images = setups["qwen2_5_vl"]
+    model = load(path)
+    engine = Engine(model, processor)
+    sequences = [request([5, 6], [0], [8, 9, 10, 11], images), request([11], [1, 2], [13, 14], images),
+                 [20, 21, 22, 23]]
+    prompt_lengths = [4, 9, 2]  # after the image, after both images, text only
+    results = engine.score(sequences, prompt_lengths)
+    for sequence, start, result in zip(sequences, prompt_lengths, results):
+        ids, mm = engine.prepare_images(*engine.split_prompt(sequence))
+        inputs = {}
+        if mm is not None:
+            pixels = [processor.image_processor(images=[im], return_tensors="pt")
+                      for im in sequence["multi_modal_data"]["image"]]
+            inputs = dict(pixel_values=torch.cat([p["pixel_values"] for p in pixels]),
+                          image_grid_thw=torch.cat([p["image_grid_thw"] for p in pixels]))
+            start = mm.expanded_position(sequence["prompt_token_ids"], start)
+        with torch.no_grad():
+            want = token_logprobs(model, torch.tensor([ids]), **inputs)[0, start - 1:]
+        assert torch.equal(result.token_logprobs, want)
+    expanded = {**request([5], [0], [6], images), "prompt_token_ids": [5, START] + [IMAGE] * 12 + [END, 6]}
+    with pytest.raises(RequestError, match="inside image"):  # a prompt cut inside the image's 12 tokens
+        engine.score([expanded], [5])
