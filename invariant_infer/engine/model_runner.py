@@ -7,7 +7,9 @@ each token's absolute position; attention receives a ``paged_batch`` keyword tha
 forward passes through to its attention function (``invariant_infer.model.attention``), which
 writes the step's K/V into the pages and attends over each sequence's own pages. On hybrid models
 the same batch carries the Gated DeltaNet layers' step (``LinearAttentionStep``): each sequence's
-state slot is its block-table row, and only the attention layers hold pages.
+state slot is its block-table row, and only the attention layers hold pages. On a vision-language model
+the language model runs from the token embeddings with the image tokens' rows replaced by their
+requests' image features, at the requests' multimodal positions (``multimodal.py``).
 
 Under tensor parallelism (a model that ``TensorParallelRanks`` drives), each rank holds its shard of
 the KV heads in its own pages; rank 0 schedules, and each step's metadata (plain lists: token ids,
