@@ -13,11 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import NonInvariantInputError
-
-
-def _cache_length(kwargs) -> int:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+from .padding import cache_length
 
 
 def multimodal_pre_hook(module, args, kwargs):
@@ -30,7 +26,7 @@ def multimodal_pre_hook(module, args, kwargs):
         if kwargs.get(name) is not None:
             raise NonInvariantInputError(f"{name}: videos are not supported by invariant inference yet; pass images")
     input_ids = kwargs.get("input_ids")
-    if kwargs.get("position_ids") is None and _cache_length(kwargs) == 0 and input_ids is None:
+    if kwargs.get("position_ids") is None and cache_length(kwargs) == 0 and input_ids is None:
         module.rope_deltas = None
     if input_ids is not None and kwargs.get("image_grid_thw") is not None and kwargs.get("mm_token_type_ids") is None:
         kwargs["mm_token_type_ids"] = (input_ids == module.config.image_token_id).to(torch.int32)

@@ -47,6 +47,12 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int = 0, device=N
     return pad_sequences(sequences, side="left", pad_token_id=pad_token_id, device=device)
 
 
+def cache_length(forward_kwargs: dict) -> int:
+    """Tokens already in the cache a forward's keywords carry (``cache``, or ``past_key_values`` before 5.24)."""
+    cache = forward_kwargs.get("cache", forward_kwargs.get("past_key_values"))
+    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+
+
 def positions_from_mask(attention_mask: torch.Tensor, query_length: int) -> torch.Tensor:
     """position_ids for the last ``query_length`` columns: cumsum(mask) - 1, pads at 0."""
     mask = attention_mask.to(torch.long)

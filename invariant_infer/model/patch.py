@@ -58,7 +58,7 @@ from .multimodal import multimodal_pre_hook
 from .recomputed_backward import recomputed_backward
 from .rope import mrope_axes, rotary_forward, set_rope_tables
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
-from .padding import check_multimodal_positions, is_sequence_bounds, resolve_positions
+from .padding import cache_length, check_multimodal_positions, is_sequence_bounds, resolve_positions
 from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
 from .quantized_experts import quantized_experts_forward
 from .tensor_parallel import tp_forwards, tp_layout
@@ -165,11 +165,6 @@ def _base_forward_names(module: nn.Module) -> list[str]:
     return _FORWARD_NAMES[cls]
 
 
-def _cache_length(kwargs) -> int:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
-
-
 def _base_pre_hook(module, args, kwargs):
     kwargs = {**dict(zip(_base_forward_names(module), args)), **kwargs}
     mask = kwargs.get("attention_mask")
@@ -198,7 +193,7 @@ def _base_pre_hook(module, args, kwargs):
         flash = {name: kwargs.pop(name) for name in FLASH_KWARGS if name in kwargs}
         positions, packed = resolve_packed(
             kwargs.get("position_ids"), flash, batch=tokens.shape[0], length=tokens.shape[1],
-            cache_length=_cache_length(kwargs), max_positions=max_positions, device=tokens.device)
+            cache_length=cache_length(kwargs), max_positions=max_positions, device=tokens.device)
         if packed is not None:
             kwargs["attention_mask"] = packed.bounds()
             kwargs[PACKED_KWARG] = packed
@@ -208,7 +203,7 @@ def _base_pre_hook(module, args, kwargs):
                                          "attention_mask and run eagerly (not under torch.compile)")
         positions = resolve_positions(
             mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
-            cache_length=_cache_length(kwargs) if check else 0, max_positions=max_positions, check=check)
+            cache_length=cache_length(kwargs) if check else 0, max_positions=max_positions, check=check)
     if positions is not None:
         kwargs["position_ids"] = positions
     return (), kwargs
