@@ -22,7 +22,7 @@ class ModuleState:
     rope_tables: tuple | None = None  # a rotary embedding's (cos, sin) tables over every position
     rope_tables_by_type: dict | None = None  # those tables per layer type (Gemma 3's local and global RoPE)
     # Multimodal RoPE (Qwen-VL): which of the (temporal, height, width) positions each frequency takes.
-    mrope_axes: tuple[int, ...] | None = None
+    mrope_axes: Any = None           # long [D / 2]
 
     @property
     def adds_lora_delta(self) -> bool:

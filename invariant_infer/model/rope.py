@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import NonInvariantInputError
+from ..errors import NonInvariantInputError, UnsupportedModelError
 from .module_state import module_state, state_of
 
 
@@ -22,6 +22,8 @@ def rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type
         else:
             state.rope_tables_by_type[layer_type] = (cos_table, sin_table)
     if position_ids.dim() == 3 and state.mrope_axes is not None:
+        if state.mrope_axes.device != x.device:
+            state.mrope_axes = state.mrope_axes.to(x.device)
         return _mrope(cos_table, x.dtype, position_ids, state.mrope_axes), \
             _mrope(sin_table, x.dtype, position_ids, state.mrope_axes)
     if position_ids.dim() == 3:  # multimodal RoPE sections (Qwen3.5): text positions repeat one section
@@ -44,17 +46,12 @@ def mrope_axes(sections, interleaved: bool) -> tuple[int, ...]:
     return tuple(j % 3 if (j % 3 and j < 3 * sections[j % 3]) else 0 for j in range(half))
 
 
-def _mrope(table: torch.Tensor, dtype: torch.dtype, position_ids: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+def _mrope(table: torch.Tensor, dtype: torch.dtype, position_ids: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
     """Multimodal rope from a table: [3, B, L] (temporal, height, width) positions -> [B, L, D]; frequency
-    j takes its value at positions[axes[j]]."""
-    half = table.shape[-1] // 2
-    if len(axes) != half:
-        raise NonInvariantInputError(f"mrope_section covers {len(axes)} rotary frequencies, not the model's {half}")
+    j takes its value at positions[axes[j]] (``axes``: long [D / 2], on the table's device)."""
     idx = position_ids.clamp(0, table.shape[0] - 1)
-    values = table[idx[0], :half].clone()
-    for axis in (1, 2):
-        columns = torch.tensor([a == axis for a in axes], device=table.device)
-        values[..., columns] = table[idx[axis], :half][..., columns]
+    rows = idx[axes].permute(1, 2, 0)  # [B, L, D / 2]: each frequency's position
+    values = table.gather(0, rows.flatten(0, 1)).view(rows.shape)
     return torch.cat((values, values), dim=-1).to(dtype)
 
 
@@ -63,14 +60,21 @@ def set_rope_tables(rotary: nn.Module, max_positions: int, half: bool = False,
     """Compute the tables of ``rotary`` (one set per layer type where it keeps several, as Gemma 3's)
     into its module state. ``half``: cos/sin of the frequencies themselves, for a family whose apply
     pairs them with the two halves of each head (gpt-oss); otherwise repeated over both halves.
-    ``mrope_axes``: a multimodal rope's axis per frequency (``mrope_axes``), read with 3-D positions."""
+    ``mrope_axes``: a multimodal rope's axis per frequency (see ``mrope_axes``), kept as a long tensor on
+    the tables' device and read with 3-D positions."""
     state = module_state(rotary)
-    state.mrope_axes = mrope_axes
+    state.mrope_axes = None
     if getattr(rotary, "layer_types", None):
         state.rope_tables_by_type = {t: rope_tables(rotary, max_positions, t, half) for t in rotary.layer_types}
         state.rope_tables = next(iter(state.rope_tables_by_type.values()))
     else:
         state.rope_tables = rope_tables(rotary, max_positions, half=half)
+    if mrope_axes is not None:
+        frequencies = state.rope_tables[0].shape[-1] // 2
+        if len(mrope_axes) != frequencies:
+            raise UnsupportedModelError(f"mrope_section covers {len(mrope_axes)} rotary frequencies, not the "
+                                        f"model's {frequencies}")
+        state.mrope_axes = torch.tensor(mrope_axes, dtype=torch.long, device=state.rope_tables[0].device)
 
 
 def rope_tables(rotary: nn.Module, max_positions: int, layer_type: str | None = None, half: bool = False):
