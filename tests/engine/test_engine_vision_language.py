@@ -65,6 +65,17 @@ def requests(images):
             [20, 21, 22, 23, 24], request([30, 31], [2], [], images)]
 
 
+def pixel_inputs(processor, prompt) -> dict:
+    """``pixel_values`` and ``image_grid_thw`` of a prompt's images, each processed alone (as the engine does);
+    none for a text prompt."""
+    images = prompt.get("multi_modal_data", {}).get("image", []) if isinstance(prompt, dict) else []
+    if not images:
+        return {}
+    pixels = [processor.image_processor(images=[image], return_tensors="pt") for image in images]
+    return dict(pixel_values=torch.cat([p["pixel_values"] for p in pixels]),
+                image_grid_thw=torch.cat([p["image_grid_thw"] for p in pixels]))
+
+
 def run(engine, prompts, params=GREEDY):
     return [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
 
@@ -88,15 +99,10 @@ def test_busy_engine_equals_alone_and_generate(setups, family):
     assert [(got[str(i)].token_ids, got[str(i)].logprobs) for i in range(len(prompts))] == alone
     # model.generate on the same images (each alone: its own prompt, processed the same way)
     for prompt, (tokens, _) in zip(prompts, alone):
-        ids, mm = busy.prepare_images(*busy.split_prompt(prompt))
-        kwargs = {}
-        if mm is not None:
-            pixels = [processor.image_processor(images=[im], return_tensors="pt")
-                      for im in prompt["multi_modal_data"]["image"]]
-            kwargs = dict(pixel_values=torch.cat([p["pixel_values"] for p in pixels]),
-                          image_grid_thw=torch.cat([p["image_grid_thw"] for p in pixels]))
+        ids, _ = busy.prepare_images(*busy.split_prompt(prompt))
         out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=GREEDY.max_tokens, do_sample=False, pad_token_id=0, **kwargs)
+                             max_new_tokens=GREEDY.max_tokens, do_sample=False, pad_token_id=0,
+                             **pixel_inputs(processor, prompt))
         assert out[0, len(ids):].tolist() == tokens
 
 
@@ -166,15 +172,10 @@ def test_score_with_images_equals_token_logprobs(setups):
     results = engine.score(sequences, prompt_lengths)
     for sequence, start, result in zip(sequences, prompt_lengths, results):
         ids, mm = engine.prepare_images(*engine.split_prompt(sequence))
-        inputs = {}
         if mm is not None:
-            pixels = [processor.image_processor(images=[im], return_tensors="pt")
-                      for im in sequence["multi_modal_data"]["image"]]
-            inputs = dict(pixel_values=torch.cat([p["pixel_values"] for p in pixels]),
-                          image_grid_thw=torch.cat([p["image_grid_thw"] for p in pixels]))
             start = mm.expanded_position(sequence["prompt_token_ids"], start)
         with torch.no_grad():
-            want = token_logprobs(model, torch.tensor([ids]), **inputs)[0, start - 1:]
+            want = token_logprobs(model, torch.tensor([ids]), **pixel_inputs(processor, sequence))[0, start - 1:]
         assert torch.equal(result.token_logprobs, want)
     expanded = {**request([5], [0], [6], images), "prompt_token_ids": [5, START] + [IMAGE] * 12 + [END, 6]}
     with pytest.raises(RequestError, match="inside image"):  # a prompt cut inside the image's 12 tokens
