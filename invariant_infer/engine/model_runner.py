@@ -7,9 +7,8 @@ each token's absolute position; attention receives a ``paged_batch`` keyword tha
 forward passes through to its attention function (``invariant_infer.model.attention``), which
 writes the step's K/V into the pages and attends over each sequence's own pages. On hybrid models
 the same batch carries the Gated DeltaNet layers' step (``LinearAttentionStep``): each sequence's
-state slot is its block-table row, and only the attention layers hold pages. On a vision-language model
-the language model runs from the token embeddings with the image tokens' rows replaced by their
-requests' image features, at the requests' multimodal positions (``multimodal.py``).
+state slot is its block-table row, and only the attention layers hold pages. A vision-language model's
+image tokens take their requests' image features and multimodal positions (``multimodal.py``).
 
 Under tensor parallelism (a model that ``TensorParallelRanks`` drives), each rank holds its shard of
 the KV heads in its own pages; rank 0 schedules, and each step's metadata (plain lists: token ids,
@@ -80,8 +79,7 @@ class StepMetadata:
     lora_groups: list = field(default_factory=list)  # (slot, packed rows) per LoRA adapter (engine.lora_slots)
     # The prefix cache's linear-attention state copies to apply first, in order (prefix_states.py).
     state_copies: list[tuple[str, int, int]] = field(default_factory=list)
-    # Vision-language models: the (temporal, height, width) positions [3 * T], and per chunk with image
-    # tokens (its MultimodalPrompt, first feature row, end, the packed rows they replace).
+    # Vision-language models: positions [3 * T]; per chunk with images (MultimodalPrompt, feature rows, packed rows).
     mrope_positions: list[int] | None = None
     image_pieces: list = field(default_factory=list)
 
