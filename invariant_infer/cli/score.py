@@ -12,6 +12,10 @@ rows are written as workers finish their tasks. A worker that dies is restarted 
 ``--max-restarts`` times) and its task retried; a row that kills its worker even alone, or whose
 scoring raises, becomes an error row.
 
+For a vision-language checkpoint (Qwen2.5-VL, Qwen3-VL), a row may hold ``images``: base64 ``data:``
+URLs or image files (relative paths from the input file's folder), one per run of image tokens in
+its ids; each image is processed alone and its tokens expanded.
+
 ``--lora NAME=PATH ...`` loads PEFT LoRA adapters (unmerged); a row's ``lora`` field names the one
 it is scored with (absent or null: the base model), and its result row repeats it.
 """

@@ -25,6 +25,7 @@ from ..errors import InvalidArgumentError, RequestError, RequestFailedError
 from ..scoring.core import ScoreResult
 from .core import EngineCore
 from .multimodal import ImageInputs
+from ..model.image_inputs import expanded_position
 from .output import OutputProcessor, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -186,8 +187,9 @@ class Engine(EngineCore):
         if any(not 1 <= start < len(ids) for (ids, _), start in zip(split, prompt_lengths)):
             raise RequestError("each sequence needs 1 <= prompt_length < its length")
         prepared = [self.prepare_images(ids, images) for ids, images in split]
-        prompt_lengths = [start if mm is None else mm.expanded_position(ids, start)
-                          for (ids, _), (_, mm), start in zip(split, prepared, prompt_lengths)]
+        prompt_lengths = [start if mm is None else expanded_position(
+            ids, self.images.image_token, [end - first for first, end, _ in mm.image_spans], start)
+            for (ids, _), (_, mm), start in zip(split, prepared, prompt_lengths)]
         outputs = self._run(prepared, [SamplingParams(max_tokens=0, prompt_logprobs=0)] * len(prepared), False,
                             lora)
         results = []

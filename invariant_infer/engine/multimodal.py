@@ -14,13 +14,12 @@ so the same token ids with another image never hit.
 from __future__ import annotations
 
 import bisect
-import hashlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..errors import RequestError, UnsupportedModelError
+from ..model.image_inputs import prepare_prompt_images
 
 
 def check_vision_language(config, kernels: str, speculative, max_loras: int, executor) -> None:
@@ -56,23 +55,6 @@ class MultimodalPrompt:
         feature rows (a prefill chunk cuts them anywhere)."""
         return bisect.bisect_left(self.image_positions, start), bisect.bisect_left(self.image_positions, end)
 
-    def expanded_position(self, token_ids: list[int], index: int) -> int:
-        """Where position ``index`` of the unexpanded prompt ``token_ids`` (one image token per image, or each
-        image's tokens) lies in the expanded one. An index inside an image's tokens is refused."""
-        shift = 0
-        for k, (start, end, _) in enumerate(self.image_spans):
-            first = start - shift  # the image's first token in token_ids
-            run = 1
-            while first + run < len(token_ids) and token_ids[first + run] == token_ids[first]:
-                run += 1
-            if index <= first:
-                return index + shift
-            if index < first + run:
-                raise RequestError(f"the prompt length {index} falls inside image {k}'s tokens",
-                                   param="prompt_lengths")
-            shift += (end - start) - run
-        return index + shift
-
     def page_key(self, first: int, end: int) -> bytes:
         """The digests of the images with tokens in positions first .. end - 1 (a page), in order."""
         return b"".join(digest for start, stop, digest in self.image_spans if start < end and stop > first)
@@ -85,68 +67,28 @@ class ImageInputs:
         self.model, self.image_processor = model, getattr(processor, "image_processor", None)
         self.multimodal = model.model
         self.image_token = model.config.image_token_id
-        self.merge = model.config.vision_config.spatial_merge_size
 
     def prepare(self, token_ids: list[int], images) -> tuple[list[int], MultimodalPrompt]:
         """(the prompt with each image's tokens expanded, its MultimodalPrompt)."""
         if self.image_processor is None:
             raise RequestError("requests with images need the model's processor: Engine(model, processor)",
                                param="multi_modal_data")
-        processed = [self._process(image, i) for i, image in enumerate(images)]
-        counts = [int(grid.prod()) // self.merge ** 2 for _, grid in processed]
-        token_ids = self._expand(token_ids, counts)
-        ids = torch.tensor([token_ids])
+        prompt = prepare_prompt_images(self.image_processor, self.model.config, token_ids, images)
+        ids = torch.tensor([prompt.token_ids])
         is_image = ids == self.image_token
         device = self.model.get_output_embeddings().weight.device
-        pixels = torch.cat([p for p, _ in processed]).to(device)
-        grids = torch.cat([g for _, g in processed]).to(device)
+        grids = prompt.image_grid_thw.to(device)
         with torch.inference_mode():
-            encoded = self.multimodal.get_image_features(pixels, grids)
+            encoded = self.multimodal.get_image_features(prompt.pixel_values.to(device), grids)
             positions, delta = self.multimodal.get_rope_index(ids.to(device), is_image.to(device, torch.int32), grids)
         features = torch.cat(list(encoded.pooler_output))
         deepstack = [torch.cat(list(f)) if isinstance(f, (list, tuple)) else f
                      for f in (getattr(encoded, "deepstack_features", None) or [])]
         image_positions = is_image[0].nonzero().flatten().tolist()
         spans, first = [], 0
-        for (pixel_values, grid), count in zip(processed, counts):
+        for count, digest in zip(prompt.counts, prompt.digests):
             start = image_positions[first]
-            digest = hashlib.sha256(grid.numpy().astype("<i8").tobytes() + pixel_values.numpy().tobytes()).digest()
             spans.append((start, start + count, digest))
             first += count
-        return token_ids, MultimodalPrompt(image_positions, features, deepstack, positions[:, 0].cpu(),
-                                           int(delta.flatten()[0]), spans)
-
-    def _process(self, image, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pixel_values [patches, C*T*P*P], image_grid_thw [1, 3]) of one image, processed alone."""
-        if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):
-            raise RequestError(f"image {index}: an array image must be HxWx3 uint8, got {image.dtype} "
-                               f"{image.shape}", param="multi_modal_data")
-        try:
-            out = self.image_processor(images=[image], return_tensors="pt")
-        except Exception as exc:  # noqa: BLE001  (a request's bad image fails that request)
-            raise RequestError(f"image {index}: {type(exc).__name__}: {exc}", param="multi_modal_data") from None
-        return out["pixel_values"], out["image_grid_thw"]
-
-    def _expand(self, token_ids: list[int], counts: list[int]) -> list[int]:
-        """Each run of image tokens is one image's: one token becomes its count, its count stays."""
-        runs, i = [], 0
-        while i < len(token_ids):
-            if token_ids[i] == self.image_token:
-                j = i
-                while j < len(token_ids) and token_ids[j] == self.image_token:
-                    j += 1
-                runs.append((i, j))
-                i = j
-            else:
-                i += 1
-        if len(runs) != len(counts):
-            raise RequestError(f"the prompt has {len(runs)} runs of image tokens ({self.image_token}) for "
-                               f"{len(counts)} images", param="multi_modal_data")
-        out, previous = [], 0
-        for (start, end), count in zip(runs, counts):
-            if end - start not in (1, count):
-                raise RequestError(f"an image of {count} tokens has a run of {end - start} image tokens in the prompt "
-                                   "(one, or all of its tokens)", param="multi_modal_data")
-            out += token_ids[previous:start] + [self.image_token] * count
-            previous = end
-        return out + token_ids[previous:]
+        return prompt.token_ids, MultimodalPrompt(image_positions, features, deepstack, positions[:, 0].cpu(),
+                                                  int(delta.flatten()[0]), spans)

@@ -16,15 +16,16 @@ import hashlib
 import math
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, TensorParallelError, raise_if_device_failure
+from ..errors import InvalidArgumentError, RequestError, TensorParallelError, raise_if_device_failure
 from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
 from ..model.lora import unwrap_peft
-from ..model.checks import refuse_vision_language
+from ..model.families import text_config
+from ..model.image_inputs import PromptImages, expanded_position, prepare_prompt_images
 from ..model.patch import is_invariant
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
@@ -98,28 +99,44 @@ def naive_token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, tar
 
 
 def score_batch(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
-                chunk_rows: int | None = None, executor: Executor | None = None) -> list[ScoreResult]:
+                chunk_rows: int | None = None, executor: Executor | None = None,
+                images: Sequence[PromptImages | None] | None = None) -> list[ScoreResult]:
     """Score one batch (right-padded) in one forward of the base model, through ``executor``
-    (default: this process alone; ``TensorParallelRanks``: on every rank, in step)."""
+    (default: this process alone; ``TensorParallelRanks``: on every rank, in step). ``images``: per
+    sequence, its processed images (``sequences[i]`` is then ``images[i].token_ids``) or None."""
     executor = executor_for(model, executor)
-    return executor.collective_rpc(_score_batch_on_rank, (list(sequences), list(prompt_lengths), chunk_rows),
-                                   lambda: score_batch_here(model, sequences, prompt_lengths, chunk_rows=chunk_rows))
+    return executor.collective_rpc(
+        _score_batch_on_rank, (list(sequences), list(prompt_lengths), chunk_rows, images),
+        lambda: score_batch_here(model, sequences, prompt_lengths, chunk_rows=chunk_rows, images=images))
 
 
 @worker_command
 def _score_batch_on_rank(rank: RankState, payload) -> None:
-    sequences, prompt_lengths, chunk_rows = payload
-    score_batch_here(rank.model, sequences, prompt_lengths, chunk_rows=chunk_rows)
+    sequences, prompt_lengths, chunk_rows, images = payload
+    score_batch_here(rank.model, sequences, prompt_lengths, chunk_rows=chunk_rows, images=images)
+
+
+def _image_inputs(model, images: Sequence[PromptImages | None] | None, device) -> dict:
+    """The multimodal model's image arguments for a batch's rows, in row order (each row's images in its
+    order): what fills the image tokens of the batch row by row."""
+    prompts = [p for p in images or () if p is not None]
+    if not prompts:
+        return {}
+    return {"pixel_values": torch.cat([p.pixel_values for p in prompts]).to(device),
+            "image_grid_thw": torch.cat([p.image_grid_thw for p in prompts]).to(device)}
 
 
 @torch.inference_mode()
 def score_batch_here(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
-                     chunk_rows: int | None = None) -> list[ScoreResult]:
+                     chunk_rows: int | None = None,
+                     images: Sequence[PromptImages | None] | None = None) -> list[ScoreResult]:
     """``score_batch`` in this process alone (a rank of a tensor-parallel model runs its share)."""
     lm_head = model.get_output_embeddings()
     device = lm_head.weight.device
     longest = max(len(s) for s in sequences)
-    ids = torch.zeros((len(sequences), longest), dtype=torch.long)  # pad id 0: masked out, any id would do
+    # The pad id is masked out, any id would do but the image token's, which would count as an image's.
+    pad = 1 if getattr(model.config, "image_token_id", None) == 0 else 0
+    ids = torch.full((len(sequences), longest), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     rows, positions = [], []
     for r, (seq, start) in enumerate(zip(sequences, prompt_lengths)):
@@ -131,7 +148,8 @@ def score_batch_here(model, sequences: Sequence[Sequence[int]], prompt_lengths: 
     rows_t = torch.tensor(rows, dtype=torch.long, device=device)
     positions_t = torch.tensor(positions, dtype=torch.long, device=device)
     # The base model only: the CausalLM forward would build the full logits.
-    hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                         **_image_inputs(model, images, device)).last_hidden_state
     logprobs, is_argmax = token_logprobs_from_hidden(
         hidden[rows_t, positions_t], lm_head.weight, ids[rows_t, positions_t + 1], lm_head_bias=lm_head.bias,
         chunk_rows=chunk_rows, head=lm_head if tp_layout(model) is not None else None)
@@ -144,8 +162,38 @@ def score_batch_here(model, sequences: Sequence[Sequence[int]], prompt_lengths: 
     return results
 
 
-def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths: Sequence[int] | None = None,
-                    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, chunk_rows: int | None = None,
+def split_sequence(sequence) -> tuple[list[int], list | None]:
+    """(token ids, images or None) of a sequence: token ids (a list, tensor or array), or vLLM's multimodal
+    form ``{"prompt_token_ids": ids, "multi_modal_data": {"image": image or [images]}}``."""
+    if not isinstance(sequence, dict):
+        return (sequence.tolist() if hasattr(sequence, "tolist") else list(sequence)), None
+    if set(sequence) - {"prompt_token_ids", "multi_modal_data"} or "prompt_token_ids" not in sequence:
+        raise InvalidArgumentError("a sequence with images is {'prompt_token_ids': ids, 'multi_modal_data': "
+                                   f"{{'image': [...]}}}}; got the keys {sorted(sequence)}")
+    data = sequence.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise InvalidArgumentError("multi_modal_data takes images only ('image'; videos are not supported yet), got "
+                                   f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    images = data.get("image")
+    images = None if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    return split_sequence(sequence["prompt_token_ids"])[0], images or None
+
+
+def prepare_sequence(config, processor, ids: list[int], prompt_length: int,
+                     images) -> tuple[list[int], int, PromptImages | None]:
+    """(token ids, prompt length, processed images) of a sequence whose ``images`` fill its image tokens
+    (one per image, or each image's tokens); the prompt length counts one token per image, the ids and
+    length returned count every image token. Raises ``RequestError`` (a ValueError)."""
+    if not images:
+        return ids, prompt_length, None
+    if getattr(config, "vision_config", None) is None:
+        raise RequestError(f"{config.model_type} takes no images", param="multi_modal_data")
+    prompt = prepare_prompt_images(getattr(processor, "image_processor", processor), config, ids, images)
+    return prompt.token_ids, expanded_position(ids, config.image_token_id, prompt.counts, prompt_length), prompt
+
+
+def score_sequences(model, sequences: Sequence, *, prompt_lengths: Sequence[int] | None = None,
+                    processor=None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, chunk_rows: int | None = None,
                     progress: bool | Callable[[int], None] = False,
                     executor: Executor | None = None) -> list[ScoreResult]:
     """Per-token logprobs of each sequence, in input order, bitwise the same for any batching.
@@ -154,10 +202,15 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
     default, 1, scores every token after the first. ``model`` must be patched by
     ``make_invariant``. ``progress``: True for a tqdm bar on stderr, or a callable given the
     number of tokens each batch processed. ``executor``: where each batch runs (default: this
-    process; for the model of ``TensorParallelRanks``, pass the ranks: ``executor=ranks``)."""
+    process; for the model of ``TensorParallelRanks``, pass the ranks: ``executor=ranks``).
+
+    With a vision-language model, a sequence may hold images in vLLM's form, ``{"prompt_token_ids":
+    ids, "multi_modal_data": {"image": [...]}}`` (HxWx3 uint8 arrays or PIL images, the ids holding
+    one image token per image), processed one by one by ``processor`` (the checkpoint's
+    ``AutoProcessor`` or image processor). Its prompt length counts one token per image; its scores
+    start after the prompt with every image token, as the engine's ``score`` gives them."""
     model = unwrap_peft(model)  # a PeftModel scores through the model inside (its LoRA layers unmerged)
     executor = executor_for(model, executor)
-    refuse_vision_language(model.config, "score_sequences")
     if not is_invariant(model):
         raise InvalidArgumentError("score_sequences needs a batch-invariant model: call make_invariant(model) first")
     if prompt_lengths is None:
@@ -165,12 +218,16 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
     if len(prompt_lengths) != len(sequences):
         raise InvalidArgumentError(f"{len(prompt_lengths)} prompt_lengths for {len(sequences)} sequences")
     config = model.config
-    sequences = [seq.tolist() if hasattr(seq, "tolist") else list(seq) for seq in sequences]  # tensors, arrays
-    for i, (seq, start) in enumerate(zip(sequences, prompt_lengths)):
+    prepared = []
+    for i, (sequence, start) in enumerate(zip(sequences, prompt_lengths)):
         try:
-            check_sequence(seq, start, config.vocab_size, config.max_position_embeddings)
+            ids, images = split_sequence(sequence)
+            ids, start, images = prepare_sequence(config, processor, ids, start, images)
+            check_sequence(ids, start, text_config(config).vocab_size, text_config(config).max_position_embeddings)
         except ValueError as exc:
             raise InvalidArgumentError(f"sequence {i}: {exc}") from None
+        prepared.append((ids, start, images))
+    sequences, prompt_lengths, images = (list(column) for column in zip(*prepared)) if prepared else ([], [], [])
     bar = None
     if progress is True:
         from tqdm import tqdm
@@ -179,7 +236,7 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
     results: list[ScoreResult | None] = [None] * len(sequences)
     for batch in plan_batches([len(s) for s in sequences], max_batch_tokens):
         scored = score_batch(model, [sequences[i] for i in batch], [prompt_lengths[i] for i in batch],
-                             chunk_rows=chunk_rows, executor=executor)
+                             chunk_rows=chunk_rows, executor=executor, images=[images[i] for i in batch])
         for i, result in zip(batch, scored):
             results[i] = result
         if progress:
@@ -189,10 +246,9 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], *, prompt_lengths
     return results
 
 
-
-def _score_or_error(model, sequences, prompt_lengths, executor) -> list[ScoreResult] | str:
+def _score_or_error(model, sequences, prompt_lengths, executor, images) -> list[ScoreResult] | str:
     try:
-        return score_batch(model, sequences, prompt_lengths, executor=executor)
+        return score_batch(model, sequences, prompt_lengths, executor=executor, images=images)
     except TensorParallelError:  # not a row's fault: the ranks stopped
         raise
     except Exception as exc:  # reported per row by score_group; a device failure is no row's
@@ -201,25 +257,18 @@ def _score_or_error(model, sequences, prompt_lengths, executor) -> list[ScoreRes
 
 
 def score_group(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
-                executor: Executor | None = None) -> list[ScoreResult | str]:
+                executor: Executor | None = None,
+                images: Sequence[PromptImages | None] | None = None) -> list[ScoreResult | str]:
     """``score_batch``, except that a batch whose scoring raises is scored again row by row (which
     changes no bit of a row): one bad row never fails the others. A row that raises alone gets the
     message of its exception, a str, in place of its ``ScoreResult``. Out of memory and device
     errors are no row's fault: they raise ``DeviceError`` at once, and no row is retried."""
-    scored = _score_or_error(model, sequences, prompt_lengths, executor)
+    images = list(images) if images is not None else [None] * len(sequences)
+    scored = _score_or_error(model, sequences, prompt_lengths, executor, images)
     if not isinstance(scored, str):
         return scored
     if len(sequences) == 1:
         return [scored]
-    alone = [_score_or_error(model, [seq], [start], executor) for seq, start in zip(sequences, prompt_lengths)]
+    alone = [_score_or_error(model, [seq], [start], executor, [prompt])
+             for seq, start, prompt in zip(sequences, prompt_lengths, images)]
     return [r if isinstance(r, str) else r[0] for r in alone]
-
-
-def score_planned(model, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                  max_batch_tokens: int, *,
-                  executor: Executor | None = None) -> Iterator[list[tuple[int, ScoreResult | str]]]:
-    """The batches of ``plan_batches`` scored by ``score_group``, one after another: per batch,
-    (index, result or error message) pairs."""
-    for batch in plan_batches([len(s) for s in sequences], max_batch_tokens):
-        yield list(zip(batch, score_group(model, [sequences[i] for i in batch], [prompt_lengths[i] for i in batch],
-                                          executor=executor)))

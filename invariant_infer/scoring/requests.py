@@ -1,12 +1,19 @@
-"""A scoring request's fields turned into token ids, as the score command and the Ray job read them."""
+"""A scoring request's fields turned into token ids (and images), as the score command and the Ray job read them."""
 from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
 
 from ..checkpoints.loading import LazyTokenizer
 from ..errors import ScoringRequestError
+from ..model.image_inputs import PromptImages, decode_data_url
+from .core import prepare_sequence
 
 # The four shapes of a scoring request, besides its id.
 REQUEST_FIELDS = (("input_ids",), ("text",), ("prompt", "completion"), ("prompt_ids", "completion_ids"))
-KNOWN_FIELDS = {"id", "lora"} | {name for fields in REQUEST_FIELDS for name in fields}  # lora: an adapter's name
+OPTIONAL_FIELDS = {"id", "lora", "images"}  # lora: an adapter's name; images: image sources
+KNOWN_FIELDS = OPTIONAL_FIELDS | {name for fields in REQUEST_FIELDS for name in fields}  # lora: an adapter's name
 
 
 def _token_list(value, name: str) -> list[int]:
@@ -37,8 +44,9 @@ def request_lora(record: dict, loras) -> str | None:
 def parse_request(record: dict, tokenizer: LazyTokenizer) -> tuple[list[int], int]:
     """(token ids, prompt length) of one scoring request: ``input_ids``, ``text``, ``prompt`` +
     ``completion`` (tokenized separately, no special tokens, ids concatenated) or ``prompt_ids`` +
-    ``completion_ids``, besides an optional ``id`` and ``lora`` (``request_lora``). Raises ``ScoringRequestError``."""
-    fields = set(record) - {"id", "lora"}
+    ``completion_ids``, besides an optional ``id``, ``lora`` (``request_lora``) and ``images``
+    (``request_images``). Raises ``ScoringRequestError``."""
+    fields = set(record) - OPTIONAL_FIELDS
     unknown = sorted(fields - KNOWN_FIELDS)
     if unknown:
         raise ScoringRequestError(f"unknown field(s) {unknown}")
@@ -57,3 +65,39 @@ def parse_request(record: dict, tokenizer: LazyTokenizer) -> tuple[list[int], in
             raise ScoringRequestError(f"missing field(s) {sorted(set(needed) - fields)}")
     expected = " | ".join("+".join(f) for f in REQUEST_FIELDS)
     raise ScoringRequestError(f"need exactly one of {expected}; got {sorted(fields) or 'none'}")
+
+
+def request_images(record: dict, folder: Path) -> list[str] | None:
+    """The request's ``images`` (None without): base64 ``data:`` URLs or image files (a relative path is
+    read from ``folder``, the input file's), one per run of image tokens in its ids, in order."""
+    sources = record.get("images")
+    if sources is None:
+        return None
+    if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s for s in sources):
+        raise ScoringRequestError("images must be a non-empty list of strings (data: URLs or image file paths)")
+    return [s if s.startswith("data:") else str(folder / s) for s in sources]
+
+
+def load_image(source: str, index: int) -> np.ndarray:
+    """Image ``index`` of a request, HxWx3 uint8, from its data: URL or file; raises ``ScoringRequestError``."""
+    try:
+        if source.startswith("data:"):
+            return decode_data_url(source)
+        from PIL import Image
+        with Image.open(source) as image:
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except (ValueError, OSError) as exc:
+        raise ScoringRequestError(f"images[{index}]: {exc}") from None
+
+
+def prepare_request_images(config, image_processor, ids: list[int], prompt_length: int,
+                           sources: list[str]) -> tuple[list[int], int, PromptImages]:
+    """(ids with each image's tokens expanded, the prompt length in them, the processed images) of a request
+    with images, each image processed alone; raises ``ScoringRequestError``."""
+    if image_processor is None:
+        raise ScoringRequestError(f"images: {config.model_type} takes no images")
+    images = [load_image(source, k) for k, source in enumerate(sources)]
+    try:
+        return prepare_sequence(config, image_processor, ids, prompt_length, images)
+    except ValueError as exc:
+        raise ScoringRequestError(f"images: {exc}") from None

@@ -12,6 +12,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from pydantic_core import PydanticCustomError
 
 from ..engine.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from ..model.image_inputs import decode_data_url
 
 MAX_N = 16
 MAX_STOP = 16
@@ -179,19 +180,10 @@ def decode_image_url(part: dict):
     if not isinstance(url, str) or not url.startswith("data:"):
         raise refuse("image_url: only base64 data: URLs are accepted (data:image/png;base64,...); this server does "
                      "not fetch images from the network", "unsupported_parameter")
-    header, _, payload = url.partition(",")
-    if not header.endswith(";base64"):
-        raise refuse("image_url: the data: URL must be base64 (data:image/...;base64,...)")
-    import base64
-    import io
-
-    import numpy as np
-    from PIL import Image
     try:
-        with Image.open(io.BytesIO(base64.b64decode(payload, validate=True))) as image:
-            return np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except Exception as exc:  # noqa: BLE001  (any undecodable payload is the request's fault)
-        raise refuse(f"image_url: not a decodable image ({type(exc).__name__}: {exc})") from None
+        return decode_data_url(url)
+    except ValueError as exc:
+        raise refuse(f"image_url: {exc}") from None
 
 
 class Message(BaseModel):

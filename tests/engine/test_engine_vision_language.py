@@ -162,6 +162,7 @@ def test_refusals_name_what_is_not_supported(setups):
 def test_score_with_images_equals_token_logprobs(setups):
     """engine.score on sequences with images (the prompt length counted with one token per image) gives
     token_logprobs' values at temperature 1 after the expanded prompt, bitwise."""
+    from invariant_infer.model.image_inputs import expanded_position
     from invariant_infer.training import token_logprobs
     path, processor, images = setups["qwen2_5_vl"]
     model = load(path)
@@ -173,7 +174,8 @@ def test_score_with_images_equals_token_logprobs(setups):
     for sequence, start, result in zip(sequences, prompt_lengths, results):
         ids, mm = engine.prepare_images(*engine.split_prompt(sequence))
         if mm is not None:
-            start = mm.expanded_position(sequence["prompt_token_ids"], start)
+            start = expanded_position(sequence["prompt_token_ids"], IMAGE, [e - s for s, e, _ in mm.image_spans],
+                                      start)
         with torch.no_grad():
             want = token_logprobs(model, torch.tensor([ids]), **pixel_inputs(processor, sequence))[0, start - 1:]
         assert torch.equal(result.token_logprobs, want)

@@ -5,51 +5,28 @@ bitwise the same requests sent one at a time, and other URLs or undecodable imag
 the message (``messages[0].content``)."""
 from __future__ import annotations
 
-import base64
-import io
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForImageTextToText, PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from helpers.servers import MODEL, assert_error, choices_of, post, start_in_process_server
-from helpers.tokenizer import train_tokenizer
+from helpers.vision import data_url, random_images, save_vision_checkpoint
 from invariant_infer import make_invariant
 from invariant_infer.checkpoints.loading import ImageProcessing
 from invariant_infer.engine import Engine, SamplingParams
-from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
-VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
-# The Qwen-VL templates' shape: an image part becomes <|vision_start|><|image_pad|><|vision_end|>.
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
-                 "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
-                 "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
-                 "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 GRIDS = ((4, 6), (6, 4))  # patches per image: small images, so a request fits the server tests' body limit
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.heavy)])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"serve-{request.param}")
-    train_tokenizer(path)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    start, image, end = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
-    config = random_config(request.param, "tiny", image_token_id=image, vision_start_token_id=start,
-                           vision_end_token_id=end)
-    save_random_checkpoint(path, config, seed=2)
-    patch = config.vision_config.patch_size
-    Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2, min_pixels=(2 * patch) ** 2,
-                             max_pixels=(2 * patch) ** 2 * 64).save_pretrained(path)
-    rng = np.random.default_rng(1)
-    images = [rng.integers(0, 256, (h * patch, w * patch, 3), dtype=np.uint8) for h, w in GRIDS]
-    return path, images
+    config = save_vision_checkpoint(path, request.param, seed=2)
+    return path, random_images(config, GRIDS, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +34,6 @@ def server(checkpoint):
     server = start_in_process_server(checkpoint[0])
     yield server
     server.stop()
-
-
-def data_url(image: np.ndarray) -> str:
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")  # lossless: the server decodes these very pixels
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def chat(text: str, image: np.ndarray | None = None, **options) -> dict:

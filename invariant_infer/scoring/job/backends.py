@@ -10,9 +10,10 @@ from typing import Iterator
 from transformers import AutoConfig
 
 from .ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS, require_ray, score_requests
-from ...errors import DeviceError, JobError, TensorParallelError, UnsupportedModelError
-from ...checkpoints.loading import load_model
-from ..core import ScoreResult, score_planned
+from ...errors import DeviceError, JobError, ScoringRequestError, TensorParallelError, UnsupportedModelError
+from ...checkpoints.loading import load_model, load_processor
+from ..core import ScoreResult, plan_batches, score_group
+from ..requests import prepare_request_images
 from .run import Request
 from ...model.executor import Executor, executor_for
 from ...model.lora import unwrap_peft
@@ -35,16 +36,23 @@ class LocalBackend:
     """The model in this process, batches packed by ``plan_batches``; with ``executor`` (e.g.
     ``TensorParallelRanks``, whose ``model`` this is), each batch runs through it, and ``close``
     stops it. ``loras`` (name -> PEFT adapter folder) wraps the model in a ``PeftModel`` holding them
-    all, unmerged; each request runs the adapter its ``lora`` names (rows grouped by adapter)."""
+    all, unmerged; each request runs the adapter its ``lora`` names (rows grouped by adapter).
+    ``image_processor``: a vision-language checkpoint's, which processes each image of a batch's rows
+    (again: the job processed them once to count their tokens)."""
 
-    def __init__(self, model, *, executor: Executor | None = None, loras: dict[str, str] | None = None):
+    def __init__(self, model, *, executor: Executor | None = None, loras: dict[str, str] | None = None,
+                 image_processor=None):
         self.loras, self.peft_model = dict(loras or {}), None
         if self.loras:
             if executor is not None:
                 raise JobError("--lora runs at --tensor-parallel-size 1 only")
+            if getattr(model.config, "vision_config", None) is not None:
+                raise JobError(f"--lora: {model.config.model_type}: LoRA adapters on vision-language models are "
+                               "not supported yet")
             model = self.peft_model = _with_adapters(model, self.loras)
         self.model, self.config = unwrap_peft(model), model.config
         self.executor = executor_for(self.model, executor)
+        self.image_processor = image_processor
 
     @classmethod
     def load(cls, path: str, *, dtype: str | None = None, device: str | None = None,
@@ -53,7 +61,10 @@ class LocalBackend:
         """``rank_failed_status``: the exit status of a process whose rank failed inside a collective."""
         try:
             if tensor_parallel_size == 1:
-                return cls(load_model(path, dtype=dtype, device=device), loras=loras)
+                model = load_model(path, dtype=dtype, device=device)
+                image_processor = (load_processor(path, None).image_processor
+                                   if getattr(model.config, "vision_config", None) is not None else None)
+                return cls(model, loras=loras, image_processor=image_processor)
             if loras:
                 raise JobError("--lora runs at --tensor-parallel-size 1 only")
             ranks = TensorParallelRanks(path, tensor_parallel_size, dtype=dtype, device=device,
@@ -72,12 +83,28 @@ class LocalBackend:
             for lora in dict.fromkeys(r.lora for r in requests):  # each adapter's rows, then the next's
                 group = [r for r in requests if r.lora == lora]
                 with self._adapter(lora):
-                    for batch in score_planned(self.model, [r.ids for r in group], [r.prompt_length for r in group],
-                                               max_batch_tokens, executor=self.executor):
-                        yield [(group[i], result) for i, result in batch]
+                    for batch in plan_batches([len(r.ids) for r in group], max_batch_tokens):
+                        yield self._score_batch([group[i] for i in batch])
         except (TensorParallelError, DeviceError) as exc:  # no row's fault: the job ends, its rows kept
             raise JobError(f"{exc}; the rows written so far are kept: re-run to resume",
                            rank_failed=isinstance(exc, TensorParallelError)) from None
+
+    def _score_batch(self, requests: list[Request]) -> list[tuple[Request, ScoreResult | str]]:
+        """``score_group`` on one planned batch, each row's images processed again (a row whose images
+        no longer load gets that error, the others are scored)."""
+        images, failed = {}, {}
+        for i, r in enumerate(requests):
+            if r.images is not None:
+                try:
+                    images[i] = prepare_request_images(self.config, self.image_processor, r.ids, r.prompt_length,
+                                                       r.images)[2]
+                except ScoringRequestError as exc:
+                    failed[i] = str(exc)
+        rows = [i for i in range(len(requests)) if i not in failed]
+        scored = score_group(self.model, [requests[i].ids for i in rows], [requests[i].prompt_length for i in rows],
+                             executor=self.executor, images=[images.get(i) for i in rows]) if rows else []
+        results = {**failed, **dict(zip(rows, scored))}
+        return [(r, results[i]) for i, r in enumerate(requests)]
 
     def _adapter(self, lora: str | None):
         if self.peft_model is None:
@@ -134,6 +161,10 @@ class RayBackend:
             self.config = AutoConfig.from_pretrained(model)
         except Exception as exc:
             raise JobError(f"cannot load {model}: {exc}") from None
+        if getattr(self.config, "vision_config", None) is not None:
+            raise JobError(f"--ray: {self.config.model_type}: vision-language checkpoints are scored without --ray "
+                           "(one process) for now")
+        self.image_processor = None
         self.started_ray = not self.ray.is_initialized()
         if self.started_ray:
             try:

@@ -25,7 +25,8 @@ from typing import Iterable, Iterator, Protocol
 from tqdm import tqdm
 
 from ...checkpoints.loading import LazyTokenizer
-from ..requests import parse_request, request_lora
+from ..requests import parse_request, prepare_request_images, request_images, request_lora
+from ...model.families import text_config
 from ..core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence
 from ...errors import InvalidArgumentError, JobError, ScoringRequestError
 
@@ -37,12 +38,15 @@ class Request:
     ids: list[int]
     prompt_length: int  # tokens before the first scored one
     lora: str | None = None  # the LoRA adapter it is scored with (None: the base model)
+    images: list[str] | None = None  # image sources, processed again when scored (ids: their tokens expanded)
 
 
 class Backend(Protocol):
     """Scores the job's valid requests. ``config`` is the model's (``vocab_size``,
-    ``max_position_embeddings``), for validating lines before any scoring."""
+    ``max_position_embeddings``), for validating lines before any scoring; ``image_processor`` (None: lines
+    with images are refused) processes each image of a vision-language checkpoint's lines."""
     config: object
+    image_processor: object
 
     def score(self, requests: list[Request], max_batch_tokens: int) -> Iterator[list[tuple[Request, ScoreResult | str]]]:
         """Batches of (request, result or error message), in any order; raises JobError."""
@@ -113,10 +117,12 @@ def _record(raw: bytes, n: int) -> dict:
     return record
 
 
-def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, str], write_error, loras=()):
+def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, str], write_error, loras=(),
+                  image_processor=None):
     """All valid requests (including ids already done), and the count of non-blank lines. Each
     invalid line whose id has no result yet goes to ``write_error(line, id or None, message)``."""
     requests, first_line, lines = [], {}, 0
+    folder, limits = Path(path).resolve().parent, text_config(config)
     with open(path, "rb") as f:  # decoded line by line: one bad byte fails its line, not the job
         for n, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -132,11 +138,15 @@ def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, s
                 row_id = record["id"]
                 ids, prompt_length = parse_request(record, tokenizer)
                 lora = request_lora(record, loras)
+                images = request_images(record, folder)
+                if images is not None:  # processed here to check them and count their tokens, again when scored
+                    ids, prompt_length, _ = prepare_request_images(config, image_processor, ids, prompt_length,
+                                                                   images)
                 try:
-                    check_sequence(ids, prompt_length, config.vocab_size, config.max_position_embeddings)
+                    check_sequence(ids, prompt_length, limits.vocab_size, limits.max_position_embeddings)
                 except ValueError as exc:
                     raise ScoringRequestError(str(exc)) from None
-                requests.append(Request(n, row_id, ids, prompt_length, lora))
+                requests.append(Request(n, row_id, ids, prompt_length, lora, images))
             except ScoringRequestError as exc:
                 if id_key(row_id) not in done:
                     write_error(n, row_id, str(exc))
@@ -227,7 +237,8 @@ def run_job(options: JobOptions, backend: Backend) -> JobSummary:
 
     with out:
         requests, lines = read_requests(options.input, LazyTokenizer(options.tokenizer), backend.config,
-                                        digests, write_error, getattr(backend, "loras", {}))
+                                        digests, write_error, getattr(backend, "loras", {}),
+                                        getattr(backend, "image_processor", None))
         os.fsync(out.fileno())
         pending = [r for r in requests if id_key(r.id) not in digests]
         tokens = sum(len(r.ids) for r in pending)

@@ -1,0 +1,123 @@
+"""A vision-language prompt's images turned into the model's inputs, one image at a time, as the engine,
+``score_sequences`` and the score command all take them.
+
+A prompt holds one image token per image (or each image's tokens already expanded). Each image is run
+through the checkpoint's image processor alone, so its pixels never depend on the other images of the
+call; each run of image tokens is then expanded to its image's token count. ``PromptImages`` keeps
+what the forward needs (the expanded ids, the pixel values and grids) and what caching and scoring
+need (each image's token count and the digest of its processed pixels).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, RequestError
+
+PARAM = "multi_modal_data"
+
+
+def _describe(exc: Exception) -> str:
+    """The exception's type and message without object addresses: the same input, the same message."""
+    return f"{type(exc).__name__}: {re.sub(r' <[^>]*>', '', str(exc))}"
+
+
+def decode_data_url(url: str) -> np.ndarray:
+    """A base64 ``data:`` URL's image as HxWx3 uint8; raises ``InvalidArgumentError`` saying what is wrong."""
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise InvalidArgumentError("not a data: URL")
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        raise InvalidArgumentError("the data: URL must be base64 (data:image/...;base64,...)")
+    from PIL import Image
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(payload, validate=True))) as image:
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except Exception as exc:  # noqa: BLE001  (any undecodable payload is the caller's input's fault)
+        raise InvalidArgumentError(f"not a decodable image ({_describe(exc)})") from None
+
+
+def process_image(image_processor, image, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values [patches, C*T*P*P], image_grid_thw [1, 3]) of one image, processed alone."""
+    if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):
+        raise RequestError(f"image {index}: an array image must be HxWx3 uint8, got {image.dtype} {image.shape}",
+                           param=PARAM)
+    try:
+        out = image_processor(images=[image], return_tensors="pt")
+    except Exception as exc:  # noqa: BLE001  (a bad image fails its own prompt)
+        raise RequestError(f"image {index}: {_describe(exc)}", param=PARAM) from None
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def image_token_runs(token_ids: list[int], image_token: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of consecutive image tokens: one run per image."""
+    runs, i = [], 0
+    while i < len(token_ids):
+        if token_ids[i] == image_token:
+            j = i
+            while j < len(token_ids) and token_ids[j] == image_token:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def expand_image_tokens(token_ids: list[int], image_token: int, counts: list[int]) -> list[int]:
+    """Each run of image tokens is one image's: one token becomes its count, its count stays."""
+    runs = image_token_runs(token_ids, image_token)
+    if len(runs) != len(counts):
+        raise RequestError(f"the prompt has {len(runs)} runs of image tokens ({image_token}) for {len(counts)} "
+                           "images", param=PARAM)
+    out, previous = [], 0
+    for (start, end), count in zip(runs, counts):
+        if end - start not in (1, count):
+            raise RequestError(f"an image of {count} tokens has a run of {end - start} image tokens in the prompt "
+                               "(one, or all of its tokens)", param=PARAM)
+        out += token_ids[previous:start] + [image_token] * count
+        previous = end
+    return out + token_ids[previous:]
+
+
+def expanded_position(token_ids: list[int], image_token: int, counts: list[int], index: int) -> int:
+    """Where position ``index`` of the unexpanded prompt ``token_ids`` lies in the expanded one. An index
+    inside an image's tokens is refused (``param`` "prompt_lengths")."""
+    shift = 0
+    for k, ((start, end), count) in enumerate(zip(image_token_runs(token_ids, image_token), counts)):
+        if index <= start:
+            break
+        if index < end:
+            raise RequestError(f"the prompt length {index} falls inside image {k}'s tokens", param="prompt_lengths")
+        shift += count - (end - start)
+    return index + shift
+
+
+@dataclass(eq=False)
+class PromptImages:
+    """A prompt with its images processed (see the module's docstring)."""
+    token_ids: list[int]          # the prompt with each image's tokens expanded
+    pixel_values: torch.Tensor    # [patches of all images, C*T*P*P], the images in prompt order
+    image_grid_thw: torch.Tensor  # long [images, 3]
+    counts: list[int]             # image tokens per image
+    digests: list[bytes]          # sha256 of each image's grid and processed pixels
+
+
+def prepare_prompt_images(image_processor, config, token_ids: list[int], images) -> PromptImages:
+    """``images`` (HxWx3 uint8 arrays or PIL images) processed one by one, and ``token_ids`` expanded;
+    raises ``RequestError``."""
+    if image_processor is None:
+        raise RequestError("prompts with images need the model's processor", param=PARAM)
+    processed = [process_image(image_processor, image, i) for i, image in enumerate(images)]
+    merge = config.vision_config.spatial_merge_size
+    counts = [int(grid.prod()) // merge ** 2 for _, grid in processed]
+    digests = [hashlib.sha256(grid.numpy().astype("<i8").tobytes() + pixels.numpy().tobytes()).digest()
+               for pixels, grid in processed]
+    return PromptImages(expand_image_tokens(token_ids, config.image_token_id, counts),
+                        torch.cat([p for p, _ in processed]), torch.cat([g for _, g in processed]), counts, digests)
