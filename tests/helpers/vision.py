@@ -8,7 +8,7 @@ import io
 
 import numpy as np
 from PIL import Image
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoConfig, PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from helpers.tokenizer import train_tokenizer
@@ -50,3 +50,22 @@ def data_url(image: np.ndarray) -> str:
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="PNG")  # lossless: the reader decodes these very pixels
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_processor_only(path):
+    """The checkpoint's Qwen-VL processor (tokenizer, image processor, chat template) without a video
+    processor: ``AutoProcessor`` builds one, which needs torchvision, and these tests install none."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    config = AutoConfig.from_pretrained(path)
+    base = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[config.model_type]
+
+    class ImagesOnlyProcessor(base):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template)  # no video processor
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return ImagesOnlyProcessor(AutoImageProcessor.from_pretrained(path), tokenizer,
+                               chat_template=tokenizer.chat_template)

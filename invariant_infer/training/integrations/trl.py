@@ -15,6 +15,9 @@ vLLM path, so the trainer takes that path with the engine in vLLM's place (anyth
 vLLM raises instead): the comparison, the importance-sampling ratio (exactly 1) and the logged
 ``sampling/*`` metrics are TRL's own code, unmodified.
 
+A vision-language model (Qwen2.5-VL, Qwen3-VL) takes its processor as ``processing_class`` and a frozen vision
+tower: the engine processes each rollout's images alone, and the training logprobs take TRL's pixel values.
+
 With a ``peft_config`` (LoRA), TRL wraps the model in a ``PeftModel`` and the engine runs the model
 inside it with the adapter unmerged (``invariant_infer.model.lora``): the optimizer updates only the
 adapter, in place, and the next rollouts read it there; nothing is merged or copied.
@@ -110,6 +113,36 @@ class _NoVLLM:
                                         "TESTED_TRL_VERSIONS)")
 
 
+class _ImageRows:
+    """The images of a batch's rows as TRL hands them to the logprob pass (Qwen-VL's ``pixel_values`` over all
+    images' patches, ``image_grid_thw`` and ``num_images`` per row), cut to a micro-batch. TRL's
+    ``mm_token_type_ids`` are dropped: it builds them from the processor's padding, which lines up with the
+    left-padded prompts only when the processor pads on the left; the model derives them from the image
+    token instead, for any processor."""
+
+    def __init__(self, rows: int, *, pixel_values=None, image_grid_thw=None, num_images=None, mm_token_type_ids=None,
+                 **others):
+        given = sorted(name for name, value in others.items() if value is not None)
+        if given:
+            raise UnsupportedTRLError(f"multimodal inputs {given}: the supported vision-language models are Qwen2.5-VL "
+                                      "and Qwen3-VL, with images (pixel_values and image_grid_thw)")
+        if (pixel_values is None) != (image_grid_thw is None):
+            raise UnsupportedTRLError("pixel_values without image_grid_thw (or the reverse)")
+        self.pixel_values, self.image_grid_thw = pixel_values, image_grid_thw
+        images = [0] * rows if pixel_values is None else list(num_images)
+        self.first_image = np.cumsum([0] + images).tolist()
+        patches = [] if image_grid_thw is None else image_grid_thw.prod(-1).tolist()
+        self.first_patch = np.cumsum([0] + patches).tolist()
+
+    def rows(self, start: int, end: int) -> dict:
+        end = min(end, len(self.first_image) - 1)
+        first, last = self.first_image[start], self.first_image[end]
+        if self.pixel_values is None or first == last:
+            return {}
+        return {"pixel_values": self.pixel_values[self.first_patch[first]:self.first_patch[last]],
+                "image_grid_thw": self.image_grid_thw[first:last]}
+
+
 class _EntropyProbe:
     """Entropies of softmax(logits / T) of the logits the lm_head produces inside one ``token_logprobs``
     call (a metric: no gradient), in the order the head sees its rows."""
@@ -158,6 +191,10 @@ class InvariantGRPOTrainer(GRPOTrainer):
         if problems:
             raise UnsupportedTRLError("InvariantGRPOTrainer does not support: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
+        tower = getattr(getattr(unwrap_peft(self.model), "model", None), "visual", None)
+        if tower is not None and any(p.requires_grad for p in tower.parameters()):
+            raise UnsupportedTRLError("training the vision tower is not supported yet: freeze it "
+                                      "(model.model.visual.requires_grad_(False)) before building the trainer")
         make_invariant(self.model)
         if self.ref_model is not None:
             make_invariant(self.accelerator.unwrap_model(self.ref_model))
@@ -182,7 +219,9 @@ class InvariantGRPOTrainer(GRPOTrainer):
                 # The share TRL gives a colocated vLLM, of the memory free before the optimizer allocates.
                 free = torch.cuda.mem_get_info(self.model.device)[0]
                 kwargs["kv_cache_memory"] = int(free * self.args.vllm_gpu_memory_utilization)
-            self._engine = Engine(unwrap_peft(self.model), self._tokenizer, **kwargs)
+            # A vision-language model's processor: the engine processes each rollout's images alone with it.
+            self._engine = Engine(unwrap_peft(self.model), self.processing_class if self._is_vlm else self._tokenizer,
+                                  **kwargs)
             self.model.train(training)  # the engine puts the model in eval mode
         return self._engine
 
@@ -194,15 +233,19 @@ class InvariantGRPOTrainer(GRPOTrainer):
         return [int(s) >> 1 for s in state]
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if images is not None or multimodal_fields:
-            raise UnsupportedTRLError("InvariantGRPOTrainer runs text-only causal LMs (no images)")
+        if has_tool_images:
+            raise UnsupportedTRLError("images from tool responses: rollouts with images take the dataset's images")
         engine = self.engine
         engine.reset_prefix_cache()  # KV cached under the weights before the last optimizer step is stale
         params = [SamplingParams(max_tokens=self.max_completion_length, temperature=self.temperature, seed=seed,
                                  stop_token_ids=list(self.eos_token_ids), logprobs_mode="processed_logprobs")
                   for seed in self._rollout_seeds(len(prompt_ids))]
+        # The processor expanded each image's tokens in prompt_ids; the engine takes them so, with the images.
+        prompts = [list(ids) if not row_images else
+                   {"prompt_token_ids": list(ids), "multi_modal_data": {"image": list(row_images)}}
+                   for ids, row_images in zip(prompt_ids, images or [None] * len(prompt_ids))]
         with torch.no_grad():
-            outputs = engine.generate([list(ids) for ids in prompt_ids], params)
+            outputs = engine.generate(prompts, params)
         failed = [out for out in outputs if out.error]
         if failed:
             raise RequestFailedError(f"{len(failed)} rollouts failed, the first: {failed[0].error}")
@@ -217,16 +260,17 @@ class InvariantGRPOTrainer(GRPOTrainer):
         not depend on it), in the model's dtype with autocast off (the engine does not autocast)."""
         if compute_aux_loss:
             raise UnsupportedTRLError("the MoE load-balancing loss: the supported families are dense")
-        if any(value is not None for value in multimodal.values()):
-            raise UnsupportedTRLError("InvariantGRPOTrainer runs text-only causal LMs (no images)")
         model = self.accelerator.unwrap_model(model)
+        images = _ImageRows(input_ids.size(0), **multimodal)
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
-            ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            end = start + batch_size
+            ids, mask = input_ids[start:end], attention_mask[start:end]
             with torch.autocast(ids.device.type, enabled=False), \
                     _entropy_probe(model.get_output_embeddings(), self.temperature, compute_entropy) as probe:
-                logps.append(token_logprobs(model, ids, mask, temperature=self.temperature)[:, -logits_to_keep:])
+                logps.append(token_logprobs(model, ids, mask, temperature=self.temperature,
+                                            **images.rows(start, end))[:, -logits_to_keep:])
             if probe is not None:
                 entropies.append(probe.scatter(scored_positions(ids, mask, None))[:, -logits_to_keep:])
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
