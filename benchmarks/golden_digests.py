@@ -99,6 +99,9 @@ CONFIGS = {
                                                            beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                            original_max_position_embeddings=32)),
 }
+# The vision-language families' models and inputs: benchmarks/golden_vision.py.
+VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+FAMILY_NAMES = (*CONFIGS, *VISION_FAMILIES)
 SAMPLE_LENGTHS = (6, 1, 11, 3)
 # name -> (members in batch order, padding side, extra padding, inputs_embeds)
 BATCHINGS = {
@@ -161,7 +164,7 @@ def samples(family: str) -> list[torch.Tensor]:
 
 # ---- digests ----------------------------------------------------------------------------------------
 
-def _digest(tensors) -> str:
+def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(str(tuple(t.shape)).encode())
@@ -171,11 +174,11 @@ def _digest(tensors) -> str:
 
 def model_digests(model, family: str, prefix: str) -> dict[str, str]:
     seqs = samples(family)
-    out = {f"{prefix}/alone": _digest(logits_alone(model, s) for s in seqs)}
+    out = {f"{prefix}/alone": digest(logits_alone(model, s) for s in seqs)}
     for name, (members, side, extra, embeds) in BATCHINGS.items():
         rows = logits_in_batch(model, [seqs[i] for i in members], side=side, extra_pad=extra, embeds=embeds)
         by_sample = dict(zip(members, rows))
-        out[f"{prefix}/{name}"] = _digest(by_sample[i] for i in sorted(by_sample))
+        out[f"{prefix}/{name}"] = digest(by_sample[i] for i in sorted(by_sample))
     return out
 
 
@@ -210,9 +213,15 @@ def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True
     with tempfile.TemporaryDirectory() as tmp:
         if quantized and importlib.util.find_spec("compressed_tensors") is not None:
             out.update(quantized_digests(device, Path(tmp), progress=progress))
-        for family in CONFIGS if families is None else families:
+        for family in FAMILY_NAMES if families is None else families:
             for dtype_name in dtypes or DTYPES:
                 dtype = DTYPES[dtype_name]
+                if family in VISION_FAMILIES:
+                    from benchmarks.golden_vision import vision_digests  # it imports this module's formula
+                    out.update(vision_digests(family, dtype_name, dtype, device, Path(tmp) / f"{family}-{dtype_name}"))
+                    if progress:
+                        progress(f"{family}/{dtype_name}")
+                    continue
                 path = write_checkpoint(family, dtype, Path(tmp) / f"{family}-{dtype_name}")
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
                 make_invariant(model)

@@ -38,7 +38,7 @@ def part_of(digest_key: str) -> str:
 
 
 # qwen2 in fp32 (with the engine's digest) first: the fast tier runs it, the heavy tier the rest.
-PARTS = ["qwen2/fp32"] + [f"{family}/{dtype}" for family in golden.CONFIGS for dtype in golden.DTYPES
+PARTS = ["qwen2/fp32"] + [f"{family}/{dtype}" for family in golden.FAMILY_NAMES for dtype in golden.DTYPES
                           if (family, dtype) != ("qwen2", "fp32")] + ["quant"]
 
 
