@@ -131,12 +131,12 @@ def test_refusals(checkpoint, tiny_checkpoint):
                         processor=image_processor)
 
 
-def test_score_command_with_images(checkpoint, tmp_path):
-    path, config, image_processor, tokenizer, images = checkpoint
+def image_rows(tmp_path, images, tokenizer) -> list[dict]:
+    """Lines with images as data: URLs and files beside the input, with text and ids, and bad ones."""
     Image.fromarray(images[1]).save(tmp_path / "second.png")
     pad = "<|vision_start|><|image_pad|><|vision_end|>"
     image_ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
-    rows = [
+    return [
         {"id": "prompt", "prompt": f"the cat {pad} runs", "completion": " to the model",
          "images": [data_url(images[0])]},
         {"id": "ids", "prompt_ids": [5, 6] + image_ids, "completion_ids": [7, 8, 9], "images": ["second.png"]},
@@ -147,40 +147,59 @@ def test_score_command_with_images(checkpoint, tmp_path):
         {"id": "count", "input_ids": [5] + image_ids + [6], "images": ["second.png", "second.png"]},
         {"id": "kind", "input_ids": [5] + image_ids + [6], "images": "second.png"},
     ]
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+
+
+def run_score(path, inp, out, *extra) -> int:
+    return scoring_cli.main(["--model", str(path), "--input", str(inp), "--output", str(out), "--dtype", "fp32",
+                             *extra])
+
+
+def test_score_command_with_images(checkpoint, tmp_path):
+    path, config, image_processor, tokenizer, images = checkpoint
+    inp = write_jsonl(tmp_path / "in.jsonl", image_rows(tmp_path, images, tokenizer))
     outputs = {}
     for budget in ("1", "100000"):
         out = tmp_path / f"out-{budget}.jsonl"
-        code = scoring_cli.main(["--model", str(path), "--input", str(inp), "--output", str(out),
-                                 "--dtype", "fp32", "--max-batch-tokens", budget])
-        assert code == exit_codes.ROW_ERRORS
-        outputs[budget] = {r["id"]: r for r in read_rows(out)}
+        assert run_score(path, inp, out, "--max-batch-tokens", budget) == exit_codes.ROW_ERRORS
+        outputs[budget] = out.read_bytes()
     assert outputs["1"] == outputs["100000"]
-    rows_out = outputs["1"]
+    rows_out = {r["id"]: r for r in read_rows(tmp_path / "out-1.jsonl")}
     errors = {k: r["error"] for k, r in rows_out.items() if "error" in r}
     assert sorted(errors) == ["count", "kind", "missing", "undecodable"]
     assert "absent.png" in errors["missing"] and "not a decodable image" in errors["undecodable"]
     assert "2 images" in errors["count"] and "non-empty list of strings" in errors["kind"]
     # The same sequences through score_sequences: the same digests.
+    pad = "<|vision_start|><|image_pad|><|vision_end|>"
+    image_ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     prompt = encode(f"the cat {pad} runs")
-    second = images[1]
     sequences = [{"prompt_token_ids": prompt + encode(" to the model"), "multi_modal_data": {"image": [images[0]]}},
-                 {"prompt_token_ids": [5, 6] + image_ids + [7, 8, 9], "multi_modal_data": {"image": [second]}},
+                 {"prompt_token_ids": [5, 6] + image_ids + [7, 8, 9], "multi_modal_data": {"image": [images[1]]}},
                  {"prompt_token_ids": encode(f"{pad} a dog {pad} the end"),
-                  "multi_modal_data": {"image": [images[2], second]}},
+                  "multi_modal_data": {"image": [images[2], images[1]]}},
                  encode("the cat runs to the model")]
     want = score_sequences(load(path), sequences, prompt_lengths=[len(prompt), 5, 1, 1], processor=image_processor)
     assert [rows_out[k]["digest"] for k in ("prompt", "ids", "two", "text")] == [r.digest for r in want]
     assert rows_out["ids"]["num_tokens"] == 3
 
 
-@pytest.mark.heavy  # imports Ray
+@pytest.mark.heavy  # starts a local Ray
+def test_score_command_with_images_on_ray(checkpoint, tmp_path):
+    """--ray: the driver checks each line's images, the worker processes them again from their sources
+    (data: URLs, absolute paths); the output file is byte for byte the single-process one."""
+    path, _, _, tokenizer, images = checkpoint
+    inp = write_jsonl(tmp_path / "in.jsonl", image_rows(tmp_path, images, tokenizer))
+    assert run_score(path, inp, tmp_path / "local.jsonl") == exit_codes.ROW_ERRORS
+    assert run_score(path, inp, tmp_path / "ray.jsonl", "--ray", "--num-workers", "1",
+                     "--rows-per-task", "2") == exit_codes.ROW_ERRORS
+    assert (tmp_path / "ray.jsonl").read_bytes() == (tmp_path / "local.jsonl").read_bytes()
+
+
+@pytest.mark.heavy
 def test_score_command_refuses_what_it_does_not_run_with_images(checkpoint, tmp_path, capsys):
     path = checkpoint[0]
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": [5, 6, 7]}])
-    for extra, match in ((["--ray"], "vision-language checkpoints are scored without --ray"),
-                         (["--lora", f"a={tmp_path}"], "LoRA adapters on vision-language models"),
+    for extra, match in ((["--lora", f"a={tmp_path}"], "LoRA adapters on vision-language models"),
                          (["--tensor-parallel-size", "2"], "tensor parallelism")):
         code = scoring_cli.main(["--model", str(path), "--input", str(inp), "--output", str(tmp_path / "out.jsonl"),
                                  "--dtype", "fp32", *extra])

@@ -161,10 +161,11 @@ class RayBackend:
             self.config = AutoConfig.from_pretrained(model)
         except Exception as exc:
             raise JobError(f"cannot load {model}: {exc}") from None
-        if getattr(self.config, "vision_config", None) is not None:
-            raise JobError(f"--ray: {self.config.model_type}: vision-language checkpoints are scored without --ray "
-                           "(one process) for now")
-        self.image_processor = None
+        try:  # the driver processes each line's images once, to check them and count their tokens
+            vision = getattr(self.config, "vision_config", None) is not None
+            self.image_processor = load_processor(model, None).image_processor if vision else None
+        except Exception as exc:
+            raise JobError(f"cannot load the image processor of {model}: {exc}") from None
         self.started_ray = not self.ray.is_initialized()
         if self.started_ray:
             try:

@@ -15,13 +15,15 @@ Ray is an optional extra (``pip install -e ".[ray]"``); this module imports it l
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ...checkpoints.loading import DTYPES, LazyTokenizer, load_model
-from ..requests import parse_request
+from ...checkpoints.loading import DTYPES, LazyTokenizer, load_model, load_processor
+from ...model.families import text_config
+from ..requests import parse_request, prepare_request_images, request_images
 from ..core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence, plan_batches, score_group
 from ...errors import InvalidArgumentError, JobError
 
@@ -46,8 +48,8 @@ def _plain(value):
         return None
     if isinstance(value, np.ndarray):
         return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
+    if isinstance(value, np.generic):  # a numpy NaN too (a column with no value at all)
+        value = value.item()
     if isinstance(value, float) and value != value:  # NaN: a missing cell of a mixed dataset
         return None
     return value
@@ -94,8 +96,12 @@ class _Scorer:
         self.model = load_model(model, dtype=dtype, device=device)
         self.tokenizer = LazyTokenizer(tokenizer or model)
         self.max_batch_tokens, self.ledger = max_batch_tokens, ledger
+        vision = getattr(self.model.config, "vision_config", None) is not None
+        self.image_processor = load_processor(model, None).image_processor if vision else None
 
-    def _request(self, row: dict) -> tuple[list[int], int]:
+    def _request(self, row: dict) -> tuple[list[int], int, Any]:
+        """(ids, prompt length, the processed images or None) of a row; its images (``request_images``:
+        data: URLs, or files relative to the worker's folder) processed here, each alone."""
         record = {k: _plain(v) for k, v in row.items() if k != "prompt_length"}
         record = {k: v for k, v in record.items() if v is not None}
         prompt_length = _plain(row.get("prompt_length"))
@@ -103,12 +109,15 @@ class _Scorer:
             ids, prompt_length = list(record["input_ids"]), int(prompt_length)
         else:
             ids, prompt_length = parse_request(record, self.tokenizer)
-        config = self.model.config
-        check_sequence(ids, prompt_length, config.vocab_size, config.max_position_embeddings)
-        return ids, prompt_length
+        config, images = self.model.config, request_images(record, Path())
+        if images is not None:
+            ids, prompt_length, images = prepare_request_images(config, self.image_processor, ids, prompt_length,
+                                                                images)
+        check_sequence(ids, prompt_length, text_config(config).vocab_size, text_config(config).max_position_embeddings)
+        return ids, prompt_length, images
 
-    def _score(self, requests: dict[int, tuple[list[int], int]], keys: list[str], results: list) -> None:
-        """Score ``requests`` (row -> ids, prompt length) into ``results``, marking each group in the
+    def _score(self, requests: dict[int, tuple[list[int], int, Any]], keys: list[str], results: list) -> None:
+        """Score ``requests`` (row -> ids, prompt length, images) into ``results``, marking each group in the
         ledger while it runs. Rows a dead attempt left marked run alone; a row whose worker died
         twice, the second time with the row alone, is not scored again."""
         import ray
@@ -125,7 +134,8 @@ class _Scorer:
         for group in groups:
             group_keys = [keys[i] for i in group]
             ray.get(self.ledger.mark.remote(group_keys, len(group) == 1))
-            scored = score_group(self.model, [requests[i][0] for i in group], [requests[i][1] for i in group])
+            scored = score_group(self.model, [requests[i][0] for i in group], [requests[i][1] for i in group],
+                                 images=[requests[i][2] for i in group])
             for i, result in zip(group, scored):
                 results[i] = result
             ray.get(self.ledger.clear.remote(group_keys))
@@ -165,7 +175,8 @@ def score_dataset(ds, model: str, *, tokenizer: str | None = None, dtype: str | 
     ``ds`` rows have an ``id`` (any value, passed through; unique) and one of: ``input_ids`` (a
     list of token ids; ``prompt_length`` optional, default 1: every token after the first is
     scored), ``text``, ``prompt`` + ``completion`` (tokenized separately, no special tokens, with
-    ``tokenizer`` or the model's own) or ``prompt_ids`` + ``completion_ids``. Result rows: ``id``,
+    ``tokenizer`` or the model's own) or ``prompt_ids`` + ``completion_ids``, and for a vision-language
+    checkpoint optionally ``images`` (as the score command's lines). Result rows: ``id``,
     ``token_logprobs``, ``logprob``, ``num_tokens``, ``greedy``, ``digest`` (as ``invariant-infer
     score``) and ``error``: None, or why the row has no result (an invalid row, a row whose scoring
     raises, a row that killed its worker alone), its other fields then None. Their order is Ray's,
@@ -216,6 +227,9 @@ def score_requests(requests, model: str, *, tokenizer: str | None = None, dtype:
     if not order:
         return
     items = [{"id": i, "input_ids": requests[i].ids, "prompt_length": requests[i].prompt_length} for i in order]
+    for item in items:  # image sources (data: URLs, absolute paths) travel with their rows' expanded ids
+        if requests[item["id"]].images is not None:
+            item["images"] = requests[item["id"]].images
     blocks = max(1, min(len(items), -(-len(items) // batch_size)))
     ds = ray.data.from_items(items, override_num_blocks=blocks)
     results = score_dataset(ds, model, tokenizer=tokenizer, dtype=dtype, num_workers=num_workers,
