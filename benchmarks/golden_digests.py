@@ -2,8 +2,8 @@
 bits shows, whatever caused it.
 
 Each family gets a one-layer model whose weights, and every input, come from a counter-based
-integer formula (splitmix64 of a name and an index, in numpy integer arithmetic), scaled to
-values that bf16 and fp32 hold exactly. Nothing depends on transformers' initialisation or on a
+integer formula (splitmix64 of a name and an index, in numpy integer arithmetic: ``golden_formula.py``),
+scaled to values that bf16 and fp32 hold exactly. Nothing depends on transformers' initialisation or on a
 library's random stream. The model is written with ``save_pretrained`` and read back with
 ``from_pretrained``, as users load checkpoints. Digests are kept per backend in
 ``tests/golden/digests.json``: the CPU interpreter's (checked by CI) and one entry per GPU and
@@ -20,11 +20,9 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import math
 import platform
 import sys
 import tempfile
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +31,8 @@ import transformers
 import triton
 from transformers import AutoModelForCausalLM
 
+from benchmarks.golden_formula import digest, integers, parameter_values
+from benchmarks.golden_vision import VISION_CONFIGS, vision_digests
 from invariant_infer.testing.drift import logits_alone, logits_in_batch
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.model.families import FAMILIES
@@ -99,9 +99,7 @@ CONFIGS = {
                                                            beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                            original_max_position_embeddings=32)),
 }
-# The vision-language families' models and inputs: benchmarks/golden_vision.py.
-VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
-FAMILY_NAMES = (*CONFIGS, *VISION_FAMILIES)
+FAMILY_NAMES = (*CONFIGS, *VISION_CONFIGS)  # the vision-language families': benchmarks/golden_vision.py
 SAMPLE_LENGTHS = (6, 1, 11, 3)
 # name -> (members in batch order, padding side, extra padding, inputs_embeds)
 BATCHINGS = {
@@ -115,36 +113,6 @@ ENGINE_REQUESTS = [  # (prompt length, sampling parameters): greedy and seeded, 
     (10, dict(max_tokens=4, temperature=1.2, top_k=20, seed=11, logprobs=0)),
     (2, dict(max_tokens=7, temperature=0.0, repetition_penalty=1.3, logprobs=0)),
 ]
-
-
-# ---- the formula ------------------------------------------------------------------------------------
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
-def integers(name: str, count: int, low: int, high: int) -> np.ndarray:
-    """``count`` integers in [low, high), a pure function of (name, index)."""
-    counter = (np.uint64(zlib.crc32(name.encode())) << np.uint64(32)) | np.arange(count, dtype=np.uint64)
-    return (_splitmix64(counter) % np.uint64(high - low)).astype(np.int64) + low
-
-
-def parameter_values(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """fp32 values with at most 8 significant bits (exact in bf16): matrices j/128 / 2^round(log2(fan_in)/2),
-    biases j/4096, norm weights in [0.5, 1.5)."""
-    count = math.prod(shape)
-    if len(shape) in (2, 3):  # matrices, and the experts' stacked [E, N, K] matrices
-        scale = 2.0 ** -(7 + round(math.log2(shape[-1]) / 2))
-        values = integers(name, count, -127, 128) * scale
-    elif name.endswith("bias"):
-        values = integers(name, count, -127, 128) * 2.0 ** -12
-    else:
-        values = integers(name, count, 64, 192) * 2.0 ** -7
-    return torch.from_numpy(values.astype(np.float32).reshape(shape))
 
 
 def write_checkpoint(family: str, dtype: torch.dtype, path: Path) -> Path:
@@ -163,14 +131,6 @@ def samples(family: str) -> list[torch.Tensor]:
 
 
 # ---- digests ----------------------------------------------------------------------------------------
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())  # bf16 -> fp32 is exact
-    return h.hexdigest()
-
 
 def model_digests(model, family: str, prefix: str) -> dict[str, str]:
     seqs = samples(family)
@@ -216,8 +176,7 @@ def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True
         for family in FAMILY_NAMES if families is None else families:
             for dtype_name in dtypes or DTYPES:
                 dtype = DTYPES[dtype_name]
-                if family in VISION_FAMILIES:
-                    from benchmarks.golden_vision import vision_digests  # it imports this module's formula
+                if family in VISION_CONFIGS:
                     out.update(vision_digests(family, dtype_name, dtype, device, Path(tmp) / f"{family}-{dtype_name}"))
                     if progress:
                         progress(f"{family}/{dtype_name}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForImageTextToText
 
-from benchmarks.golden_digests import digest, integers, parameter_values
+from benchmarks.golden_formula import digest, integers, parameter_values
 from invariant_infer.model.families import FAMILIES
 from invariant_infer.model.padding import pad_sequences
 from invariant_infer.model.patch import make_invariant

@@ -33,10 +33,10 @@ def base_model(model: nn.Module) -> nn.Module:
 
 def refuse_vision_language(config, what: str) -> None:
     """``what`` does not take vision-language models yet (they run in ``model(...)``, ``generate``, the engine,
-    ``serve`` and ``token_logprobs``)."""
+    ``serve``, scoring and training)."""
     if getattr(config, "vision_config", None) is not None:
         raise UnsupportedModelError(f"{config.model_type}: {what} does not take vision-language models yet; they run "
-                                    "in model(...), generate, the engine, serve and token_logprobs, with images")
+                                    "in model(...), generate, the engine, serve, scoring and training, with images")
 
 
 def _not_plain_linear(name: str, module) -> UnsupportedModelError:

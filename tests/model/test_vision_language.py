@@ -9,9 +9,9 @@ each row's tokens and logits alone, greedy and seeded, and each greedy step equa
 the sequence. fp32 is within tolerance of stock float64, which references without Qwen2.5-VL's
 windows or Qwen3-VL's deepstack, or without the multimodal positions, miss.
 Negative controls: an M-dependent GEMM (rows), a segment-count-dependent attention block (images).
-Videos, training the tower and Qwen2-VL are refused by name; scoring and tensor parallelism refuse
-vision-language models by name (the engine's, the server's and token_logprobs' tests are in
-tests/engine, tests/server and tests/training)."""
+Videos, training the tower and Qwen2-VL are refused by name; tensor parallelism refuses
+vision-language models by name (the engine's, the server's, scoring's and training's tests are in
+tests/engine, tests/server, tests/scoring and tests/training)."""
 from __future__ import annotations
 
 import copy
@@ -287,14 +287,10 @@ def test_qwen2_vl_is_refused_by_name():
 
 
 @pytest.mark.parametrize("family", cells("qwen2_5_vl"))
-def test_scoring_and_tensor_parallelism_refuse_it_by_name(checkpoints, family):
+def test_tensor_parallelism_refuses_it_by_name(checkpoints, family):
     from invariant_infer.parallel.loading import check_tensor_parallel_size
-    from invariant_infer.scoring import score_sequences
-    model = make_invariant(load(checkpoints[family], torch.float32))
-    for call in (lambda: score_sequences(model, [[5, 6, 7]]),
-                 lambda: check_tensor_parallel_size(checkpoints[family], 2, torch.device("cpu"))):
-        with pytest.raises(UnsupportedModelError, match=f"{family}: .* vision-language models"):
-            call()
+    with pytest.raises(UnsupportedModelError, match=f"{family}: .* vision-language models"):
+        check_tensor_parallel_size(checkpoints[family], 2, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("family", cells("qwen3_vl"))
