@@ -92,6 +92,7 @@ def test_close_to_stock_fp32_log_softmax(checkpoint):
     assert (scored[0].token_logprobs - want).abs().max().item() <= TOLERANCE_VS_STOCK_FP32
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)  # one family is enough here
 def test_negative_control_an_m_dependent_gemm(checkpoint, monkeypatch):
     path, config, image_processor, _, images = checkpoint
     model = load(path)
@@ -106,6 +107,7 @@ def test_negative_control_an_m_dependent_gemm(checkpoint, monkeypatch):
     assert not all(torch.equal(a.token_logprobs, b.token_logprobs) for a, b in zip(alone, together))
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)  # one family is enough here
 def test_refusals(checkpoint, tiny_checkpoint):
     path, config, image_processor, _, images = checkpoint
     model = load(path)
@@ -183,6 +185,7 @@ def test_score_command_with_images(checkpoint, tmp_path):
     assert rows_out["ids"]["num_tokens"] == 3
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)  # one family is enough here
 @pytest.mark.heavy  # starts a local Ray
 def test_score_command_with_images_on_ray(checkpoint, tmp_path):
     """--ray: the driver checks each line's images, the worker processes them again from their sources
@@ -195,6 +198,7 @@ def test_score_command_with_images_on_ray(checkpoint, tmp_path):
     assert (tmp_path / "ray.jsonl").read_bytes() == (tmp_path / "local.jsonl").read_bytes()
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)  # one family is enough here
 @pytest.mark.heavy
 def test_score_command_refuses_what_it_does_not_run_with_images(checkpoint, tmp_path, capsys):
     path = checkpoint[0]

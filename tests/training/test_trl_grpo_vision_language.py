@@ -74,6 +74,7 @@ def test_sampler_and_trainer_logprobs_are_bitwise_equal_with_images(checkpoint, 
     assert trainer.engine.images is not None  # the engine took the processor: rollouts saw the images
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)  # one family is enough here
 def test_negative_control_m_dependent_rollouts(checkpoint, tmp_path, monkeypatch):
     """Rollout logprobs from a GEMM whose K tile depends on the row count (the engine's decode steps of a
     few rows against the trainer's micro-batches of whole sequences): TRL logs the difference."""
@@ -90,6 +91,7 @@ def test_negative_control_m_dependent_rollouts(checkpoint, tmp_path, monkeypatch
     assert len(differences) == 1 and differences[0] > 0, differences
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)  # one family is enough here
 def test_a_trainable_vision_tower_is_refused(checkpoint, tmp_path):
     with pytest.raises(UnsupportedTRLError, match="vision tower"):
         trainer_for(*checkpoint, tmp_path, freeze=False)
