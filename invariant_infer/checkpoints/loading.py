@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import (AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoTokenizer, PreTrainedTokenizerFast)
+from transformers.image_processing_base import ImageProcessingMixin
 
 from ..model.patch import make_invariant
 from .quantized import quantized_loading
@@ -87,7 +89,21 @@ class ImageProcessing:
 
 def load_processor(path: str, tokenizer) -> ImageProcessing:
     """The image processor saved at ``path``, with ``tokenizer``."""
-    return ImageProcessing(AutoImageProcessor.from_pretrained(path), tokenizer)
+    return ImageProcessing(load_image_processor(path), tokenizer)
+
+
+def load_image_processor(path: str):
+    """``AutoImageProcessor.from_pretrained(path)``; where that class needs torchvision and it is not
+    installed (transformers before 5.2x map Qwen-VL's processor to its torchvision class), the same
+    processor's PIL class (``Qwen2VLImageProcessorPil``), whose pixels may round differently."""
+    try:
+        return AutoImageProcessor.from_pretrained(path)
+    except ImportError:
+        config, _ = ImageProcessingMixin.get_image_processor_dict(path)
+        pil_class = getattr(transformers, f"{config.get('image_processor_type')}Pil", None)
+        if pil_class is None:
+            raise
+        return pil_class.from_pretrained(path)
 
 
 class LazyTokenizer:

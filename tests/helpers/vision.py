@@ -12,6 +12,7 @@ from transformers import AutoConfig, PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from helpers.tokenizer import train_tokenizer
+from invariant_infer.checkpoints.loading import load_image_processor
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -54,8 +55,9 @@ def data_url(image: np.ndarray) -> str:
 
 def image_processor_only(path):
     """The checkpoint's Qwen-VL processor (tokenizer, image processor, chat template) without a video
-    processor: ``AutoProcessor`` builds one, which needs torchvision, and these tests install none."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    processor: ``AutoProcessor`` builds one, which needs torchvision, and these tests install none (the
+    image processor as ``load_image_processor`` loads it: its PIL class without torchvision)."""
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
@@ -67,5 +69,5 @@ def image_processor_only(path):
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template)  # no video processor
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return ImagesOnlyProcessor(AutoImageProcessor.from_pretrained(path), tokenizer,
+    return ImagesOnlyProcessor(load_image_processor(path), tokenizer,
                                chat_template=tokenizer.chat_template)

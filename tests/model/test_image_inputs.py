@@ -27,3 +27,26 @@ def test_expansion_and_pixels_equal_the_processor(tmp_path, family):
         assert torch.equal(got.image_grid_thw, want["image_grid_thw"])
         # A prompt length after the last image moves by the images' extra tokens.
         assert expanded_position(ids, config.image_token_id, got.counts, len(ids)) == len(got.token_ids)
+
+
+def test_the_image_processor_loads_without_torchvision(tmp_path, monkeypatch):
+    """Where ``AutoImageProcessor`` maps the checkpoint to a torchvision class that cannot load (transformers
+    5.17 without torchvision), its PIL class loads instead, with the saved settings."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from invariant_infer.checkpoints.loading import load_image_processor
+    save_vision_checkpoint(tmp_path, "qwen2_5_vl", seed=0)
+    saved = load_image_processor(tmp_path)
+
+    def needs_torchvision(*args, **kwargs):
+        raise ImportError("AutoImageProcessor requires the Torchvision library")
+    try:
+        transformers.AutoImageProcessor.from_pretrained  # noqa: B018  (5.17 without torchvision: raises here)
+    except ImportError:
+        pass  # this transformers is the case itself
+    else:
+        monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", needs_torchvision)
+    loaded = load_image_processor(tmp_path)
+    assert type(loaded) is Qwen2VLImageProcessorPil
+    assert (loaded.patch_size, loaded.merge_size) == (saved.patch_size, saved.merge_size)

@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 import invariant_infer.model.logits
 import invariant_infer.model.patch
@@ -23,6 +23,7 @@ from helpers.models import load_model
 from helpers.scoring_rows import read_rows, write_jsonl
 from helpers.vision import data_url, random_images, save_vision_checkpoint
 from invariant_infer import make_invariant
+from invariant_infer.checkpoints.loading import load_image_processor
 from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.engine import Engine
 from invariant_infer.errors import InvalidArgumentError
@@ -37,7 +38,7 @@ def checkpoint(request, tmp_path_factory):
     """(path, config, image processor, tokenizer, images)."""
     path = tmp_path_factory.mktemp(f"score-{request.param}")
     config = save_vision_checkpoint(path, request.param, seed=4)
-    return (path, config, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path),
+    return (path, config, load_image_processor(path), AutoTokenizer.from_pretrained(path),
             random_images(config, GRIDS, seed=5))
 
 
