@@ -25,7 +25,7 @@ from ..errors import InvalidArgumentError, RequestError, RequestFailedError
 from ..scoring.core import ScoreResult
 from .core import EngineCore
 from .multimodal import ImageInputs
-from ..model.image_inputs import expanded_position
+from ..model.image_inputs import expanded_position, split_multimodal
 from .output import OutputProcessor, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
@@ -62,18 +62,8 @@ class Engine(EngineCore):
         ``{"prompt_token_ids": ids (or "prompt": text), "multi_modal_data": {"image": image or [images]}}``."""
         if not isinstance(prompt, dict):
             return self.encode(prompt), None
-        unknown = set(prompt) - {"prompt_token_ids", "prompt", "multi_modal_data"}
-        if unknown or ("prompt_token_ids" in prompt) == ("prompt" in prompt):
-            raise RequestError("a multimodal prompt is {'prompt_token_ids': ids or 'prompt': text, "
-                               f"'multi_modal_data': {{'image': [...]}}}}; got the keys {sorted(prompt)}")
-        data = prompt.get("multi_modal_data") or {}
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise RequestError(f"multi_modal_data takes images only ('image'; videos are not supported yet), got "
-                               f"{sorted(data) if isinstance(data, dict) else type(data).__name__}",
-                               param="multi_modal_data")
-        images = data.get("image")
-        images = None if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
-        return self.encode(prompt.get("prompt_token_ids", prompt.get("prompt"))), images or None
+        content, images = split_multimodal(prompt)
+        return self.encode(content), images
 
     def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
         """(the prompt with its image tokens expanded, its MultimodalPrompt); (prompt_ids, None) without images."""

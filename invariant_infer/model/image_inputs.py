@@ -43,6 +43,23 @@ def decode_data_url(url: str) -> np.ndarray:
         raise InvalidArgumentError(f"not a decodable image ({_describe(exc)})") from None
 
 
+def split_multimodal(prompt: dict) -> tuple[object, list | None]:
+    """(its ``prompt_token_ids`` or ``prompt`` text, its images or None) of a prompt in vLLM's multimodal form,
+    ``{"prompt_token_ids": ids (or "prompt": text), "multi_modal_data": {"image": image or [images]}}``;
+    raises ``RequestError``."""
+    unknown = set(prompt) - {"prompt_token_ids", "prompt", "multi_modal_data"}
+    if unknown or ("prompt_token_ids" in prompt) == ("prompt" in prompt):
+        raise RequestError("a multimodal prompt is {'prompt_token_ids': ids or 'prompt': text, "
+                           f"'multi_modal_data': {{'image': [...]}}}}; got the keys {sorted(prompt)}")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise RequestError(f"multi_modal_data takes images only ('image'; videos are not supported yet), got "
+                           f"{sorted(data) if isinstance(data, dict) else type(data).__name__}", param=PARAM)
+    images = data.get("image")
+    images = None if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    return prompt.get("prompt_token_ids", prompt.get("prompt")), images or None
+
+
 def process_image(image_processor, image, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pixel_values [patches, C*T*P*P], image_grid_thw [1, 3]) of one image, processed alone."""
     if isinstance(image, np.ndarray) and (image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8):

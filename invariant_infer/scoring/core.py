@@ -25,7 +25,7 @@ from ..errors import InvalidArgumentError, RequestError, TensorParallelError, ra
 from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
 from ..model.lora import unwrap_peft
 from ..model.families import text_config
-from ..model.image_inputs import PromptImages, expanded_position, prepare_prompt_images
+from ..model.image_inputs import PromptImages, expanded_position, prepare_prompt_images, split_multimodal
 from ..model.patch import is_invariant
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
@@ -167,16 +167,10 @@ def split_sequence(sequence) -> tuple[list[int], list | None]:
     form ``{"prompt_token_ids": ids, "multi_modal_data": {"image": image or [images]}}``."""
     if not isinstance(sequence, dict):
         return (sequence.tolist() if hasattr(sequence, "tolist") else list(sequence)), None
-    if set(sequence) - {"prompt_token_ids", "multi_modal_data"} or "prompt_token_ids" not in sequence:
-        raise InvalidArgumentError("a sequence with images is {'prompt_token_ids': ids, 'multi_modal_data': "
-                                   f"{{'image': [...]}}}}; got the keys {sorted(sequence)}")
-    data = sequence.get("multi_modal_data") or {}
-    if not isinstance(data, dict) or set(data) - {"image"}:
-        raise InvalidArgumentError("multi_modal_data takes images only ('image'; videos are not supported yet), got "
-                                   f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
-    images = data.get("image")
-    images = None if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
-    return split_sequence(sequence["prompt_token_ids"])[0], images or None
+    ids, images = split_multimodal(sequence)
+    if isinstance(ids, str):
+        raise InvalidArgumentError("score_sequences takes token ids ('prompt_token_ids'), not text")
+    return split_sequence(ids)[0], images
 
 
 def prepare_sequence(config, processor, ids: list[int], prompt_length: int,

@@ -124,7 +124,8 @@ def test_refusals(checkpoint, tiny_checkpoint):
          "1 runs of image tokens"),
         (dict(sequences=[{**sequence, "multi_modal_data": {"video": [images[0]]}}], processor=image_processor),
          "videos are not supported"),
-        (dict(sequences=[{"prompt": "text", "multi_modal_data": {}}]), "got the keys"),
+        (dict(sequences=[{**sequence, "images": []}], processor=image_processor), "got the keys"),
+        (dict(sequences=[{"prompt": "text", "multi_modal_data": {}}]), "token ids .* not text"),
     ]
     for kwargs, match in cases:
         with pytest.raises(InvalidArgumentError, match=match):
