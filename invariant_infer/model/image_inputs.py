@@ -28,19 +28,37 @@ def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {re.sub(r' <[^>]*>', '', str(exc))}"
 
 
+def open_image(source: str):
+    """The PIL image of a base64 ``data:`` URL (``data:`` sources) or of a file, its pixels not read yet (its
+    size is); raises ``InvalidArgumentError`` (or ``OSError`` for a file that cannot be read)."""
+    from PIL import Image
+    if not source.startswith("data:"):
+        return Image.open(source)
+    header, _, payload = source.partition(",")
+    if not header.endswith(";base64"):
+        raise InvalidArgumentError("the data: URL must be base64 (data:image/...;base64,...)")
+    try:
+        return Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+    except Exception as exc:  # noqa: BLE001  (any undecodable payload is the caller's input's fault)
+        raise InvalidArgumentError(f"not a decodable image ({_describe(exc)})") from None
+
+
 def decode_data_url(url: str) -> np.ndarray:
     """A base64 ``data:`` URL's image as HxWx3 uint8; raises ``InvalidArgumentError`` saying what is wrong."""
     if not isinstance(url, str) or not url.startswith("data:"):
         raise InvalidArgumentError("not a data: URL")
-    header, _, payload = url.partition(",")
-    if not header.endswith(";base64"):
-        raise InvalidArgumentError("the data: URL must be base64 (data:image/...;base64,...)")
-    from PIL import Image
-    try:
-        with Image.open(io.BytesIO(base64.b64decode(payload, validate=True))) as image:
+    with open_image(url) as image:
+        try:
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except Exception as exc:  # noqa: BLE001  (any undecodable payload is the caller's input's fault)
-        raise InvalidArgumentError(f"not a decodable image ({_describe(exc)})") from None
+        except Exception as exc:  # noqa: BLE001  (a truncated payload fails here)
+            raise InvalidArgumentError(f"not a decodable image ({_describe(exc)})") from None
+
+
+def image_token_count(image_processor, config, height: int, width: int) -> int | None:
+    """The tokens an image of this size becomes, from the processor's own resize rule without processing
+    its pixels (None where the processor cannot say)."""
+    patches = getattr(image_processor, "get_number_of_image_patches", None)
+    return None if patches is None else int(patches(height, width)) // config.vision_config.spatial_merge_size ** 2
 
 
 def split_multimodal(prompt: dict) -> tuple[object, list | None]:

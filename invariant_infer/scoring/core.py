@@ -116,7 +116,7 @@ def _score_batch_on_rank(rank: RankState, payload) -> None:
     score_batch_here(rank.model, sequences, prompt_lengths, chunk_rows=chunk_rows, images=images)
 
 
-def _image_inputs(model, images: Sequence[PromptImages | None] | None, device) -> dict:
+def _image_inputs(images: Sequence[PromptImages | None] | None, device) -> dict:
     """The multimodal model's image arguments for a batch's rows, in row order (each row's images in its
     order): what fills the image tokens of the batch row by row."""
     prompts = [p for p in images or () if p is not None]
@@ -149,7 +149,7 @@ def score_batch_here(model, sequences: Sequence[Sequence[int]], prompt_lengths: 
     positions_t = torch.tensor(positions, dtype=torch.long, device=device)
     # The base model only: the CausalLM forward would build the full logits.
     hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False,
-                         **_image_inputs(model, images, device)).last_hidden_state
+                         **_image_inputs(images, device)).last_hidden_state
     logprobs, is_argmax = token_logprobs_from_hidden(
         hidden[rows_t, positions_t], lm_head.weight, ids[rows_t, positions_t + 1], lm_head_bias=lm_head.bias,
         chunk_rows=chunk_rows, head=lm_head if tp_layout(model) is not None else None)

@@ -7,7 +7,8 @@ import numpy as np
 
 from ..checkpoints.loading import LazyTokenizer
 from ..errors import ScoringRequestError
-from ..model.image_inputs import PromptImages, decode_data_url
+from ..model.image_inputs import (PromptImages, expand_image_tokens, expanded_position, image_token_count,
+                                  open_image)
 from .core import prepare_sequence
 
 # The four shapes of a scoring request, besides its id.
@@ -81,13 +82,36 @@ def request_images(record: dict, folder: Path) -> list[str] | None:
 def load_image(source: str, index: int) -> np.ndarray:
     """Image ``index`` of a request, HxWx3 uint8, from its data: URL or file; raises ``ScoringRequestError``."""
     try:
-        if source.startswith("data:"):
-            return decode_data_url(source)
-        from PIL import Image
-        with Image.open(source) as image:
+        with open_image(source) as image:
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
     except (ValueError, OSError) as exc:
         raise ScoringRequestError(f"images[{index}]: {exc}") from None
+
+
+def _size(source: str, index: int) -> tuple[int, int]:
+    """(height, width) of image ``index`` from its header; raises ``ScoringRequestError``."""
+    try:
+        with open_image(source) as image:
+            return image.height, image.width
+    except (ValueError, OSError) as exc:
+        raise ScoringRequestError(f"images[{index}]: {exc}") from None
+
+
+def count_request_images(config, image_processor, ids: list[int], prompt_length: int,
+                         sources: list[str]) -> tuple[list[int], int]:
+    """(ids with each image's tokens expanded, the prompt length in them) of a request with images, from the
+    images' sizes (their headers) and the processor's resize rule, without processing their pixels (a
+    processor that has no such rule processes them). Raises ``ScoringRequestError``."""
+    if image_processor is None:
+        raise ScoringRequestError(f"images: {config.model_type} takes no images")
+    counts = [image_token_count(image_processor, config, *_size(source, k)) for k, source in enumerate(sources)]
+    if None in counts:
+        return prepare_request_images(config, image_processor, ids, prompt_length, sources)[:2]
+    try:
+        expanded = expand_image_tokens(ids, config.image_token_id, counts)
+        return expanded, expanded_position(ids, config.image_token_id, counts, prompt_length)
+    except ValueError as exc:
+        raise ScoringRequestError(f"images: {exc}") from None
 
 
 def prepare_request_images(config, image_processor, ids: list[int], prompt_length: int,

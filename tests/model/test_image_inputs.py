@@ -1,13 +1,14 @@
 """The prompt expansion the engine and scoring run (``invariant_infer.model.image_inputs``) against the
 checkpoint's own Qwen-VL processor: for one image, two images in a row, and images of several sizes, the
-expanded ids equal the processor's ``input_ids``, and the pixel values and grids are bitwise its own."""
+expanded ids equal the processor's ``input_ids``, the pixel values and grids are bitwise its own, and the
+token counts from the images' sizes alone equal the processed ones."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from helpers.vision import image_processor_only, random_images, save_vision_checkpoint
-from invariant_infer.model.image_inputs import expanded_position, prepare_prompt_images
+from invariant_infer.model.image_inputs import expanded_position, image_token_count, prepare_prompt_images
 
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
 TEXTS = [f"the cat {PAD} runs", f"{PAD} a dog {PAD} to the model", f"score {PAD}{PAD} fast"]
@@ -25,6 +26,8 @@ def test_expansion_and_pixels_equal_the_processor(tmp_path, family):
         assert got.token_ids == want["input_ids"][0].tolist()
         assert torch.equal(got.pixel_values, want["pixel_values"])
         assert torch.equal(got.image_grid_thw, want["image_grid_thw"])
+        # The token counts from the images' sizes alone (the score command's count when it reads a line).
+        assert [image_token_count(processor.image_processor, config, *im.shape[:2]) for im in row_images] == got.counts
         # A prompt length after the last image moves by the images' extra tokens.
         assert expanded_position(ids, config.image_token_id, got.counts, len(ids)) == len(got.token_ids)
 

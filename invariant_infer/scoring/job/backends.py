@@ -38,7 +38,7 @@ class LocalBackend:
     stops it. ``loras`` (name -> PEFT adapter folder) wraps the model in a ``PeftModel`` holding them
     all, unmerged; each request runs the adapter its ``lora`` names (rows grouped by adapter).
     ``image_processor``: a vision-language checkpoint's, which processes each image of a batch's rows
-    (again: the job processed them once to count their tokens)."""
+    (the job counted their tokens from their sizes when it read them)."""
 
     def __init__(self, model, *, executor: Executor | None = None, loras: dict[str, str] | None = None,
                  image_processor=None):
@@ -161,7 +161,7 @@ class RayBackend:
             self.config = AutoConfig.from_pretrained(model)
         except Exception as exc:
             raise JobError(f"cannot load {model}: {exc}") from None
-        try:  # the driver processes each line's images once, to check them and count their tokens
+        try:  # the driver counts each line's image tokens from the images' sizes
             vision = getattr(self.config, "vision_config", None) is not None
             self.image_processor = load_processor(model, None).image_processor if vision else None
         except Exception as exc:

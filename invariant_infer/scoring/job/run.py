@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Protocol
 from tqdm import tqdm
 
 from ...checkpoints.loading import LazyTokenizer
-from ..requests import parse_request, prepare_request_images, request_images, request_lora
+from ..requests import count_request_images, parse_request, request_images, request_lora
 from ...model.families import text_config
 from ..core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence
 from ...errors import InvalidArgumentError, JobError, ScoringRequestError
@@ -139,9 +139,8 @@ def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, s
                 ids, prompt_length = parse_request(record, tokenizer)
                 lora = request_lora(record, loras)
                 images = request_images(record, folder)
-                if images is not None:  # processed here to check them and count their tokens, again when scored
-                    ids, prompt_length, _ = prepare_request_images(config, image_processor, ids, prompt_length,
-                                                                   images)
+                if images is not None:  # their tokens counted from their sizes here, their pixels processed when scored
+                    ids, prompt_length = count_request_images(config, image_processor, ids, prompt_length, images)
                 try:
                     check_sequence(ids, prompt_length, limits.vocab_size, limits.max_position_embeddings)
                 except ValueError as exc:
