@@ -6,15 +6,25 @@ from .kernels.errors import (InvalidArgumentError, InvalidDtypeError, InvariantI
 
 __all__ = [
     "InvariantInferError", "InvalidArgumentError", "InvalidDtypeError", "UnsupportedOperationError",
-    "KernelLaunchError", "UnsupportedModelError", "NonInvariantInputError", "TensorParallelError", "DeviceError",
-    "RequestError", "RequestFailedError", "EngineBusyError", "LoraAdapterError", "SpeculativeConfigError",
-    "ScoringRequestError", "JobError", "CheckpointError", "CheckpointLoadError", "UnsupportedTRLError",
-    "InternalError",
+    "KernelLaunchError", "UnsupportedModelError", "NonInvariantOpError", "NonInvariantInputError",
+    "TensorParallelError", "DeviceError", "RequestError", "RequestFailedError", "EngineBusyError", "LoraAdapterError",
+    "SpeculativeConfigError", "ScoringRequestError", "JobError", "CheckpointError", "CheckpointLoadError",
+    "UnsupportedTRLError", "InternalError",
 ]
 
 
 class UnsupportedModelError(InvariantInferError, TypeError):
     """The model (family, layer type, dtype, device or config) cannot be made batch-invariant."""
+
+
+class NonInvariantOpError(UnsupportedModelError):
+    """The patched forward runs an op that reduces floats outside the invariant kernels (found by
+    ``audit``; raised by ``make_invariant(model, strict=True)``, which leaves the model unpatched).
+    ``stray``: the (module name, op name) pairs, which the message names."""
+
+    def __init__(self, message: str, stray: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.stray = list(stray or [])
 
 
 class NonInvariantInputError(InvariantInferError, ValueError):

@@ -43,7 +43,8 @@ import torch
 from torch import nn
 
 from . import attention as attention_interface, experts as experts_interface
-from ..errors import NonInvariantInputError
+from ..errors import NonInvariantInputError, NonInvariantOpError
+from .audit import audit
 from .checks import check_model, multimodal_model
 from ..kernels import (gelu_tanh_mul, gelu_tanh_mul_autograd, linear, linear_autograd, rms_norm, rms_norm_autograd,
                        silu_mul, silu_mul_autograd, silu_mul_linear_autograd)
@@ -261,9 +262,41 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     """Patch a loaded model of a supported family in place so its logits are bitwise batch-invariant.
 
     A compressed-tensors checkpoint keeps its compressed weights and runs the quantized GEMM
-    (``invariant_infer.model.quantization``); ``strict=True`` refuses a checkpoint's dynamic
-    per-tensor activation scale instead of replacing it by a per-token one.
+    (``invariant_infer.model.quantization``).
+
+    ``strict=True`` fails closed, in two ways: it refuses a checkpoint's dynamic per-tensor activation
+    scale instead of replacing it by a per-token one; and, once patched, it runs ``audit`` (one probe
+    forward: two short padded rows) and raises ``NonInvariantOpError``, naming each module and op,
+    when any op reduces floats outside the invariant kernels (a forward hook, a module or config path
+    the patch does not cover, a transformers release that changed a forward), restoring the model
+    first. Off by default: the probe forward costs one forward of the model (and, on CPU, a run of
+    every kernel through Triton's interpreter), every supported family and format is audited by the
+    test suite, and a dynamic per-tensor scale is replaced rather than refused (docs/how-it-works.md,
+    "Fail-closed coverage: audit and strict").
     Returns the same model. Idempotent. Undo with ``restore(model)``."""
+    patched = _patch(model, strict)
+    if strict:
+        _refuse_stray_ops(patched)
+    return patched
+
+
+def _refuse_stray_ops(model: nn.Module) -> None:
+    try:
+        report = audit(model)
+    except BaseException:  # the probe forward failed: strict leaves no model patched unaudited
+        restore(model)
+        raise
+    if report.ok:
+        return
+    restore(model)
+    ops = "; ".join(f"{op} in {module or '<model>'}" for module, op in report.stray)
+    raise NonInvariantOpError(
+        f"make_invariant(strict=True): the patched forward reduces outside the invariant kernels, so its results "
+        f"could depend on the batch: {ops}. The model was restored. Remove the hook or module that issues the op "
+        "(or, knowingly, patch without strict=True)", report.stray)
+
+
+def _patch(model: nn.Module, strict: bool) -> nn.Module:
     wrapper, model = model, unwrap_peft(model)  # a PeftModel: patch the model inside, LoRA layers unmerged
     if getattr(model, _STATE_ATTR, None) is not None:
         if not has_unpatched_lora(model):
