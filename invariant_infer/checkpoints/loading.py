@@ -12,10 +12,13 @@ import transformers
 from transformers import (AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoTokenizer, PreTrainedTokenizerFast)
 from transformers.image_processing_base import ImageProcessingMixin
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
+from ..model.families import FAMILIES
 from ..model.patch import make_invariant
 from .quantized import quantized_loading
-from ..errors import CheckpointLoadError, InvalidArgumentError
+from ..errors import CheckpointLoadError, InvalidArgumentError, UnsupportedModelError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
@@ -42,9 +45,10 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 def load_model(path: str, *, dtype: str | None = None, device: str | None = None, invariant: bool = True):
     """``AutoModelForCausalLM.from_pretrained(path)`` (``AutoModelForImageTextToText`` for a vision-language
     checkpoint) in ``dtype`` on ``device``, in eval mode, and wrapped by ``make_invariant`` unless
-    ``invariant`` is False (the stock baselines)."""
+    ``invariant`` is False (the stock baselines). A checkpoint of another architecture or family is
+    refused first (``check_architecture``)."""
+    auto_class = check_architecture(path)
     where = resolve_device(device)
-    auto_class = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
     with quantized_loading():  # quantized checkpoints load as stored, kept compressed
         model = auto_class.from_pretrained(path, dtype=resolve_dtype(dtype, where)).to(where).eval()
     return make_invariant(model) if invariant else model
@@ -72,11 +76,82 @@ def load_tokenizer(path: str):
 
 
 def is_vision_language(path: str) -> bool:
-    """Whether the checkpoint's config has a vision tower (``vision_config``)."""
+    """Whether the checkpoint loads as a vision-language model: a family with a vision tower (a
+    multimodal checkpoint whose language model alone is supported, Qwen3.5's, loads as that)."""
     try:
-        return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+        adapter = FAMILIES.get(AutoConfig.from_pretrained(path).model_type)
     except Exception:  # noqa: BLE001  (from_pretrained reports a checkpoint it cannot load)
         return False
+    return adapter is not None and adapter.vision is not None
+
+
+def _class_names(mapping: dict, model_type: str) -> set[str]:
+    names = mapping.get(model_type, ())
+    return {names} if isinstance(names, str) else set(names)
+
+
+def _causal_lm_family(model_type: str) -> str | None:
+    """The supported family of the model ``AutoModelForCausalLM`` builds for ``model_type``, when that is
+    not the model type itself (a multimodal config whose causal LM is its language model: Qwen3.5)."""
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    try:
+        inner = getattr(transformers, name).config_class.model_type if isinstance(name, str) else None
+    except (AttributeError, ImportError):
+        return None
+    return inner if inner in FAMILIES else None
+
+
+def auto_class_for(config):
+    """The auto class that loads a checkpoint of ``config``: ``AutoModelForImageTextToText`` for a
+    vision-language family, else ``AutoModelForCausalLM``. ``UnsupportedModelError`` names a model type
+    outside the supported families, and an architecture that is neither a causal LM nor an
+    image-text-to-text model (sequence or token classification, an encoder, an unknown class), which
+    loading as a causal LM would silently give a random LM head."""
+    model_type = getattr(config, "model_type", None)
+    architectures = list(getattr(config, "architectures", None) or [])
+    named = f"model_type {model_type!r}" + (f" ({', '.join(architectures)})" if architectures else "")
+    adapter = FAMILIES.get(model_type)
+    if adapter is not None and adapter.vision is not None:
+        auto_class, runs = AutoModelForImageTextToText, _class_names(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+                                                                      model_type)
+    else:
+        if adapter is None and _causal_lm_family(model_type) is None:
+            raise UnsupportedModelError(f"{named} is not a supported model type; supported: "
+                                        f"{', '.join(sorted(FAMILIES))}")
+        # A multimodal checkpoint's own class is accepted where its causal LM is what runs (Qwen3.5).
+        auto_class = AutoModelForCausalLM
+        runs = _class_names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, model_type) | \
+            _class_names(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, model_type)
+    refused = [name for name in architectures if name not in runs]
+    if refused:
+        raise UnsupportedModelError(
+            f"{named}: {refused[0]} is not an architecture invariant-infer runs; for model_type {model_type!r} it "
+            f"runs {', '.join(sorted(runs))} (causal LMs and image-text-to-text models only)")
+    return auto_class
+
+
+def check_architecture(path: str):
+    """Read the checkpoint's config and return its auto class (``auto_class_for``), before any weight
+    is loaded. ``CheckpointLoadError`` when there is no config to read; ``UnsupportedModelError``
+    names an architecture or model type that is not run."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001  (a missing folder, a config transformers does not know)
+        model_type = _stored_model_type(path)
+        if model_type is not None and model_type not in FAMILIES:
+            raise UnsupportedModelError(f"model_type {model_type!r} is not a supported model type; supported: "
+                                        f"{', '.join(sorted(FAMILIES))}") from None
+        raise CheckpointLoadError(f"cannot read the config of {path}: {exc}") from None
+    return auto_class_for(config)
+
+
+def _stored_model_type(path: str) -> str | None:
+    """``model_type`` as a local checkpoint's config.json states it (for one transformers cannot read)."""
+    try:
+        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if isinstance(model_type, str) else None
 
 
 @dataclass
