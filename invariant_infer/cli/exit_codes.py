@@ -1,11 +1,13 @@
-"""The exit statuses of every ``invariant-infer`` command: one table for ``serve``, ``score`` and
-``demo`` alike, shown at the end of each command's ``--help``."""
+"""The exit statuses of every ``invariant-infer`` command: one table for ``serve``, ``score``, ``demo``
+and ``check`` alike, shown at the end of each command's ``--help``."""
 
 OK = 0
-ROW_ERRORS = 1       # score: the job finished and some rows are error rows; demo: a row was not bitwise equal
-REFUSED = 2          # bad arguments, a refused model or checkpoint, a job that cannot start or go on
-VERIFY_MISMATCH = 3  # score --verify: a row re-scored alone gave another digest
-RANK_FAILED = 4      # a tensor-parallel rank failed: serve stopped; score kept its rows (a re-run resumes)
+ROW_ERRORS = 1         # score: the job finished and some rows are error rows; demo: a row was not bitwise equal
+REFUSED = 2            # bad arguments, a refused model or checkpoint, a job that cannot start or go on
+VERIFY_MISMATCH = 3    # score --verify: a row re-scored alone gave another digest
+RANK_FAILED = 4        # a tensor-parallel rank failed: serve stopped; score kept its rows (a re-run resumes)
+NOT_INVARIANT = 5      # check, and serve's check before traffic: a row depended on its batch, or an op strayed
+UNSUPPORTED_MODEL = 6  # the checkpoint's architecture or model type is not one these commands run
 
 MEANINGS = {
     OK: "success",
@@ -13,4 +15,8 @@ MEANINGS = {
     REFUSED: "refused: bad arguments, a refused model or checkpoint, or a job that cannot go on",
     VERIFY_MISMATCH: "score --verify: a row re-scored alone gave another digest",
     RANK_FAILED: "a tensor-parallel rank failed (serve stops; score keeps its rows, a re-run resumes)",
+    NOT_INVARIANT: "check (and serve's check before traffic) failed: a row depended on its batch, or an op ran "
+                   "outside the invariant kernels",
+    UNSUPPORTED_MODEL: "unsupported model: the checkpoint's architecture or model type is not one that runs here "
+                       "(only causal LMs and image-text-to-text models of the supported families)",
 }

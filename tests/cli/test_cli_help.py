@@ -6,7 +6,7 @@ import pytest
 from invariant_infer.cli import exit_codes, main
 from invariant_infer.cli.help_text import plain
 
-COMMANDS = ("demo", "score", "serve")
+COMMANDS = ("demo", "score", "serve", "check")
 
 
 def help_of(capsys, *argv) -> str:
@@ -36,5 +36,5 @@ def test_the_top_level_help_lists_every_subcommand(capsys):
 
 def test_the_exit_statuses_are_distinct():
     codes = [exit_codes.OK, exit_codes.ROW_ERRORS, exit_codes.REFUSED, exit_codes.VERIFY_MISMATCH,
-             exit_codes.RANK_FAILED]
+             exit_codes.RANK_FAILED, exit_codes.NOT_INVARIANT, exit_codes.UNSUPPORTED_MODEL]
     assert len(set(codes)) == len(codes) and set(codes) == set(exit_codes.MEANINGS)
