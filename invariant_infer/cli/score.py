@@ -18,6 +18,9 @@ its ids; each image is processed alone and its tokens expanded.
 
 ``--lora NAME=PATH ...`` loads PEFT LoRA adapters (unmerged); a row's ``lora`` field names the one
 it is scored with (absent or null: the base model), and its result row repeats it.
+
+A checkpoint that is not a causal LM or an image-text-to-text model of a supported family is refused
+by name before it is loaded.
 """
 from __future__ import annotations
 
@@ -25,11 +28,12 @@ import argparse
 import sys
 
 from ..scoring.job.ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS
-from ..checkpoints.loading import DEVICES, DTYPES
+from ..checkpoints.loading import DEVICES, DTYPES, check_architecture
 from ..scoring.core import DEFAULT_MAX_BATCH_TOKENS
 from ..scoring.job.backends import LocalBackend, RayBackend
 from ..scoring.job.run import JobOptions, run_job
-from ..errors import JobError
+from ..errors import CheckpointLoadError, JobError, UnsupportedModelError
+from ..model.support import require
 from . import exit_codes
 from .help_text import exit_status_epilog, plain
 
@@ -55,10 +59,11 @@ def run(args) -> int:
         if tensor_parallel_size < 1:
             raise JobError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
         if getattr(args, "ray", False) and tensor_parallel_size > 1:
-            raise JobError("--tensor-parallel-size and --ray do not combine: each Ray worker holds the whole model")
+            require("tensor_parallel_job", "ray")
         loras = parse_loras(getattr(args, "lora", None))
         if loras and getattr(args, "ray", False):
-            raise JobError("--lora and --ray do not combine (yet): adapters are scored in one process")
+            require("lora", "ray")
+        check_architecture(args.model)  # before any worker or rank starts
         if getattr(args, "ray", False):
             backend = RayBackend(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                  address=args.ray_address, num_workers=args.num_workers,
@@ -68,7 +73,10 @@ def run(args) -> int:
             backend = LocalBackend.load(args.model, dtype=args.dtype, device=args.device,
                                         tensor_parallel_size=tensor_parallel_size, loras=loras,
                                         rank_failed_status=exit_codes.RANK_FAILED)
-    except JobError as exc:
+    except UnsupportedModelError as exc:
+        print(f"score: {args.model}: {exc}", file=sys.stderr)
+        return exit_codes.UNSUPPORTED_MODEL
+    except (JobError, CheckpointLoadError) as exc:
         print(f"score: {exc}", file=sys.stderr)
         return exit_codes.REFUSED
     try:

@@ -1,6 +1,11 @@
 """``invariant-infer serve``: an OpenAI-compatible server (completions, chat completions, models,
 health, metrics, tokenize) over the continuous-batching engine; each response is bitwise a
-function of its own request, whatever else is in flight. Needs ``pip install -e ".[serve]"``."""
+function of its own request, whatever else is in flight. Needs ``pip install -e ".[serve]"``.
+
+Before it takes traffic it runs the check of ``invariant-infer check`` on the loaded model (one line
+per check on stderr); a failing check stops the start (``--skip-check`` serves without it). A
+checkpoint that is not a causal LM or an image-text-to-text model of a supported family is refused
+by name before it is loaded."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +13,8 @@ import json
 import math
 import sys
 
-from ..checkpoints.loading import DEVICES, DTYPES
-from ..errors import InvariantInferError
+from ..checkpoints.loading import DEVICES, DTYPES, check_architecture
+from ..errors import CheckpointLoadError, InvariantInferError, UnsupportedModelError
 from . import exit_codes
 from .help_text import exit_status_epilog, plain
 
@@ -65,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, bitwise lossless: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3} or {"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 4} (docs/speculative.md)')
+    p.add_argument("--skip-check", action="store_true",
+                   help="serve without first checking that the model is batch-invariant here (invariant-infer check)")
     p.add_argument("--kernels", choices=["invariant", "stock"], default="invariant",
                    help=argparse.SUPPRESS)  # stock: the negative control and benchmark baseline
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -89,6 +96,14 @@ def run(args) -> int:
                   "otherwise", file=sys.stderr)
             return exit_codes.REFUSED
         loras[name] = path
+    try:  # before minutes of loading: a checkpoint of an architecture the engine does not run
+        check_architecture(args.model)
+    except UnsupportedModelError as exc:
+        print(f"invariant-infer serve: {args.model}: {exc}", file=sys.stderr)
+        return exit_codes.UNSUPPORTED_MODEL
+    except CheckpointLoadError as exc:
+        print(f"invariant-infer serve: {exc}", file=sys.stderr)
+        return exit_codes.REFUSED
     options = ServerOptions(
         model_name=args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes, stream_write_timeout=args.stream_write_timeout, model=args.model,
@@ -99,11 +114,11 @@ def run(args) -> int:
         log_level=args.log_level, lora_modules=loras, enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank)
     try:
-        stopped = serve(options, rank_failed_status=exit_codes.RANK_FAILED)
+        stopped = serve(options, rank_failed_status=exit_codes.RANK_FAILED, check=not args.skip_check)
     except InvariantInferError as exc:  # settings, a model, an adapter or a TP size the engine refuses
         print(f"invariant-infer serve: {exc}", file=sys.stderr)
         return exit_codes.REFUSED
-    return exit_codes.RANK_FAILED if stopped == "rank failed" else exit_codes.OK
+    return {"rank failed": exit_codes.RANK_FAILED, "check failed": exit_codes.NOT_INVARIANT}.get(stopped, exit_codes.OK)
 
 
 def add_parser(sub) -> None:

@@ -9,6 +9,12 @@ connection is refused; uvicorn then lets in-flight requests finish, the engine s
 process exits 0. (uvicorn alone closes it only on its main loop's next tick, and a tick can wait
 behind the engine's lock; until then the kernel keeps completing new connections.)
 
+Before the socket listens, the model runs the check of ``invariant-infer check`` (the audit, rows
+alone against padded batches, a decode step against its prefill; ``testing.invariance_check``), one
+line per check on stderr; a failing check stops the start (``--skip-check`` serves without it). It
+runs on the invariant kernels at ``--tensor-parallel-size`` 1 (rank 0's sharded model runs only
+through its ranks, and the stock kernels are the batch-variant baseline).
+
 With ``--tensor-parallel-size N`` the server is rank 0 of ``TensorParallelRanks``: it starts the
 other ranks, and stops them when it exits. A rank that dies stops the server within seconds, with
 the rank named on stderr (the CLI's exit status ``RANK_FAILED``); requests in flight get an error."""
@@ -25,6 +31,7 @@ from ..checkpoints.loading import is_vision_language, load_model, load_processor
 from ..errors import CheckpointLoadError, InvalidArgumentError, InvariantInferError, LoraAdapterError
 from ..parallel import TensorParallelRanks
 from ..parallel.forced_exit import FORCED_EXIT_AFTER_S, exit_later
+from ..testing.invariance_check import check_invariance
 from .app import create_app
 from .state import ServerOptions
 
@@ -54,6 +61,12 @@ class RankFailure:
 def build(options: ServerOptions, ranks: TensorParallelRanks | None = None):
     """The app for the checkpoint ``options.model`` (or for ``ranks.model``, the sharded one, run
     through the ranks): the engine wraps the model itself."""
+    engine, tokenizer = build_engine(options, ranks)
+    return create_app(AsyncEngine(engine), tokenizer, options)
+
+
+def build_engine(options: ServerOptions, ranks: TensorParallelRanks | None = None):
+    """The engine and the tokenizer ``build`` serves."""
     if ranks is not None:
         model = ranks.model
     else:
@@ -70,7 +83,25 @@ def build(options: ServerOptions, ranks: TensorParallelRanks | None = None):
                     max_loras=options.max_loras if serves_loras else 0, max_lora_rank=options.max_lora_rank)
     for name, path in options.lora_modules.items():
         engine.add_lora(name, path)  # a bad adapter stops the start (serve reports it)
-    return create_app(AsyncEngine(engine), tokenizer, options)
+    return engine, tokenizer
+
+
+def passes_check(engine, options: ServerOptions) -> bool:
+    """Run the check on the engine's model, its lines on stderr; True when it passes or does not apply."""
+    if options.kernels != "invariant" or options.tensor_parallel_size != 1:
+        reason = ("on the stock kernels (the batch-variant baseline)" if options.kernels != "invariant" else
+                  f"at --tensor-parallel-size {options.tensor_parallel_size} (rank 0's model runs only through its "
+                  "ranks): invariant-infer check runs it on one process")
+        print(f"invariant-infer serve: check: not run {reason}", file=sys.stderr, flush=True)
+        return True
+
+    def show(result) -> None:
+        print(f"invariant-infer serve: check: {result}", file=sys.stderr, flush=True)
+    report = check_invariance(engine.model, on_result=show)
+    if not report.ok:
+        print(f"invariant-infer serve: not batch-invariant here ({'; '.join(report.failed)}): not serving "
+              "(--skip-check serves without the check)", file=sys.stderr, flush=True)
+    return report.ok
 
 
 class DrainingServer(uvicorn.Server):
@@ -86,15 +117,16 @@ class DrainingServer(uvicorn.Server):
             captured[:] = [s for s in captured if s != signal.SIGTERM]
 
 
-def serve(options: ServerOptions, *, rank_failed_status: int) -> str:
-    """Serve ``options.model`` until SIGTERM / SIGINT (or a rank's failure). Returns "stopped", or
-    "rank failed" (the process ends with ``rank_failed_status`` if the drain does not). What cannot
-    start raises an ``InvariantInferError`` before the listener opens."""
+def serve(options: ServerOptions, *, rank_failed_status: int, check: bool = True) -> str:
+    """Serve ``options.model`` until SIGTERM / SIGINT (or a rank's failure). Returns "stopped",
+    "rank failed" (the process ends with ``rank_failed_status`` if the drain does not), or "check
+    failed" (``check``: the check before serving found the model batch-variant; nothing listened).
+    What cannot start raises an ``InvariantInferError`` before the listener opens."""
     if options.model is None:
         raise InvalidArgumentError("ServerOptions.model: the checkpoint to serve")
     size = options.tensor_parallel_size
     if size == 1:
-        return _serve(options, None, None)
+        return _serve(options, None, None, check)
     if options.kernels != "invariant":
         raise InvalidArgumentError("--tensor-parallel-size runs the invariant kernels only")
     failure = RankFailure(rank_failed_status)
@@ -106,21 +138,25 @@ def serve(options: ServerOptions, *, rank_failed_status: int) -> str:
     except Exception as exc:  # noqa: BLE001  (a checkpoint a rank could not read)
         raise CheckpointLoadError(f"{options.model}: {type(exc).__name__}: {exc}") from exc
     try:
-        stopped = _serve(options, ranks, failure)
+        stopped = _serve(options, ranks, failure, check)
     finally:
         ranks.close()
     return "rank failed" if failure.message else stopped
 
 
-def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: RankFailure | None) -> str:
+def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: RankFailure | None,
+           check: bool) -> str:
     try:
-        app = build(options, ranks)
+        engine, tokenizer = build_engine(options, ranks)
     except LoraAdapterError as exc:  # a --lora-modules adapter that does not fit
         raise LoraAdapterError(f"--lora-modules: {exc}") from exc
     except InvariantInferError:  # settings or a model the engine refuses
         raise
     except ValueError as exc:  # settings transformers refuses
         raise InvalidArgumentError(str(exc)) from exc
+    if check and not passes_check(engine, options):
+        return "check failed"
+    app = create_app(AsyncEngine(engine), tokenizer, options)
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
