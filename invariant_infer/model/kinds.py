@@ -1,0 +1,85 @@
+"""The kinds of a model or a checkpoint's config, as the support table (``support.py``) names them:
+its structure (dense, MoE, hybrid, vision-language, windowed), its quantized format, its adapters,
+and the config features some surfaces refuse."""
+from __future__ import annotations
+
+from torch import nn
+
+from .families import FAMILIES, text_config
+from .lora import is_peft_model, unwrap_peft
+
+# Families whose sliding_window applies to every layer when set (the others say so in layer_types).
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral")
+
+
+def quantization_kinds(quantization) -> set[str]:
+    """The quantized formats of a ``quantization_config`` (a dict or a transformers config object)."""
+    if quantization is None:
+        return set()
+    config = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    method = config.get("quant_method")
+    if method is None:
+        return set()
+    if method == "mxfp4":
+        return set() if config.get("dequantize") else {"quantized", "mxfp4"}
+    if method == "fp8":
+        return {"quantized", "transformers_fp8"}
+    kinds = {"quantized"}
+    if method != "compressed-tensors":
+        return kinds
+    for group in (config.get("config_groups") or {}).values():
+        weights, activations = group.get("weights") or {}, group.get("input_activations")
+        strategy = str(weights.get("strategy", "")).lower()
+        if weights.get("type") == "float":
+            kinds.add("fp8_block" if strategy == "block" else "fp8_dynamic")
+        elif activations:
+            kinds.add("w8a8_int8")
+        else:
+            kinds.add("w4a16_int4")
+    return kinds
+
+
+def _windowed(model_type: str, config) -> bool:
+    layer_types = getattr(config, "layer_types", None) or ()
+    return ("sliding_attention" in layer_types or model_type == "gpt_oss"  # gpt-oss: attention sinks too
+            or (model_type in _WINDOW_ON_EVERY_LAYER and getattr(config, "sliding_window", None) is not None))
+
+
+def config_kinds(config) -> set[str]:
+    """The kinds and refused features a checkpoint's config shows (no weights needed)."""
+    model_type = getattr(config, "model_type", None)
+    text = text_config(config)
+    adapter = FAMILIES.get(model_type)
+    kinds = quantization_kinds(getattr(config, "quantization_config", None))
+    if adapter is not None:
+        kinds.add("moe" if adapter.moe else "hybrid" if adapter.linear_attention else "dense")
+        if adapter.moe and adapter.linear_attention:
+            kinds.add("hybrid")
+        if adapter.vision is not None:
+            kinds.add("vision_language")
+        if _windowed(text.model_type if hasattr(text, "model_type") else model_type, text):
+            kinds.add("windowed")
+        if adapter.moe and quantization_method_of(config) == "compressed-tensors":
+            kinds.add("compressed_tensors_moe")
+    if adapter is not None and adapter.vision is not None and getattr(text, "use_sliding_window", False):
+        kinds.add("vision_language_sliding_window")
+    if any(getattr(text, name, None) is not None for name in ("attn_logit_softcapping", "final_logit_softcapping")):
+        kinds.add("logit_softcapping")
+    if getattr(text, "use_bidirectional_attention", False):
+        kinds.add("bidirectional_attention")
+    return kinds
+
+
+def quantization_method_of(config) -> str | None:
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    return (quantization if isinstance(quantization, dict) else quantization.to_dict()).get("quant_method")
+
+
+def model_kinds(model: nn.Module) -> set[str]:
+    """The kinds of a loaded model: its config's, and ``lora`` / ``peft_model`` for a PeftModel."""
+    kinds = config_kinds(unwrap_peft(model).config)
+    if is_peft_model(model):
+        kinds |= {"lora", "peft_model"}
+    return kinds
