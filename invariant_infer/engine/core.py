@@ -25,10 +25,10 @@ from ..model.lora import is_peft_model
 from ..model.families import text_config
 from ..model.patch import is_invariant, make_invariant
 from .block_manager import BlockManager, block_table_rows
-from .hybrid import check_hybrid, is_hybrid
+from .hybrid import is_hybrid
+from .model_support import check_engine_support
 from .lora_slots import LoraAdapter, LoraSlots
 from .model_runner import ModelRunner
-from .multimodal import check_vision_language
 from .prefix_states import PrefixStates, saved_state_interval
 from .logprob_rows import record_prompt_logprobs, record_top_logprobs, row_logprobs
 from .output import SequenceDelta
@@ -62,7 +62,7 @@ class EngineCore:
             raise InvalidArgumentError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise InvalidArgumentError("max_num_seqs and max_num_batched_tokens must be at least 1")
-        check_vision_language(model.config, kernels, speculative, max_loras, executor)
+        check_engine_support(model, kernels, speculative, max_loras, executor.tensor_parallel_size)
         if kernels == "invariant":
             make_invariant(model)
         elif is_invariant(model):
@@ -71,8 +71,6 @@ class EngineCore:
         if model.get_output_embeddings() is None or not hasattr(model, "model"):
             raise InvalidArgumentError("the engine runs causal LMs (AutoModelForCausalLM), not base models")
         hybrid = is_hybrid(model.config)
-        if hybrid:
-            check_hybrid(model.config.model_type, kernels, speculative, max_loras)
         self.model, self.tokenizer = model.eval(), tokenizer
         config = text_config(model.config)
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings

@@ -18,20 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import RequestError, UnsupportedModelError
+from ..errors import RequestError
 from ..model.image_inputs import prepare_prompt_images
-
-
-def check_vision_language(config, kernels: str, speculative, max_loras: int, executor) -> None:
-    """Refuse, by name, what the engine does not run with a vision-language model (any other: nothing)."""
-    if getattr(config, "vision_config", None) is None:
-        return
-    refused = [what for what, asked in (
-        ("kernels='stock'", kernels != "invariant"), ("speculative decoding", speculative),
-        ("LoRA adapters", max_loras), ("tensor parallelism", executor.tensor_parallel_size > 1)) if asked]
-    if refused:
-        raise UnsupportedModelError(f"{config.model_type}: the engine does not run vision-language models with "
-                                    f"{'; '.join(refused)} yet")
 
 
 @dataclass(eq=False)

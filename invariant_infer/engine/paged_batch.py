@@ -21,7 +21,7 @@ from ..model.linear_attention import LinearAttentionStep
 def paged_stock_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                           sliding_window=None, **kwargs):
     """The attention function an unwrapped model runs in the engine (registered by the model runner)."""
-    refuse_softcapping(kwargs)
+    refuse_softcapping(kwargs, "engine")
     paged_batch = kwargs[PAGED_BATCH_KWARG]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return paged_batch.attend(module.layer_idx, query, key, value, scale, sliding_window or 0,

@@ -22,6 +22,7 @@ from typing import Any
 
 from .sequence import Sequence
 from ..errors import SpeculativeConfigError
+from ..model.support import require
 
 METHODS = ("ngram", "draft_model")
 ACCEPTANCES = ("exact", "rejection")
@@ -176,8 +177,7 @@ def speculative_decoder(engine, value, kernels: str) -> SpeculativeDecoder | Non
         return None
     config.check(engine.max_positions, engine.scheduler.max_num_batched_tokens)
     if kernels != "invariant":
-        raise SpeculativeConfigError("speculative decoding is exact only with kernels='invariant' (stock kernels give "
-                                     "a verify step other logits than decode steps)")
+        require("stock_kernels", "speculative")
     from .proposers import DraftModelProposer, NgramProposer  # noqa: PLC0415  (it imports the runner)
     if config.method == "ngram":
         return SpeculativeDecoder(config, NgramProposer(*config.lookup_range), engine.max_positions)

@@ -14,6 +14,7 @@ from ..errors import NonInvariantInputError
 from ..kernels import attention, attention_autograd
 from .packing import PACKED_KWARG
 from .padding import is_sequence_bounds, sequence_bounds
+from .support import require
 
 ATTN_IMPLEMENTATION = "invariant"
 # The keyword a serving engine passes through the model's forward to its attention calls: an object
@@ -75,11 +76,10 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     return packed.ungroup(out), None
 
 
-def refuse_softcapping(kwargs: dict) -> None:
+def refuse_softcapping(kwargs: dict, surface: str = "model") -> None:
     """Logit softcapping (Gemma 2's ``softcap``) is refused, never dropped."""
     if kwargs.get("softcap") is not None:
-        raise NonInvariantInputError("attention logit softcapping (softcap) is not supported by invariant attention "
-                                     "yet")
+        require("softcap_argument", surface)
 
 
 def attend(query, key, value, kv_start, kv_end, q_start, scale, window: int = 0, sinks=None):

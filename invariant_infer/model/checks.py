@@ -1,6 +1,7 @@
 """The checks ``make_invariant`` runs before it patches anything: the family, its config, every
 projection, norm and MLP, parameter dtypes and devices. Anything the invariant forwards would not
-compute exactly is refused with ``UnsupportedModelError``, naming the module."""
+compute exactly is refused with ``UnsupportedModelError``, naming the module; what a kind of model does
+not run is refused by the support table (``support.require``)."""
 from __future__ import annotations
 
 import torch
@@ -10,10 +11,11 @@ from torch.distributed.tensor import DTensor
 from . import experts as experts_interface
 from ..errors import UnsupportedModelError
 from .families import family_of, text_config
+from .kinds import model_kinds
 from .lora import base_linear, lora_layers
-from .quantization import quantization_method, quantized_layers
+from .quantization import quantized_layers
 from .quantized_experts import quantized_experts
-from .tensor_parallel import moe_refusal
+from .support import require
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -31,14 +33,6 @@ def base_model(model: nn.Module) -> nn.Module:
     return base
 
 
-def refuse_vision_language(config, what: str) -> None:
-    """``what`` does not take vision-language models yet (they run in ``model(...)``, ``generate``, the engine,
-    ``serve``, scoring and training)."""
-    if getattr(config, "vision_config", None) is not None:
-        raise UnsupportedModelError(f"{config.model_type}: {what} does not take vision-language models yet; they run "
-                                    "in model(...), generate, the engine, serve, scoring and training, with images")
-
-
 def _not_plain_linear(name: str, module) -> UnsupportedModelError:
     kind = "missing" if module is None else f"{type(module).__module__}.{type(module).__name__}"
     return UnsupportedModelError(f"{name} is {kind}; only plain torch.nn.Linear layers, compressed-tensors layers "
@@ -50,7 +44,11 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
     config = getattr(model, "config", None)
     adapter = family_of(config)
     base = base_model(model)
-    problem = (sharded and moe_refusal(adapter)) or adapter.refuse_config(config)
+    kinds = model_kinds(model)
+    require(kinds, "model", config.model_type)
+    if sharded:
+        require(kinds, "tensor_parallel", config.model_type)
+    problem = adapter.refuse_config(config)
     if problem:
         raise UnsupportedModelError(f"{config.model_type}: {problem}")
     _check_activation(adapter, text_config(config))
@@ -64,11 +62,6 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
                                         f"the batch; supported: {STATIC_ROPE_TYPES}")
     quantized = quantized_layers(model, strict)
     experts = quantized_experts(model)
-    if adapter.moe is not None and quantization_method(model) == "compressed-tensors":
-        raise UnsupportedModelError(
-            f"{config.model_type}: compressed-tensors mixture-of-experts checkpoints are not supported: transformers "
-            "decompresses their experts to the float dtype at load. Quantized experts are supported in transformers' "
-            "fp8 format (weight_block_size [128, 128], as the official Qwen3 MoE FP8 checkpoints)")
     compressed = {f"{name}.{p}" for name, module in model.named_modules() if module in quantized or module in experts
                   for p, _ in module.named_parameters(recurse=False)}
     for index, layer in enumerate(base.layers):
@@ -107,9 +100,10 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
         if type(param.data) is not torch.Tensor and not (sharded and isinstance(param.data, DTensor)):
             raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
                                         "are supported")
-    if adapter.linear_attention is not None:
-        _refuse_on_linear_attention(adapter, sharded, quantized, lora_layers(model, head, quantized, sharded))
-    return adapter, base, quantized, experts, lora_layers(model, head, quantized, sharded)
+    adapters = lora_layers(model, head, quantized, sharded)
+    if adapters:  # LoRA layers on a model that is not a PeftModel itself (its base, or a layer wrapped by hand)
+        require(kinds | {"lora"}, "model", config.model_type)
+    return adapter, base, quantized, experts, adapters
 
 
 # The activation names of the config field each family reads, by adapter.mlp_activation.
@@ -150,13 +144,4 @@ def _check_linear_attention(adapter, module, name: str) -> None:
     if module.num_v_heads % module.num_k_heads:
         raise UnsupportedModelError(f"{name}: {module.num_v_heads} value heads do not group over "
                                     f"{module.num_k_heads} key heads")
-
-
-def _refuse_on_linear_attention(adapter, sharded: bool, quantized, adapters) -> None:
-    """What hybrid (Gated DeltaNet) models do not run with yet, by name."""
-    what = (sharded and quantized and "tensor parallelism of quantized checkpoints") or \
-        (adapters and "PEFT LoRA adapters")
-    if what:
-        raise UnsupportedModelError(f"{adapter.model_type}: models with Gated DeltaNet layers do not run with "
-                                    f"{what} yet")
 

@@ -19,6 +19,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..errors import UnsupportedModelError
 from .families import FamilyAdapter, MoeLayout
+from .support import require
 from ..kernels import clamped_swiglu, grouped_linear, grouped_silu_mul_linear, linear, moe_routing
 
 EXPERTS_IMPLEMENTATION = "invariant"
@@ -34,10 +35,7 @@ _EXPERT_LAYOUTS = {
 
 def refuse_grad(*tensors) -> None:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise UnsupportedModelError(
-            "MoE training is not supported: the invariant router and experts have no backward (and the router "
-            "aux loss is not covered). Run MoE models under torch.no_grad() / torch.inference_mode(), or freeze "
-            "every parameter (model.requires_grad_(False)).")
+        require("moe", "training")
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, RequestError
+from .support import require
 
 PARAM = "multi_modal_data"
 
@@ -61,15 +62,17 @@ def image_token_count(image_processor, config, height: int, width: int) -> int |
     return None if patches is None else int(patches(height, width)) // config.vision_config.spatial_merge_size ** 2
 
 
-def split_multimodal(prompt: dict) -> tuple[object, list | None]:
+def split_multimodal(prompt: dict, surface: str = "engine") -> tuple[object, list | None]:
     """(its ``prompt_token_ids`` or ``prompt`` text, its images or None) of a prompt in vLLM's multimodal form,
     ``{"prompt_token_ids": ids (or "prompt": text), "multi_modal_data": {"image": image or [images]}}``;
-    raises ``RequestError``."""
+    raises ``RequestError``. ``surface``: the support table's surface that reads it ("engine", "scoring")."""
     unknown = set(prompt) - {"prompt_token_ids", "prompt", "multi_modal_data"}
     if unknown or ("prompt_token_ids" in prompt) == ("prompt" in prompt):
         raise RequestError("a multimodal prompt is {'prompt_token_ids': ids or 'prompt': text, "
                            f"'multi_modal_data': {{'image': [...]}}}}; got the keys {sorted(prompt)}")
     data = prompt.get("multi_modal_data") or {}
+    if isinstance(data, dict) and "video" in data:
+        require("videos", surface, param=PARAM)
     if not isinstance(data, dict) or set(data) - {"image"}:
         raise RequestError(f"multi_modal_data takes images only ('image'; videos are not supported yet), got "
                            f"{sorted(data) if isinstance(data, dict) else type(data).__name__}", param=PARAM)

@@ -36,6 +36,7 @@ from ..errors import NonInvariantInputError, UnsupportedModelError
 from ..kernels import linear, linear_autograd
 from ..kernels.configs import linear_config
 from .module_state import module_state, state_of
+from .support import require
 from .tensor_parallel import gather_columns, lora_layout
 
 REFUSED_OPTIONS = {  # LoraConfig field -> why
@@ -122,8 +123,7 @@ def lora_layers(model: nn.Module, head: nn.Module | None, quantized, sharded: bo
             raise UnsupportedModelError(f"{name}: LoRA variants ({', '.join(module.lora_variant)}: "
                                         f"{type(next(iter(module.lora_variant.values()))).__name__}) are not supported")
         if sharded:
-            raise UnsupportedModelError("a PeftModel runs at tensor-parallel size 1 only; serve adapters on a "
-                                        "tensor-parallel model through Engine(..., max_loras=N).add_lora")
+            require("peft_model", "tensor_parallel")
         found.append(module)
     return found
 
@@ -219,8 +219,7 @@ class SlotWeights:
         self.rows, self.base_forward = rows, layer.__dict__["forward"]
         state = state_of(layer)
         if state.tensor_parallel is not None and state.quantized is not None:
-            raise UnsupportedModelError("adapter slots on a quantized checkpoint run at tensor-parallel size 1 only; "
-                                        "serve adapters at TP > 1 on an unquantized checkpoint")
+            require(("quantized", "lora"), "tensor_parallel")
         self.layout, self.columns_sharded = lora_layout(layer)
         n = layer.weight.to_local().shape[0] if self.columns_sharded else self.n  # this rank's output shard
         self.a = torch.zeros((slots, max_rank, self.k), dtype=dtype, device=device)

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import NonInvariantInputError
 from .padding import cache_length
+from .support import require
 
 
 def multimodal_pre_hook(module, args, kwargs):
@@ -24,7 +25,7 @@ def multimodal_pre_hook(module, args, kwargs):
             raise NonInvariantInputError("pass the multimodal model's arguments past position_ids by keyword")
     for name in ("pixel_values_videos", "video_grid_thw"):
         if kwargs.get(name) is not None:
-            raise NonInvariantInputError(f"{name}: videos are not supported by invariant inference yet; pass images")
+            require("videos", "model", name)
     input_ids = kwargs.get("input_ids")
     if kwargs.get("position_ids") is None and cache_length(kwargs) == 0 and input_ids is None:
         module.rope_deltas = None

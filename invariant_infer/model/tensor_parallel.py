@@ -81,13 +81,6 @@ def tp_layout(model: nn.Module) -> TPLayout | None:
     return TPLayout(size=size, rank=tp_mesh.get_local_rank(), mesh=tp_mesh, group=tp_mesh.get_group())
 
 
-def moe_refusal(adapter) -> str | None:
-    if adapter.moe is None:
-        return None
-    return ("tensor parallelism is supported for the dense families only (the experts' "
-            "K trees are not split across ranks); load the model without tp_plan")
-
-
 def supported_tp_sizes(config) -> list[int]:
     """The TP sizes whose shards the K trees and the heads allow for ``config``."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads

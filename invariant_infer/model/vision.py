@@ -20,6 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from ..errors import NonInvariantInputError
 from ..kernels import attention, gelu, layer_norm, linear, silu_mul
 from .module_state import module_state, state_of
+from .support import require
 
 # The vision rope table's length: patch rows and columns per image (a 3584-pixel side at 14-pixel patches is 256).
 VISION_ROPE_POSITIONS = 1024
@@ -128,8 +129,7 @@ def _qwen3_merger(merger: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _refuse_training(tower: nn.Module) -> None:
     if torch.is_grad_enabled() and any(p.requires_grad for p in tower.parameters()):
-        raise NonInvariantInputError("training the vision tower is not supported yet: freeze it "
-                                     "(model.model.visual.requires_grad_(False)) or run under torch.no_grad()")
+        require("trainable_vision_tower", "training")
 
 
 def _rope(tower: nn.Module, rows: torch.Tensor, cols: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:

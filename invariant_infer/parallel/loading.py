@@ -12,10 +12,11 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..errors import CheckpointLoadError, InvalidArgumentError, TensorParallelError, UnsupportedModelError
-from ..model.checks import refuse_vision_language
 from ..model.families import family_of
+from ..model.kinds import config_kinds
 from ..model.patch import make_invariant
-from ..model.tensor_parallel import moe_refusal, tp_size_of, tp_size_refusal
+from ..model.support import require
+from ..model.tensor_parallel import tp_size_of, tp_size_refusal
 
 # A collective that waits this long for a peer that is alive but out of step raises. Dead peers
 # are seen at once; this bounds only a live rank stuck elsewhere.
@@ -30,8 +31,9 @@ def check_tensor_parallel_size(path: str, size: int, device: torch.device) -> No
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise CheckpointLoadError(f"cannot load the config of {path}: {exc}") from None
-    refuse_vision_language(config, "tensor parallelism")
-    problem = moe_refusal(family_of(config)) or tp_size_refusal(config, size)
+    family_of(config)  # an unsupported family is refused as make_invariant refuses it
+    require(config_kinds(config), "tensor_parallel", config.model_type)
+    problem = tp_size_refusal(config, size)
     if problem:
         raise UnsupportedModelError(problem)
     if device.type == "cpu" and size > 1 and torch.cuda.is_available():

@@ -167,7 +167,7 @@ def split_sequence(sequence) -> tuple[list[int], list | None]:
     form ``{"prompt_token_ids": ids, "multi_modal_data": {"image": image or [images]}}``."""
     if not isinstance(sequence, dict):
         return (sequence.tolist() if hasattr(sequence, "tolist") else list(sequence)), None
-    ids, images = split_multimodal(sequence)
+    ids, images = split_multimodal(sequence, "scoring")
     if isinstance(ids, str):
         raise InvalidArgumentError("score_sequences takes token ids ('prompt_token_ids'), not text")
     return split_sequence(ids)[0], images

@@ -87,7 +87,7 @@ def test_engine_requests_equal_alone_with_prefix_hits(checkpoint):
                                                  ("use_bidirectional_attention", True, "causal")])
 def test_refusals_name_what_is_not_supported(field, value, match):
     model = random_model(random_config(FAMILY, "tiny", **{field: value}))
-    with pytest.raises(UnsupportedModelError, match=f"gemma3_text: {field}.*{match}"):
+    with pytest.raises(UnsupportedModelError, match=f"gemma3_text: .*{field}.*{match}"):
         make_invariant(model)
 
 

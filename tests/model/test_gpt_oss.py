@@ -101,9 +101,9 @@ def test_engine_requests_equal_alone_with_prefix_hits(checkpoint):
 
 def test_mxfp4_experts_and_tensor_parallelism_are_refused_by_name():
     model = random_model(random_config(FAMILY, "tiny", quantization_config={"quant_method": "mxfp4"}))
-    with pytest.raises(UnsupportedModelError, match="gpt_oss: MXFP4 experts"):
+    with pytest.raises(UnsupportedModelError, match="gpt_oss: make_invariant does not run MXFP4 experts"):
         make_invariant(model)
-    with pytest.raises(UnsupportedModelError, match="gpt_oss: tensor parallelism is supported for the dense"):
+    with pytest.raises(UnsupportedModelError, match="gpt_oss: tensor parallelism does not run mixture-of-experts"):
         check_model(random_model(random_config(FAMILY, "tiny")), sharded=True)
 
 

@@ -104,14 +104,15 @@ def test_row_parallel_layers_reduce_k_as_a_tree_of_whole_groups(checkpoints):
 @pytest.mark.heavy
 def test_refusals_name_what_works(tp2):
     per_channel = (tp2 / "refused-per-channel.txt").read_text()
-    assert per_channel.startswith("UnsupportedModelError: quantized models at tensor-parallel size 2: ")
-    assert "per-channel scales is not supported" in per_channel and "FP8_BLOCK" in per_channel
+    assert per_channel.startswith("UnsupportedModelError: qwen2: tensor parallelism does not run compressed-tensors "
+                                  "FP8 checkpoints with per-channel or per-tensor scales: ")
+    assert "activation scale spans the whole row" in per_channel and "FP8_BLOCK" in per_channel
     kv2 = (tp2 / "refused-kv2.txt").read_text()
     assert "k_proj's 128 output rows would split a 128-row weight block" in kv2
     assert "Sizes that work for this model: [1]" in kv2
     hybrid = (tp2 / "refused-hybrid.txt").read_text()
-    assert hybrid == ("UnsupportedModelError: qwen3_5_text: models with Gated DeltaNet layers do not run with "
-                      "tensor parallelism of quantized checkpoints yet")
+    assert hybrid.startswith("UnsupportedModelError: qwen3_5_text: tensor parallelism does not run quantized "
+                             "checkpoints with Gated DeltaNet (linear attention) layers: ")
 
 
 def _rows(path: Path, count: int = 12) -> Path:

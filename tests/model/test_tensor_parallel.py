@@ -143,10 +143,10 @@ def test_refusals_name_the_sizes_that_work(tp_runs):
     plan = (tp_runs[2] / "refused-plan.txt").read_text()
     assert plan.startswith(f"UnsupportedModelError: tp_plan shards model.embed_tokens as {HIDDEN_SHARDED_EMBEDDING!r}")
     moe = (tp_runs[2] / "refused-moe.txt").read_text()
-    assert moe.startswith("UnsupportedModelError: qwen3_moe: tensor parallelism is supported for the dense families")
+    assert moe.startswith("UnsupportedModelError: qwen3_moe: tensor parallelism does not run mixture-of-experts models")
     hybrid_moe = (tp_runs[2] / "refused-hybrid-moe.txt").read_text()
-    assert hybrid_moe.startswith("UnsupportedModelError: qwen3_5_moe_text: tensor parallelism is supported for the "
-                                 "dense families")
+    assert hybrid_moe.startswith("UnsupportedModelError: qwen3_5_moe_text: tensor parallelism does not run "
+                                 "mixture-of-experts models")
 
 
 def test_supported_sizes_of_real_shapes():

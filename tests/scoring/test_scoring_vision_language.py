@@ -123,7 +123,7 @@ def test_refusals(checkpoint, tiny_checkpoint):
         (dict(sequences=[{**sequence, "multi_modal_data": {"image": images[:2]}}], processor=image_processor),
          "1 runs of image tokens"),
         (dict(sequences=[{**sequence, "multi_modal_data": {"video": [images[0]]}}], processor=image_processor),
-         "videos are not supported"),
+         "does not run videos"),
         (dict(sequences=[{**sequence, "images": []}], processor=image_processor), "got the keys"),
         (dict(sequences=[{"prompt": "text", "multi_modal_data": {}}]), "token ids .* not text"),
     ]

@@ -5,8 +5,9 @@ projections, ``model.layers[i].mlp`` with gate/up/down projections and a silu ac
 RMSNorms, and one rotary embedding on the base model. In a mixture-of-experts family
 (``FamilyAdapter.moe``) ``mlp`` is a sparse block instead (a router, ``gate`` or gpt-oss's
 ``router``, and fused 3-D ``experts``) in every layer or in some (the others keep the dense MLP).
-An adapter names the family's classes and any family-specific refusal; adding a family is one file
-here plus its tests.
+An adapter names the family's classes and any structural refusal of its config; what a kind of model
+does not run on a surface is in the support table (``invariant_infer.model.support``). Adding a
+family is one file here plus its tests.
 """
 from __future__ import annotations
 
@@ -70,7 +71,6 @@ class FamilyAdapter:
     refuse_config: Callable[[object], str | None] = field(default=lambda config: None)
     # Config fields of real models (their shapes) and of small test models, by name.
     presets: dict[str, dict] = field(default_factory=dict)
-    refused: str = ""                     # what the family refuses, in words (the table in docs/models.md)
     moe: MoeLayout | None = None          # mixture-of-experts families only
     linear_attention: LinearAttentionLayout | None = None  # hybrid families only
     # Attention whose output is gated by sigmoid(gate) from a doubled q_proj (Qwen3.5, Qwen3-Next):

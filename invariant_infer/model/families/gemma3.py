@@ -3,28 +3,16 @@ multimodal checkpoints): sliding-window layers (``layer_types``) beside global o
 its own RoPE base; four (1 + w) RMSNorms per layer, computed in fp32, and per-head q/k norms; the
 embeddings scaled by sqrt(hidden) (transformers' own module, an exact multiply); attention scaled by
 ``query_pre_attn_scalar`` ** -0.5; the gelu_tanh MLP. Logit softcapping (Gemma 2's) and
-bidirectional attention are refused by name."""
+bidirectional attention are refused by name (the support table, ``invariant_infer.model.support``)."""
 from transformers import Gemma3TextConfig
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP, Gemma3RMSNorm
 
 from . import FamilyAdapter, register_family
 
 
-def _refuse(config) -> str | None:
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, field, None) is not None:
-            return f"{field}={getattr(config, field)}: logit softcapping is not supported yet"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "use_bidirectional_attention=True: only causal attention is supported"
-    return None
-
-
 ADAPTER = register_family(FamilyAdapter(
     model_type="gemma3_text", config_class=Gemma3TextConfig, rms_norm=Gemma3RMSNorm, mlp=Gemma3MLP,
     head_norms=("q_norm", "k_norm"), zero_centred_norms=True, mlp_activation="gelu_tanh",
-    refuse_config=_refuse,
-    refused="logit softcapping (`attn_logit_softcapping`, `final_logit_softcapping`); bidirectional attention; "
-            "images (the multimodal `gemma3` model's vision tower)",
     presets={
         # 2 layers: one sliding (a window of 24 keys), one global, as the released models interleave
         # five and one; 4 query heads sharing 1 KV head of 32; local and global RoPE bases as released.

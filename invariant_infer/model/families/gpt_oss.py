@@ -4,7 +4,7 @@ every layer, q/k/v/o with bias, yarn RoPE applied to the two halves of each head
 weights scaled in fp32, and a sparse MoE block in every layer: a router with bias (softmax over the
 top-k logits: the renormalised top-k of the full softmax), and experts with interleaved gate/up
 columns, biases and the clamped SwiGLU. The released checkpoints store the experts in MXFP4, which
-is refused by name: load them with ``Mxfp4Config(dequantize=True)`` for bf16 experts."""
+the support table refuses by name: load them with ``Mxfp4Config(dequantize=True)`` for bf16 experts."""
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP, GptOssRMSNorm, GptOssTopKRouter
 
@@ -14,24 +14,11 @@ _YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.
          "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
 
 
-def _refuse(config) -> str | None:
-    quantization = getattr(config, "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-        getattr(quantization, "quant_method", None)
-    if method == "mxfp4" and not (quantization.get("dequantize") if isinstance(quantization, dict)
-                                  else getattr(quantization, "dequantize", False)):
-        return ("MXFP4 experts are not supported yet; load the checkpoint with "
-                "quantization_config=Mxfp4Config(dequantize=True) to run bf16 experts")
-    return None
-
-
 ADAPTER = register_family(FamilyAdapter(
     model_type="gpt_oss", config_class=GptOssConfig, rms_norm=GptOssRMSNorm, mlp=None,
     moe=MoeLayout(block=GptOssMLP, router=GptOssTopKRouter, experts=GptOssExperts, normalize=lambda router: True,
                   weights_in_logits_dtype=True, router_attribute="router", activation="clamped_swiglu"),
-    norms_scaled_in_fp32=True, rope_half_tables=True, refuse_config=_refuse,
-    refused="MXFP4 experts (load with `Mxfp4Config(dequantize=True)`); tensor parallelism and training, as every "
-            "MoE family",
+    norms_scaled_in_fp32=True, rope_half_tables=True,
     presets={
         "gpt-oss-20b": dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
                             num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_hidden_layers=24,

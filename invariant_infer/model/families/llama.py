@@ -20,7 +20,6 @@ def _refuse(config) -> str | None:
 ADAPTER = register_family(FamilyAdapter(
     model_type="llama", config_class=LlamaConfig, rms_norm=LlamaRMSNorm, mlp=LlamaMLP,
     refuse_config=_refuse,
-    refused="`pretraining_tp > 1`",
     presets={
         "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                              num_hidden_layers=32, vocab_size=128256, max_position_embeddings=131072,

@@ -12,7 +12,6 @@ ADAPTER = register_family(FamilyAdapter(
     model_type="mixtral", config_class=MixtralConfig, rms_norm=MixtralRMSNorm, mlp=None,
     moe=MoeLayout(block=MixtralSparseMoeBlock, router=MixtralTopKRouter, experts=MixtralExperts,
                   normalize=lambda router: True, weights_in_logits_dtype=False),
-    refused="`router_jitter_noise` in train mode",
     presets={
         "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
                              num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_hidden_layers=32,

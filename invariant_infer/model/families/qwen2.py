@@ -8,7 +8,6 @@ _SMALL = dict(max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6
 
 ADAPTER = register_family(FamilyAdapter(
     model_type="qwen2", config_class=Qwen2Config, rms_norm=Qwen2RMSNorm, mlp=Qwen2MLP,
-    refused="sliding-window layers (`use_sliding_window`)",
     presets={
         # Qwen2.5-1.5B(-Instruct): the widths users run.
         "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,

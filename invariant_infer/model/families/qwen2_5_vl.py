@@ -15,8 +15,6 @@ def _refuse_config(config) -> str | None:
     vision = config.vision_config
     if vision.hidden_act != "silu":
         return f"vision_config.hidden_act={vision.hidden_act!r}: only the silu vision MLP is supported"
-    if getattr(config.text_config, "use_sliding_window", False):
-        return "text_config.use_sliding_window=True: Qwen2.5-VL's sliding-window layers are not supported"
     return None
 
 
@@ -39,7 +37,6 @@ ADAPTER = register_family(FamilyAdapter(
     refuse_config=_refuse_config, mrope="sectioned",
     vision=VisionLayout(tower=Qwen2_5_VisionTransformerPretrainedModel, forward=qwen2_5_vision_forward,
                         prepare=set_vision_rope_tables, refuse_tower=_refuse_tower),
-    refused="videos (`pixel_values_videos`); training the vision tower; sliding-window layers",
     presets={
         # Qwen2.5-VL-3B-Instruct's widths.
         "qwen2.5-vl-3b": dict(

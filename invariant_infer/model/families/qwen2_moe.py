@@ -12,7 +12,6 @@ ADAPTER = register_family(FamilyAdapter(
     moe=MoeLayout(block=Qwen2MoeSparseMoeBlock, router=Qwen2MoeTopKRouter, experts=Qwen2MoeExperts,
                   normalize=lambda router: bool(router.norm_topk_prob), weights_in_logits_dtype=True,
                   shared_expert=True),
-    refused="sliding-window layers (`use_sliding_window`)",
     presets={
         "qwen1.5-moe-a2.7b": dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
                                   shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,

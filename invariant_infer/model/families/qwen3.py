@@ -8,7 +8,6 @@ from . import FamilyAdapter, register_family
 ADAPTER = register_family(FamilyAdapter(
     model_type="qwen3", config_class=Qwen3Config, rms_norm=Qwen3RMSNorm, mlp=Qwen3MLP,
     head_norms=("q_norm", "k_norm"),
-    refused="sliding-window layers (`use_sliding_window`)",
     presets={
         "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, num_hidden_layers=36, vocab_size=151936, max_position_embeddings=40960,

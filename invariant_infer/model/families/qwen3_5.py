@@ -15,8 +15,6 @@ ADAPTER = register_family(FamilyAdapter(
     row_parallel=("self_attn.o_proj", "mlp.down_proj", "linear_attn.out_proj"),
     linear_attention=LinearAttentionLayout(Qwen3_5GatedDeltaNet), gated_attention=Qwen3_5Attention,
     zero_centred_norms=True,
-    refused="the engine's speculative decoding; LoRA adapters and tensor parallelism of quantized checkpoints on "
-            "these layers (refused by name)",
     presets={
         # 2 layers: one Gated DeltaNet, one gated full attention (the released models repeat three of
         # the first and one of the second); 2 key heads of 16 and 4 value heads of 32 in the linear

@@ -18,8 +18,6 @@ ADAPTER = register_family(FamilyAdapter(
                   normalize=lambda router: True, weights_in_logits_dtype=True, shared_expert=True),
     linear_attention=LinearAttentionLayout(Qwen3_5MoeGatedDeltaNet), gated_attention=Qwen3_5MoeAttention,
     zero_centred_norms=True,
-    refused="as qwen3_5_text, and as the other MoE families: MoE training, expert and tensor parallelism, "
-            "compressed-tensors experts",
     presets={
         # As qwen3_5_text's tiny preset, with 8 experts of 32 (top 2) and a shared expert of 96.
         "tiny": dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=96, num_experts=8,

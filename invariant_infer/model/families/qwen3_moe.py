@@ -12,7 +12,6 @@ ADAPTER = register_family(FamilyAdapter(
     head_norms=("q_norm", "k_norm"),
     moe=MoeLayout(block=Qwen3MoeSparseMoeBlock, router=Qwen3MoeTopKRouter, experts=Qwen3MoeExperts,
                   normalize=lambda router: bool(router.norm_topk_prob), weights_in_logits_dtype=True),
-    refused="sliding-window layers (`use_sliding_window`)",
     presets={
         "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
                               num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32,

@@ -21,7 +21,6 @@ ADAPTER = register_family(FamilyAdapter(
     linear_attention=LinearAttentionLayout(Qwen3NextGatedDeltaNet,
                                            projections=("in_proj_qkvz", "in_proj_ba", "out_proj")),
     gated_attention=Qwen3NextAttention, zero_centred_norms=True,
-    refused="as qwen3_5_moe_text",
     presets={
         # As qwen3_5_moe_text's tiny preset (one Gated DeltaNet layer, one gated attention layer), each
         # with a sparse block of 8 experts of 32 (top 2, renormalised) and a shared expert of 96.

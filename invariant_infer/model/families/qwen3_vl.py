@@ -40,7 +40,6 @@ ADAPTER = register_family(FamilyAdapter(
     head_norms=("q_norm", "k_norm"), refuse_config=_refuse_config, mrope="interleaved",
     vision=VisionLayout(tower=Qwen3VLVisionModel, forward=qwen3_vl_vision_forward, prepare=set_vision_rope_tables,
                         refuse_tower=_refuse_tower),
-    refused="videos (`pixel_values_videos`); training the vision tower",
     presets={
         # Qwen3-VL-2B-Instruct's widths.
         "qwen3-vl-2b": dict(

@@ -16,8 +16,10 @@ from ..core import ScoreResult, plan_batches, score_group
 from ..requests import prepare_request_images
 from .run import Request
 from ...model.executor import Executor, executor_for
+from ...model.kinds import model_kinds
 from ...model.lora import unwrap_peft
 from ...model.patch import make_invariant, restore
+from ...model.support import require
 from ...parallel import TensorParallelRanks
 from ...parallel.forced_exit import exit_later
 
@@ -45,10 +47,8 @@ class LocalBackend:
         self.loras, self.peft_model = dict(loras or {}), None
         if self.loras:
             if executor is not None:
-                raise JobError("--lora runs at --tensor-parallel-size 1 only")
-            if getattr(model.config, "vision_config", None) is not None:
-                raise JobError(f"--lora: {model.config.model_type}: LoRA adapters on vision-language models are "
-                               "not supported yet")
+                _require_for_job("peft_model", "tensor_parallel", "--lora")
+            require(model_kinds(model) | {"lora"}, "scoring", f"--lora: {model.config.model_type}")
             model = self.peft_model = _with_adapters(model, self.loras)
         self.model, self.config = unwrap_peft(model), model.config
         self.executor = executor_for(self.model, executor)
@@ -66,7 +66,7 @@ class LocalBackend:
                                    if getattr(model.config, "vision_config", None) is not None else None)
                 return cls(model, loras=loras, image_processor=image_processor)
             if loras:
-                raise JobError("--lora runs at --tensor-parallel-size 1 only")
+                _require_for_job("peft_model", "tensor_parallel", "--lora")
             ranks = TensorParallelRanks(path, tensor_parallel_size, dtype=dtype, device=device,
                                         on_failure=exit_if_stuck(rank_failed_status))
             return cls(ranks.model, executor=ranks)
@@ -116,6 +116,14 @@ class LocalBackend:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def _require_for_job(kinds, surface: str, option: str) -> None:
+    """The support table's refusal, as the job's error (``JobError``, prefixed by the option)."""
+    try:
+        require(kinds, surface)
+    except UnsupportedModelError as exc:
+        raise JobError(f"{option}: {exc}") from None
 
 
 def _with_adapters(model, loras: dict[str, str]):

@@ -35,8 +35,10 @@ from trl import GRPOConfig, GRPOTrainer
 
 from ...engine import Engine, SamplingParams
 from ...errors import InternalError, RequestFailedError, UnsupportedOperationError, UnsupportedTRLError
+from ...model.kinds import model_kinds
 from ...model.lora import unwrap_peft
 from ...model.patch import make_invariant
+from ...model.support import require
 from ..logprobs import scored_positions, token_logprobs
 
 # TRL versions whose GRPOTrainer internals this subclass was tested against (it overrides
@@ -99,6 +101,15 @@ def unsupported_options(args: GRPOConfig, *, peft_config=None, tools=None, rollo
     for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
         refuse(bool(value), f"{name}: rollouts come from the engine alone")
     return problems
+
+
+def check_trainable(model) -> None:
+    """Refuse, by the support table, a model GRPO does not train: its kinds, or a vision tower that
+    requires grad."""
+    require(model_kinds(model), "trl", getattr(unwrap_peft(model).config, "model_type", None))
+    tower = getattr(getattr(unwrap_peft(model), "model", None), "visual", None)
+    if tower is not None and any(p.requires_grad for p in tower.parameters()):
+        require("trainable_vision_tower", "trl")
 
 
 class _NoVLLM:
@@ -191,10 +202,7 @@ class InvariantGRPOTrainer(GRPOTrainer):
         if problems:
             raise UnsupportedTRLError("InvariantGRPOTrainer does not support: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
-        tower = getattr(getattr(unwrap_peft(self.model), "model", None), "visual", None)
-        if tower is not None and any(p.requires_grad for p in tower.parameters()):
-            raise UnsupportedTRLError("training the vision tower is not supported yet: freeze it "
-                                      "(model.model.visual.requires_grad_(False)) before building the trainer")
+        check_trainable(self.model)
         make_invariant(self.model)
         if self.ref_model is not None:
             make_invariant(self.accelerator.unwrap_model(self.ref_model))
@@ -258,8 +266,8 @@ class InvariantGRPOTrainer(GRPOTrainer):
         """TRL's method on ``token_logprobs``: [B, logits_to_keep] logprobs of the completion tokens at
         ``args.temperature`` (0 at padding), chunked by ``batch_size`` as TRL chunks (the values do
         not depend on it), in the model's dtype with autocast off (the engine does not autocast)."""
-        if compute_aux_loss:
-            raise UnsupportedTRLError("the MoE load-balancing loss: the supported families are dense")
+        if compute_aux_loss:  # the MoE load-balancing loss
+            require("moe", "trl")
         model = self.accelerator.unwrap_model(model)
         images = _ImageRows(input_ids.size(0), **multimodal)
         batch_size = batch_size or input_ids.size(0)
