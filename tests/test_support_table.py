@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.unsupported_checkpoints import save_encoder_checkpoint, save_sequence_classification_checkpoint
 from invariant_infer import make_invariant
 from invariant_infer.errors import InvalidArgumentError, InvariantInferError, JobError
 from invariant_infer.model import support
@@ -143,6 +144,12 @@ def moe_backward():
         model(input_ids=torch.tensor([[5, 6]]))
 
 
+def load_checkpoint(save, tmp_path):
+    """Loading a saved checkpoint as every surface does (``load_model``): refused from its config."""
+    from invariant_infer.checkpoints.loading import load_model
+    load_model(str(save(tmp_path / "model")), device="cpu")
+
+
 def softcap_in_attention(surface):
     from invariant_infer.engine.paged_batch import paged_stock_attention
     from invariant_infer.model.attention import invariant_attention
@@ -197,6 +204,8 @@ TRIGGERS = {
     ("softcap_argument", "model"): lambda tmp: softcap_in_attention("model"),
     ("softcap_argument", "engine"): lambda tmp: softcap_in_attention("engine"),
     ("bidirectional_attention", "*"): lambda tmp: make_invariant(tiny("gemma3_text", use_bidirectional_attention=True)),
+    ("architecture_not_causal_lm", "*"): lambda tmp: load_checkpoint(save_sequence_classification_checkpoint, tmp),
+    ("unsupported_model_type", "*"): lambda tmp: load_checkpoint(save_encoder_checkpoint, tmp),
     ("tensor_parallel_ray", "ray"): lambda tmp: score_cli(tmp, "--tensor-parallel-size", "2", "--ray"),
 }
 

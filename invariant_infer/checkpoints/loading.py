@@ -17,8 +17,9 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 
 from ..model.families import FAMILIES
 from ..model.patch import make_invariant
+from ..model.support import require
 from .quantized import quantized_loading
-from ..errors import CheckpointLoadError, InvalidArgumentError, UnsupportedModelError
+from ..errors import CheckpointLoadError, InvalidArgumentError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
@@ -76,13 +77,12 @@ def load_tokenizer(path: str):
 
 
 def is_vision_language(path: str) -> bool:
-    """Whether the checkpoint loads as a vision-language model: a family with a vision tower (a
-    multimodal checkpoint whose language model alone is supported, Qwen3.5's, loads as that)."""
+    """Whether the checkpoint at ``path`` loads as a vision-language model (``vision_language_config``)."""
     try:
-        adapter = FAMILIES.get(AutoConfig.from_pretrained(path).model_type)
+        config = AutoConfig.from_pretrained(path)
     except Exception:  # noqa: BLE001  (from_pretrained reports a checkpoint it cannot load)
         return False
-    return adapter is not None and adapter.vision is not None
+    return vision_language_config(config)
 
 
 def _class_names(mapping: dict, model_type: str) -> set[str]:
@@ -101,33 +101,45 @@ def _causal_lm_family(model_type: str) -> str | None:
     return inner if inner in FAMILIES else None
 
 
+def vision_language_config(config) -> bool:
+    """Whether a checkpoint of ``config`` loads as a vision-language model: a family with a vision tower.
+    A multimodal config whose language model alone is supported (Qwen3.5's) loads as that causal LM.
+    The one rule: loading, the server and the scoring job (its driver and workers) all ask it."""
+    adapter = FAMILIES.get(getattr(config, "model_type", None))
+    return adapter is not None and adapter.vision is not None
+
+
 def auto_class_for(config):
     """The auto class that loads a checkpoint of ``config``: ``AutoModelForImageTextToText`` for a
-    vision-language family, else ``AutoModelForCausalLM``. ``UnsupportedModelError`` names a model type
-    outside the supported families, and an architecture that is neither a causal LM nor an
-    image-text-to-text model (sequence or token classification, an encoder, an unknown class), which
-    loading as a causal LM would silently give a random LM head."""
+    vision-language family, else ``AutoModelForCausalLM``. A model type outside the supported families,
+    and an architecture that is neither a causal LM nor an image-text-to-text model (sequence or token
+    classification, an encoder, an unknown class), which loading as a causal LM would silently give a
+    random LM head, are refused through the support table (``UnsupportedModelError``, naming the model
+    type, the architecture and what runs for that model type)."""
     model_type = getattr(config, "model_type", None)
     architectures = list(getattr(config, "architectures", None) or [])
     named = f"model_type {model_type!r}" + (f" ({', '.join(architectures)})" if architectures else "")
-    adapter = FAMILIES.get(model_type)
-    if adapter is not None and adapter.vision is not None:
+    if vision_language_config(config):
         auto_class, runs = AutoModelForImageTextToText, _class_names(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
                                                                       model_type)
     else:
-        if adapter is None and _causal_lm_family(model_type) is None:
-            raise UnsupportedModelError(f"{named} is not a supported model type; supported: "
-                                        f"{', '.join(sorted(FAMILIES))}")
+        if model_type not in FAMILIES and _causal_lm_family(model_type) is None:
+            _refuse_model_type(named)
         # A multimodal checkpoint's own class is accepted where its causal LM is what runs (Qwen3.5).
         auto_class = AutoModelForCausalLM
         runs = _class_names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, model_type) | \
             _class_names(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, model_type)
     refused = [name for name in architectures if name not in runs]
     if refused:
-        raise UnsupportedModelError(
-            f"{named}: {refused[0]} is not an architecture invariant-infer runs; for model_type {model_type!r} it "
-            f"runs {', '.join(sorted(runs))} (causal LMs and image-text-to-text models only)")
+        require("architecture_not_causal_lm", "model",
+                f"{named}: {refused[0]} is not an architecture invariant-infer runs; for model_type {model_type!r} "
+                f"it runs {', '.join(sorted(runs))}")
     return auto_class
+
+
+def _refuse_model_type(named: str) -> None:
+    require("unsupported_model_type", "model",
+            f"{named} is not a supported model type (supported: {', '.join(sorted(FAMILIES))})")
 
 
 def check_architecture(path: str):
@@ -137,12 +149,13 @@ def check_architecture(path: str):
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001  (a missing folder, a config transformers does not know)
-        model_type = _stored_model_type(path)
-        if model_type is not None and model_type not in FAMILIES:
-            raise UnsupportedModelError(f"model_type {model_type!r} is not a supported model type; supported: "
-                                        f"{', '.join(sorted(FAMILIES))}") from None
-        raise CheckpointLoadError(f"cannot read the config of {path}: {exc}") from None
-    return auto_class_for(config)
+        unreadable = f"cannot read the config of {path}: {exc}"
+    else:
+        return auto_class_for(config)
+    model_type = _stored_model_type(path)
+    if model_type is not None and model_type not in FAMILIES:
+        _refuse_model_type(f"model_type {model_type!r}")
+    raise CheckpointLoadError(unreadable)
 
 
 def _stored_model_type(path: str) -> str | None:

@@ -155,6 +155,14 @@ FEATURES = [
                      NonInvariantInputError)),
     _row("bidirectional_attention", "bidirectional attention (use_bidirectional_attention)", feature=True,
          refused=_no("only causal attention is supported")),
+    _row("architecture_not_causal_lm", "sequence or token classification heads, encoders and base models",
+         title="checkpoints whose architecture is not a causal LM or image-text-to-text model (classification "
+               "heads, encoders, base `...Model` classes)", feature=True,
+         refused=_no("invariant-infer runs causal LMs and image-text-to-text models; another head loaded as a causal "
+                     "LM would get a random LM head")),
+    _row("unsupported_model_type", "model types outside the supported families", feature=True,
+         refused=_no("invariant-infer runs the supported families only; make_invariant patches only their layers "
+                     "onto the invariant kernels")),
     _row("tensor_parallel_ray", "--tensor-parallel-size", kinds=("tensor_parallel_job",), feature=True,
          refused=_no("each Ray worker holds the whole model; scale with --num-workers instead", ("ray",), JobError)),
 ]
