@@ -4,10 +4,12 @@ By default it builds a random-init model with Qwen2.5-1.5B's layer widths (one l
 vocab) that runs on CPU through the Triton interpreter in under a minute; ``--family`` picks
 another family's real widths. ``--model PATH`` runs a real checkpoint of any supported family
 (on GPU when one is present). Both runs give the batch position_ids = cumsum(mask) - 1, so the
-stock figure is reduction order alone."""
+stock figure is reduction order alone. A checkpoint of another architecture or model type is refused by
+name before any weight is loaded (exit status 6); another refused model or checkpoint exits 2."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -15,7 +17,8 @@ from tqdm import tqdm
 
 from ..testing.drift import batch_drift
 from ..model.families import FAMILIES
-from ..checkpoints.loading import DEVICES, DTYPES, load_model, resolve_device
+from ..checkpoints.loading import DEVICES, DTYPES, check_architecture, load_model, resolve_device
+from ..errors import CheckpointLoadError, InvariantInferError, UnsupportedModelError
 from ..model.patch import make_invariant, restore
 from ..model.quantization import describe_quantization, is_quantized, weight_bytes
 from ..testing.random_checkpoints import random_config, random_model
@@ -55,6 +58,26 @@ def _load(args, device):
 
 
 def run(args) -> int:
+    """The exit statuses of ``check`` and ``score``: 6 for an architecture or model type that is not run,
+    2 for another refusal (an unreadable checkpoint, a model make_invariant refuses), each on stderr."""
+    subject = args.model or "the built-in model"
+    try:
+        if args.model is not None:
+            check_architecture(args.model)  # before any weight is loaded
+    except UnsupportedModelError as exc:
+        print(f"invariant-infer demo: {subject}: {exc}", file=sys.stderr)
+        return exit_codes.UNSUPPORTED_MODEL
+    except CheckpointLoadError as exc:
+        print(f"invariant-infer demo: {exc}", file=sys.stderr)
+        return exit_codes.REFUSED
+    try:
+        return _demo(args)
+    except (InvariantInferError, OSError, ValueError) as exc:  # what make_invariant refuses; unreadable weights
+        print(f"invariant-infer demo: {subject}: {exc}", file=sys.stderr)
+        return exit_codes.REFUSED
+
+
+def _demo(args) -> int:
     device = resolve_device(args.device)
     model, name = _load(args, device)
     # A quantized model's stock forward changes it (compressed-tensors decompresses every layer), or
