@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from .ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS, require_ray, score_requests
 from ...errors import DeviceError, JobError, ScoringRequestError, TensorParallelError, UnsupportedModelError
-from ...checkpoints.loading import load_model, load_processor
+from ...checkpoints.loading import is_vision_language, load_model, load_processor, vision_language_config
 from ..core import ScoreResult, plan_batches, score_group
 from ..requests import prepare_request_images
 from .run import Request
@@ -62,8 +62,7 @@ class LocalBackend:
         try:
             if tensor_parallel_size == 1:
                 model = load_model(path, dtype=dtype, device=device)
-                image_processor = (load_processor(path, None).image_processor
-                                   if getattr(model.config, "vision_config", None) is not None else None)
+                image_processor = load_processor(path, None).image_processor if is_vision_language(path) else None
                 return cls(model, loras=loras, image_processor=image_processor)
             if loras:
                 _require_for_job("peft_model", "tensor_parallel", "--lora")
@@ -170,8 +169,8 @@ class RayBackend:
         except Exception as exc:
             raise JobError(f"cannot load {model}: {exc}") from None
         try:  # the driver counts each line's image tokens from the images' sizes
-            vision = getattr(self.config, "vision_config", None) is not None
-            self.image_processor = load_processor(model, None).image_processor if vision else None
+            self.image_processor = (load_processor(model, None).image_processor
+                                    if vision_language_config(self.config) else None)
         except Exception as exc:
             raise JobError(f"cannot load the image processor of {model}: {exc}") from None
         self.started_ray = not self.ray.is_initialized()

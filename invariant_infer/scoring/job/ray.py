@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...checkpoints.loading import DTYPES, LazyTokenizer, load_model, load_processor
+from ...checkpoints.loading import DTYPES, LazyTokenizer, is_vision_language, load_model, load_processor
 from ...model.families import text_config
 from ..requests import parse_request, prepare_request_images, request_images
 from ..core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence, plan_batches, score_group
@@ -96,8 +96,7 @@ class _Scorer:
         self.model = load_model(model, dtype=dtype, device=device)
         self.tokenizer = LazyTokenizer(tokenizer or model)
         self.max_batch_tokens, self.ledger = max_batch_tokens, ledger
-        vision = getattr(self.model.config, "vision_config", None) is not None
-        self.image_processor = load_processor(model, None).image_processor if vision else None
+        self.image_processor = load_processor(model, None).image_processor if is_vision_language(model) else None
 
     def _request(self, row: dict) -> tuple[list[int], int, Any]:
         """(ids, prompt length, the processed images or None) of a row; its images (``request_images``:
