@@ -13,6 +13,10 @@ toolchain (recorded by ``benchmarks/gpu_check.sh``).
     python -m benchmarks.golden_digests --write          # record them (with an entry in BITS.md)
     python -m benchmarks.golden_digests --device cuda --out FILE   # write this backend's entry to FILE
     python -m benchmarks.golden_digests --merge FILE     # add an entry written by --out
+    python -m benchmarks.golden_digests --families qwen2,llama --dtypes bf16   # compare those parts only
+
+Parts (a family in one dtype, or one quantized format) are computed one at a time: one that raises
+is recorded (``errors`` in the ``--out`` entry; exit status 1) and the others still run.
 """
 from __future__ import annotations
 
@@ -162,34 +166,52 @@ def engine_digest(model, family: str) -> str:
     return hashlib.sha256(json.dumps(records[0], sort_keys=True).encode()).hexdigest()
 
 
+def parts(device: str = "cpu", families=None, dtypes=None, engine: bool = True, quantized: bool | None = None):
+    """The digests of this device one part at a time: yields (part, thunk), where calling the thunk
+    computes {family/dtype/case: sha256 hex} of that part ("family/dtype", or "quant/FORMAT" for
+    the quantized formats, when compressed-tensors is installed). ``families`` default: all;
+    ``quantized`` default: when ``families`` is all. One part raising leaves the others computable."""
+    if quantized is None:
+        quantized = families is None
+    with tempfile.TemporaryDirectory() as tmp:
+        if quantized and importlib.util.find_spec("compressed_tensors") is not None:
+            for fmt in QUANT_FORMATS:
+                yield f"quant/{fmt}", lambda fmt=fmt: quantized_digests(device, Path(tmp), formats=(fmt,))
+        for family in FAMILY_NAMES if families is None else families:
+            for dtype_name in dtypes or DTYPES:
+                yield f"{family}/{dtype_name}", lambda family=family, dtype_name=dtype_name: _family_digests(
+                    family, dtype_name, device, Path(tmp) / f"{family}-{dtype_name}", engine)
+
+
+def _family_digests(family: str, dtype_name: str, device: str, path: Path, engine: bool) -> dict[str, str]:
+    dtype = DTYPES[dtype_name]
+    if family in VISION_CONFIGS:
+        return vision_digests(family, dtype_name, dtype, device, path)
+    write_checkpoint(family, dtype, path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    make_invariant(model)
+    out = model_digests(model, family, f"{family}/{dtype_name}")
+    if engine and family == ENGINE_FAMILY:
+        out[f"{family}/{dtype_name}/engine"] = engine_digest(model, family)
+    return out
+
+
 def compute(device: str = "cpu", families=None, dtypes=None, engine: bool = True, progress=None,
             quantized: bool | None = None) -> dict[str, str]:
     """Every digest for this device: {family/dtype/case: sha256 hex} of ``families`` (default: all),
     and with ``quantized`` (default: when ``families`` is all) those of the quantized formats
-    (``quantized_digests``, when compressed-tensors is installed)."""
-    if quantized is None:
-        quantized = families is None
+    (``quantized_digests``, when compressed-tensors is installed). A part that raises raises here."""
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        if quantized and importlib.util.find_spec("compressed_tensors") is not None:
-            out.update(quantized_digests(device, Path(tmp), progress=progress))
-        for family in FAMILY_NAMES if families is None else families:
-            for dtype_name in dtypes or DTYPES:
-                dtype = DTYPES[dtype_name]
-                if family in VISION_CONFIGS:
-                    out.update(vision_digests(family, dtype_name, dtype, device, Path(tmp) / f"{family}-{dtype_name}"))
-                    if progress:
-                        progress(f"{family}/{dtype_name}")
-                    continue
-                path = write_checkpoint(family, dtype, Path(tmp) / f"{family}-{dtype_name}")
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-                make_invariant(model)
-                out.update(model_digests(model, family, f"{family}/{dtype_name}"))
-                if engine and family == ENGINE_FAMILY:
-                    out[f"{family}/{dtype_name}/engine"] = engine_digest(model, family)
-                if progress:
-                    progress(f"{family}/{dtype_name}")
+    for part, thunk in parts(device, families, dtypes, engine, quantized):
+        out.update(thunk())
+        if progress:
+            progress(part)
     return out
+
+
+def part_of(key: str) -> str:
+    """The part a digest key belongs to: "family/dtype" or "quant/FORMAT"."""
+    return "/".join(key.split("/")[:2])
 
 
 # ---- quantized formats --------------------------------------------------------------------------------
@@ -291,34 +313,80 @@ def explain(key: str, entry: dict | None, current: dict[str, str], env: dict[str
             "saying what changed them and why.")
 
 
+def compute_into(device: str, out: Path | None, families=None, dtypes=None) -> tuple[dict, dict, set]:
+    """(digests, errors {part: "Type: message"}, parts attempted), computed part by part; a part that
+    raises is recorded and the next one runs. With ``out``, this backend's entry (``errors`` added
+    while any) is rewritten there after every part, so a run stopped midway keeps what it computed."""
+    key, env = backend_key(device), environment(device)
+    current, errors, attempted = {}, {}, set()
+    for part, thunk in parts(device, families, dtypes):
+        attempted.add(part)
+        try:
+            current.update(thunk())
+            print(f"  {part}", file=sys.stderr)
+        except Exception as exc:  # keep the other parts' digests
+            errors[part] = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"  {part}: FAILED {errors[part]}", file=sys.stderr)
+        if out:
+            save({key: {"environment": env, "digests": current, **({"errors": errors} if errors else {})}}, out)
+    return current, errors, attempted
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.golden_digests", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--write", action="store_true", help=f"record this backend's digests in {GOLDEN_PATH}")
-    parser.add_argument("--out", type=Path, help="also write this backend's entry to this file")
+    parser.add_argument("--out", type=Path, help="also write this backend's entry to this file (after every part)")
     parser.add_argument("--merge", type=Path, help="add the entries of a file written by --out, then exit")
+    parser.add_argument("--families", help=f"comma list of families to compute (default: all, and the quantized "
+                                           f"formats): {','.join(FAMILY_NAMES)}")
+    parser.add_argument("--dtypes", help=f"comma list of dtypes (default: all): {','.join(DTYPES)}")
+    parser.add_argument("--new-backend-ok", action="store_true",
+                        help="exit 0 when no digests are recorded for this backend yet (the --out file has them)")
     args = parser.parse_args(argv)
     entries = load()
     if args.merge:
-        entries.update(load(args.merge))
+        incoming = load(args.merge)
+        partial = sorted(k for k, entry in incoming.items() if entry.get("errors"))
+        if partial:
+            parser.error(f"--merge: {args.merge} has parts that failed for {partial}; its digests are incomplete")
+        entries.update(incoming)
         save(entries)
-        print(f"merged {sorted(load(args.merge))} into {GOLDEN_PATH}")
+        print(f"merged {sorted(incoming)} into {GOLDEN_PATH}")
         return 0
+    families = [f for f in args.families.split(",") if f] if args.families else None
+    dtypes = [d for d in args.dtypes.split(",") if d] if args.dtypes else None
+    unknown = sorted(set(families or ()) - set(FAMILY_NAMES)) + sorted(set(dtypes or ()) - set(DTYPES))
+    if unknown:
+        parser.error(f"unknown families or dtypes {unknown}; families: {', '.join(FAMILY_NAMES)}; dtypes: "
+                     f"{', '.join(DTYPES)}")
+    if args.write and (families or dtypes):
+        parser.error("--write records every digest: leave out --families and --dtypes")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     key = backend_key(args.device)
-    current = compute(args.device, progress=lambda name: print(f"  {name}", file=sys.stderr))
+    current, errors, attempted = compute_into(args.device, args.out, families, dtypes)
+    if errors:
+        print(f"{len(errors)} part(s) failed: " + "; ".join(f"{part}: {err}" for part, err in errors.items()))
     entry = {"environment": environment(args.device), "digests": current}
-    if args.out:
-        save({key: entry}, args.out)
     if args.write:
+        if errors:
+            return 1
         entries[key] = entry
         save(entries)
         print(f"wrote {len(current)} digests for {key!r} to {GOLDEN_PATH}")
         return 0
-    problem = explain(key, entries.get(key), current, entry["environment"])
+    recorded = entries.get(key)
+    if recorded is not None and (families or dtypes):  # compare the parts computed, no others
+        recorded = {**recorded, "digests": {k: v for k, v in recorded["digests"].items() if part_of(k) in attempted}}
+    if recorded is None and args.new_backend_ok:
+        print(f"no golden digests recorded for backend {key!r} yet: {len(current)} computed"
+              + (f", in {args.out}; add them with `python -m benchmarks.golden_digests --merge {args.out}` "
+                 "and an entry in BITS.md" if args.out else ""))
+        return 1 if errors else 0
+    problem = explain(key, recorded, current, entry["environment"])
     print(problem or f"{len(current)} digests of {key!r} equal the committed ones")
-    return 1 if problem else 0
+    return 1 if problem or errors else 0
 
 
 if __name__ == "__main__":
