@@ -1,4 +1,5 @@
-"""python -m benchmarks [--quick] [--out DIR] [--only matmul,e2e,...] [--budget-s S] [--model-preset FAMILY:PRESET]"""
+"""python -m benchmarks [--quick] [--out DIR] [--only matmul,e2e,...] [--budget-s S] [--model-preset FAMILY:PRESET]
+[--items all|headline|rest]"""
 from __future__ import annotations
 
 import argparse
@@ -15,13 +16,15 @@ from . import SECTIONS
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
 from .report import summary, write_all
 from .schema import metadata, validate
-from .timing import Run, free_memory
+from .timing import ITEMS, Run, free_memory
 
 # Share of the time budget per section; time one section leaves unused passes to the next.
 SHARES = {"matmul": 0.23, "norm_attention": 0.12, "e2e": 0.23, "scoring": 0.09, "divergence": 0.18, "engine": 0.14,
           "host_overhead": 0.05, "server": 0.11, "train": 0.1, "moe": 0.1, "gdn": 0.06, "tensor_parallel": 0.08,
           "spec": 0.08, "quant": 0.06, "lora": 0.08, "vlm": 0.06}
 DEFAULT_MODEL_PRESET = f"{DEFAULT_FAMILY}:{DEFAULT_PRESET}"
+# The sections with headline items (--items headline); with --items rest the others run every item.
+HEADLINE_SECTIONS = ("matmul", "norm_attention", "e2e", "engine")
 
 
 # The sections run text models (vision-language models have their own tests).
@@ -54,6 +57,10 @@ def parse(argv=None):
     p.add_argument("--budget-s", type=float, default=None, help="stop starting new items after this many seconds")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available and not --quick)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--items", choices=ITEMS, default="all",
+                   help="all (default); headline: each section's few headline items (GEMM at M 1/64/4096, attention "
+                        "prefill and decode, e2e scoring and decode, engine throughput; other sections have none); "
+                        "rest: the others")
     p.add_argument("--model-preset", type=model_preset, default=DEFAULT_MODEL_PRESET, metavar="FAMILY:PRESET",
                    help=f"the model whose shapes every section uses (default {DEFAULT_MODEL_PRESET}; quick mode "
                         f"scales them down). Choices: {_presets()}")
@@ -62,6 +69,8 @@ def parse(argv=None):
     unknown = set(args.only) - set(SECTIONS)
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    if args.items == "headline":  # the others have no headline items
+        args.only = [s for s in args.only if s in HEADLINE_SECTIONS]
     return args
 
 
@@ -74,9 +83,9 @@ def main(argv=None) -> int:
               "(hours); use --quick", file=sys.stderr)
     t0 = time.monotonic()
     end = t0 + args.budget_s if args.budget_s else None
-    ctx = Run(device=device, quick=args.quick)
+    ctx = Run(device=device, quick=args.quick, items=args.items)
     results = metadata(device, args.quick, family=family, preset=preset)
-    results.update({"budget_s": args.budget_s, "sections": args.only,
+    results.update({"budget_s": args.budget_s, "sections": args.only, "items": args.items,
                     "matmul": [], "rmsnorm": [], "attention": [], "decode_attention": [], "e2e": [], "decode": [],
                     "scoring_memory": [], "scoring_throughput": [], "divergence": [], "engine": [],
                     "host_overhead": [], "server": [], "train": [], "moe": [], "gdn": [], "gdn_prefill": [],

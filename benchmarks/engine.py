@@ -44,6 +44,8 @@ MODES = ("invariant_engine", "stock_engine", "hf_generate")
 CONCURRENCY, REQUESTS = (1, 8, 32), (4, 16, 64)
 PROMPT_LENS, MAX_TOKENS, MAX_BATCHED_TOKENS = (96, 160), 32, 8192
 QUICK_CONCURRENCY, QUICK_REQUESTS = (1, 4), (2, 4)
+# --items headline: one request in flight (each request alone) and the most (throughput); quick: both levels
+HEADLINE_CONCURRENCY = (1, 32)
 QUICK_PROMPT_LENS, QUICK_MAX_TOKENS, QUICK_MAX_BATCHED_TOKENS = (6, 10), 3, 256
 PROMPT_SEED, WARMUP_SEED = 3, 4
 
@@ -155,8 +157,15 @@ def _engine(model, kernels: str, concurrency: int, kv_bytes: int, batched_tokens
 def run(ctx: Run, config=None, concurrency=None, requests=None, prompt_lens=None, max_tokens=None,
         dtype=torch.bfloat16, family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET) -> dict:
     config, name = preset_config(family, "tiny" if ctx.quick else preset, config)
-    concurrency = concurrency or (QUICK_CONCURRENCY if ctx.quick else CONCURRENCY)
+    if concurrency is None:
+        levels = ctx.grid(list(zip(CONCURRENCY, REQUESTS)), list(zip(QUICK_CONCURRENCY, QUICK_REQUESTS)),
+                          [(c, n) for c, n in zip(CONCURRENCY, REQUESTS) if c in HEADLINE_CONCURRENCY],
+                          list(zip(QUICK_CONCURRENCY, QUICK_REQUESTS)))
+        concurrency = tuple(c for c, _ in levels)
+        requests = requests or tuple(n for _, n in levels)
     requests = requests or (QUICK_REQUESTS if ctx.quick else REQUESTS)
+    if not concurrency:
+        return {"engine": []}
     prompt_lens = prompt_lens or (QUICK_PROMPT_LENS if ctx.quick else PROMPT_LENS)
     max_tokens = max_tokens or (QUICK_MAX_TOKENS if ctx.quick else MAX_TOKENS)
     batched_tokens = QUICK_MAX_BATCHED_TOKENS if ctx.quick else MAX_BATCHED_TOKENS

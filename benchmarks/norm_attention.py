@@ -23,6 +23,9 @@ NORM_MS, QUICK_NORM_MS = (1, 32, 512, 2048, 8192, 32768), (1, 32)
 PREFILL_GRID, QUICK_PREFILL_GRID = [(b, s) for b in (1, 8, 32) for s in (512, 2048)], [(1, 16), (3, 48)]
 DECODE_GRID = [(b, c) for b in (1, 16) for c in (512, 1024, 2048, 4096, 8192)]
 QUICK_DECODE_GRID = [(2, 64), (2, 128)]
+# --items headline: prefill and decode, alone and batched (RMSNorm, windows and sinks: none)
+HEADLINE_PREFILL, QUICK_HEADLINE_PREFILL = [(1, 2048), (8, 2048)], [(3, 48)]
+HEADLINE_DECODE, QUICK_HEADLINE_DECODE = [(1, 4096), (16, 4096)], [(2, 128)]
 # (batch, tokens, window): prefill of 8k with a 1k or 4k window; decode past the window.
 WINDOW_PREFILL, QUICK_WINDOW_PREFILL = [(1, 8192, 1024), (1, 8192, 4096)], [(1, 48, 16)]
 WINDOW_DECODE, QUICK_WINDOW_DECODE = [(b, 8192, w) for b in (1, 16) for w in (1024, 4096)], [(2, 128, 40)]
@@ -94,7 +97,7 @@ def _rmsnorm(ctx: Run, dtype, w: Widths) -> list:
     module = w.rms_norm(hidden, eps=eps).to(device=ctx.device, dtype=dtype)
     with torch.no_grad():
         module.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen, device=ctx.device))
-    for m in tqdm(QUICK_NORM_MS if ctx.quick else NORM_MS, desc="rmsnorm", leave=False):
+    for m in tqdm(ctx.grid(NORM_MS, QUICK_NORM_MS), desc="rmsnorm", leave=False):
         if ctx.out_of_time(f"rmsnorm M={m}"):
             continue
         try:
@@ -166,22 +169,24 @@ def run(ctx: Run, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY, preset: st
     out = {"rmsnorm": _rmsnorm(ctx, dtype, w), "attention": [], "decode_attention": []}
     gen = torch.Generator(device=ctx.device).manual_seed(2)
     with torch.no_grad():
-        for batch, seq in tqdm(QUICK_PREFILL_GRID if ctx.quick else PREFILL_GRID, desc="attention", leave=False):
+        prefill = ctx.grid(PREFILL_GRID, QUICK_PREFILL_GRID, HEADLINE_PREFILL, QUICK_HEADLINE_PREFILL)
+        for batch, seq in tqdm(prefill, desc="attention", leave=False):
             if ctx.out_of_time(f"attention {batch}x{seq}"):
                 continue
             try:
                 out["attention"].append(_attention_case(ctx, gen, dtype, heads, batch, seq, seq, _pads(batch, seq)))
             except Exception as exc:
                 ctx.failed(f"attention {batch}x{seq}", exc)
-        for batch, context in tqdm(QUICK_DECODE_GRID if ctx.quick else DECODE_GRID, desc="decode attn", leave=False):
+        decode = ctx.grid(DECODE_GRID, QUICK_DECODE_GRID, HEADLINE_DECODE, QUICK_HEADLINE_DECODE)
+        for batch, context in tqdm(decode, desc="decode attn", leave=False):
             if ctx.out_of_time(f"decode attention {batch}x{context}"):
                 continue
             try:
                 out["decode_attention"].append(_attention_case(ctx, gen, dtype, heads, batch, 1, context, [0] * batch))
             except Exception as exc:
                 ctx.failed(f"decode attention {batch}x{context}", exc)
-        windowed = [("attention", b, t, t, w) for b, t, w in (QUICK_WINDOW_PREFILL if ctx.quick else WINDOW_PREFILL)]
-        windowed += [("decode_attention", b, 1, t, w) for b, t, w in (QUICK_WINDOW_DECODE if ctx.quick else WINDOW_DECODE)]
+        windowed = [("attention", b, t, t, w) for b, t, w in ctx.grid(WINDOW_PREFILL, QUICK_WINDOW_PREFILL)]
+        windowed += [("decode_attention", b, 1, t, w) for b, t, w in ctx.grid(WINDOW_DECODE, QUICK_WINDOW_DECODE)]
         for key, batch, lq, lk, window in tqdm(windowed, desc="window attn", leave=False):
             if ctx.out_of_time(f"{key} {batch}x{lk} window {window}"):
                 continue
@@ -189,7 +194,7 @@ def run(ctx: Run, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY, preset: st
                 out[key].append(_attention_case(ctx, gen, dtype, heads, batch, lq, lk, [0] * batch, window))
             except Exception as exc:
                 ctx.failed(f"{key} {batch}x{lk} window {window}", exc)
-        for batch, lq, lk, window in tqdm(QUICK_SINK_CASES if ctx.quick else SINK_CASES, desc="sink attn", leave=False):
+        for batch, lq, lk, window in tqdm(ctx.grid(SINK_CASES, QUICK_SINK_CASES), desc="sink attn", leave=False):
             key = "attention" if lq > 1 else "decode_attention"
             if ctx.out_of_time(f"{key} {batch}x{lk} sinks window {window}"):
                 continue

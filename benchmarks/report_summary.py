@@ -80,6 +80,27 @@ def summary(results: dict) -> str:
         lines.append(f"tensor parallel TP {r['tp']}: prefill step {fmt(r['prefill_step_ms'])} ms, decode step "
                      f"{fmt(r['decode_step_ms'])} ms (x{fmt(r['decode_ratio_to_tp1'])} TP 1); bitwise = TP 1 "
                      f"{r['bitwise_equal_to_tp1']}")
+    for key in ("rmsnorm", "attention", "decode_attention"):
+        rows = results.get(key) or []
+        if rows:
+            lines.append(f"{key} invariant/stock time ratio geomean {fmt(_geomean([r['ratio'] for r in rows]))} "
+                         f"over {len(rows)} cases")
+    for r in results.get("spec") or []:  # speculative decoding: speedup and bits per workload and batch
+        if r.get("speculative"):
+            lines.append(f"spec {r['workload']} batch={r['batch']}: {fmt(r['speedup'])}x, acceptance "
+                         f"{fmt(r['acceptance_length'])}, forwards/token {fmt(r['forwards_per_token'])}, bitwise equal "
+                         f"{fmt(r['bitwise_equal'])}")
+    for r in results.get("quant") or []:  # quantized GEMMs: time ratios, weight bytes and bits
+        if r.get("ratio") is not None:
+            lines.append(f"quant {r['model']} {r['shape']} {r['format']} M={r['M']}: {fmt(r['ratio'])}x {r['stock']}, "
+                         f"{fmt(r['ratio_to_bf16'])}x bf16, bytes {fmt(r['bytes_ratio'])} of bf16, alone bitwise "
+                         f"invariant {fmt(r['invariant_alone_bitwise_equal'])} stock "
+                         f"{fmt(r['stock_alone_bitwise_equal'])}")
+    for r in results.get("lora") or []:  # LoRA: tokens/s relative to the base model (goal: <= 1.10 at 4 adapters)
+        if r.get("time_ratio_to_base") is not None:
+            lines.append(f"lora {r['mode']} {r['phase']} adapters={r['adapters']}: {fmt(r['tokens_per_s'])} tok/s, "
+                         f"{fmt(r['time_ratio_to_base'])}x base, bitwise {fmt(r['bitwise_rows_equal'])}/"
+                         f"{fmt(r['bitwise_rows_checked'])}")
     for r in results.get("divergence") or []:
         lines.append(f"divergence {r['case']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
                      f"({fmt(r['stock_rows_unequal'])}/{fmt(r.get('stock_rows_checked'))} rows differ); invariant "

@@ -70,14 +70,28 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+ITEMS = ("all", "headline", "rest")
+
+
 @dataclass
 class Run:
-    """What every section gets: where to run, quick or full, and when to stop."""
+    """What every section gets: where to run, quick or full, which items, and when to stop."""
     device: torch.device
     quick: bool
     deadline: float | None = None  # time.monotonic() value; None = no budget
-    skipped: list = field(default_factory=list)  # {"section", "item", "reason"}
+    skipped: list = field(default_factory=list)  # {"section", "item", "reason"} (+ "error" for a failure)
     section: str = ""
+    items: str = "all"  # "headline": the few items the GPU check measures first; "rest": the others
+
+    def grid(self, full, quick, headline=(), quick_headline=()) -> list:
+        """A section's items: its full or quick grid ("all"), its headline items ("headline"; a
+        section without any has none), or the grid less the headline items ("rest")."""
+        grid, head = (list(quick), list(quick_headline)) if self.quick else (list(full), list(headline))
+        if self.items == "headline":
+            return head
+        if self.items == "rest":
+            return [item for item in grid if item not in head]
+        return grid
 
     @property
     def on_gpu(self) -> bool:
@@ -91,5 +105,9 @@ class Run:
         return False
 
     def failed(self, item: str, exc: BaseException) -> None:
-        self.skipped.append({"section": self.section, "item": item, "reason": f"{type(exc).__name__}: {exc}"[:300]})
+        entry = {"section": self.section, "item": item, "reason": f"{type(exc).__name__}: {exc}"[:300],
+                 "error": type(exc).__name__}
+        if isinstance(exc, ModuleNotFoundError) and exc.name:  # an optional package this item needs
+            entry["missing_module"] = exc.name
+        self.skipped.append(entry)
         free_memory(self.device)
