@@ -31,6 +31,7 @@ from ..checkpoints.loading import is_vision_language, load_model, load_processor
 from ..errors import CheckpointLoadError, InvalidArgumentError, InvariantInferError, LoraAdapterError
 from ..parallel import TensorParallelRanks
 from ..parallel.forced_exit import FORCED_EXIT_AFTER_S, exit_later
+from ..testing.engine_check import check_engine_invariance
 from ..testing.invariance_check import check_invariance
 from .app import create_app
 from .state import ServerOptions
@@ -87,17 +88,20 @@ def build_engine(options: ServerOptions, ranks: TensorParallelRanks | None = Non
 
 
 def passes_check(engine, options: ServerOptions) -> bool:
-    """Run the check on the engine's model, its lines on stderr; True when it passes or does not apply."""
-    if options.kernels != "invariant" or options.tensor_parallel_size != 1:
-        reason = ("on the stock kernels (the batch-variant baseline)" if options.kernels != "invariant" else
-                  f"at --tensor-parallel-size {options.tensor_parallel_size} (rank 0's model runs only through its "
-                  "ranks): invariant-infer check runs it on one process")
-        print(f"invariant-infer serve: check: not run {reason}", file=sys.stderr, flush=True)
+    """Run the check on the engine's model, its lines on stderr; True when it passes or does not apply.
+    At --tensor-parallel-size 1 it is ``invariant-infer check``'s; above, rank 0's model runs only
+    through its ranks, so the probes run through the engine (``testing.engine_check``)."""
+    if options.kernels != "invariant":
+        print("invariant-infer serve: check: not run on the stock kernels (the batch-variant baseline)",
+              file=sys.stderr, flush=True)
         return True
 
     def show(result) -> None:
         print(f"invariant-infer serve: check: {result}", file=sys.stderr, flush=True)
-    report = check_invariance(engine.model, on_result=show)
+    if options.tensor_parallel_size == 1:
+        report = check_invariance(engine.model, on_result=show)
+    else:
+        report = check_engine_invariance(engine, on_result=show)
     if not report.ok:
         print(f"invariant-infer serve: not batch-invariant here ({'; '.join(report.failed)}): not serving "
               "(--skip-check serves without the check)", file=sys.stderr, flush=True)
