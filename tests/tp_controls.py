@@ -1,7 +1,8 @@
 """Negative controls for the tensor-parallel tests, importable on every rank: the row-parallel
 exchange replaced by what stock tensor parallelism does, an all-reduce of each rank's own sum
-rounded to the model's dtype, whose order of additions depends on the TP size; and row-parallel
-adapter slots that shrink each rank's K shard and all-reduce the sums, as stock LoRA under TP does."""
+rounded to the model's dtype, whose order of additions depends on the TP size; row-parallel
+adapter slots that shrink each rank's K shard and all-reduce the sums, as stock LoRA under TP does;
+and projections whose BLOCK_K depends on M, on every rank."""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -51,3 +52,12 @@ ORIGINAL_LORA_APPLY = lora.SlotWeights.apply
 def use_sharded_lora_shrink() -> None:
     """A ``rank_init`` for TensorParallelRanks: row-parallel adapter slots shrink K shards and all-reduce."""
     lora.SlotWeights.apply = sharded_lora_shrink_apply
+
+
+def use_m_dependent_linear() -> None:
+    """A ``rank_init`` for TensorParallelRanks: every rank's projections pick BLOCK_K by M (the
+    GEMM control of ``helpers.controls``), both the single-process forwards and the column-parallel ones."""
+    from helpers.controls import m_dependent_linear
+    from invariant_infer.model import patch
+    patch.linear = m_dependent_linear
+    tensor_parallel.linear = m_dependent_linear

@@ -1,11 +1,12 @@
 """The engine, scoring and the commands at TP 2 (CPU, gloo on 127.0.0.1): ``TensorParallelRanks``
 with ``Engine`` and ``score_sequences`` (also at TP 4), ``invariant-infer score --tensor-parallel-size 2`` and
 ``invariant-infer serve --tensor-parallel-size 2`` give bitwise the results of one process, for a dense
-model and for a hybrid one (Qwen3.5).
+model and for a hybrid one (Qwen3.5); serve's check before traffic passes through the ranks.
 Faults: a rank killed mid-step or while idle fails the call or the command within seconds, naming
 the rank; a rank that cannot start fails the start; SIGTERM stops every rank; no rank outlives its
 test. Negative control: ranks whose row-parallel exchange all-reduces each rank's rounded sum (the
-order stock tensor parallelism adds in, which depends on the TP size) give other bits."""
+order stock tensor parallelism adds in, which depends on the TP size) give other bits, and fail the
+check's audit."""
 from __future__ import annotations
 
 import contextlib
@@ -35,13 +36,14 @@ from invariant_infer.testing.random_checkpoints import random_config, save_rando
 from invariant_infer.scoring.core import score_sequences
 from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.parallel import TensorParallelRanks
+from invariant_infer.testing.engine_check import check_engine_invariance
 
 # CPU ranks: refused where transformers would shard onto CUDA GPUs (the GPU check runs the
 # tensor_parallel benchmark section on machines with two or more).
 pytestmark = [pytest.mark.heavy,
               pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor-parallel ranks need a machine "
                                                                    "without CUDA GPUs"),
-              pytest.mark.file_minutes(6.7)]  # measured on 2 cores: start it early
+              pytest.mark.file_minutes(6.8)]  # measured on 2 cores: start it early
 # 8 query / 4 KV heads of 16, intermediate 256: TP 1, 2 and 4 divide; 3 does not.
 TP_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
 FAILS_WITHIN_S = 10.0  # a rank's death ends the call or the command this soon
@@ -202,13 +204,17 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
 
 def test_control_allreduce_exchange_at_tp2_differs(checkpoint, monkeypatch):
     """The TP 2 bf16 cell above with the control exchange: every rank (this one included) swaps it
-    in; monkeypatch restores it here."""
+    in; monkeypatch restores it here. The check serve runs at TP 2 fails its audit."""
     monkeypatch.setattr(tensor_parallel, "exchange_partials", tensor_parallel.exchange_partials)
     single = engine_results(load_model(checkpoint, dtype="bf16", device="cpu"))
     with TensorParallelRanks(checkpoint, 2, dtype="bf16", device="cpu",
                              rank_init=tp_controls.use_allreduce_exchange) as ranks:
         assert tensor_parallel.exchange_partials is tp_controls.allreduce_exchange
         control = engine_results(ranks.model, ranks)
+        # serve's check at TP 2 names it: the audit on the ranks finds the all-reduce (its order does
+        # not depend on the batch, so rows alone and batched still agree).
+        report = check_engine_invariance(Engine(ranks.model, executor=ranks))
+        assert report.failed == ["audit"] and "stray op c10d.allreduce_" in str(report), str(report)
     assert control[0] != single[0]
     assert not all(torch.equal(a, b) for a, b in zip(single[1], control[1]))
 
@@ -399,6 +405,8 @@ def test_serve_at_tp2_answers_as_tp1_and_sigterm_stops_every_rank(checkpoint, tm
     try:
         rank = ranks_of(server.proc.pid)
         assert len(rank) == 1
+        checks = [line for line in (tmp_path / "tp2.log").read_text().splitlines() if "serve: check: " in line]
+        assert len(checks) == 3 and all("check: PASS  " in line for line in checks), checks  # before it listened
         assert completions(server, checkpoint, concurrently=True) == expected
         update = requests.post(server.url + "/update_weights_from_disk", json={"model_path": checkpoint}, timeout=30)
         assert update.status_code == 400 and "tensor-parallel-size" in update.json()["message"]
@@ -423,3 +431,4 @@ def test_serve_exits_within_seconds_when_a_rank_dies(checkpoint, tmp_path):
         server.stop()
     log = (tmp_path / "serve.log").read_text()
     assert f"tensor-parallel rank 1 (pid {rank[0]}) was killed by SIGKILL" in log
+
