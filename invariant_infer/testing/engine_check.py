@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..errors import RequestFailedError
 from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from ..model.audit import audit
 from ..model.executor import RankState, worker_command
@@ -93,7 +94,7 @@ def _prefilled(engine, rows: list[list[int]], start: int = 1) -> list[tuple]:
     outs = engine.generate(rows, params)
     for out in outs:
         if out.error:
-            raise RuntimeError(out.error)
+            raise RequestFailedError(out.error)
     return [_positions(out.prompt_logprobs[start - 1:], out.prompt_top_logprobs[start - 1:]) for out in outs]
 
 
@@ -106,7 +107,7 @@ def _decode(engine, prompt: list[int], tokens: int) -> tuple:
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=MAX_LOGPROBS)
     out = engine.generate([prompt], params)[0]
     if out.error:
-        raise RuntimeError(out.error)
+        raise RequestFailedError(out.error)
     ids, decoded = _positions(out.logprobs, out.top_logprobs)
     prefill_ids, prefilled = _prefilled(engine, [prompt + list(out.token_ids)], start=len(prompt))[0]
     return _compare([(prefill_ids[i:i + 1], prefilled[i:i + 1]) for i in range(len(ids))],
