@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .errors import InvalidArgumentError
 from .launch import launch
+from .configs import tile_device
 
 
 @triton.jit(do_not_specialize=["num_segments"])
@@ -59,7 +60,7 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, seg_start: torch.T
     if segments == 0 or tokens == 0:
         return out
     out_from = seg_start if out_from is None else out_from
-    cpu = x.device.type == "cpu"  # few, large programs for the interpreter
+    cpu = tile_device(x.device.type) == "cpu"  # few, large programs for the interpreter
     block_c = min(triton.next_power_of_2(channels), 1024 if cpu else 128)
     block_t = 64 if cpu else 16
     launch(_causal_conv1d_silu_kernel, (segments, triton.cdiv(channels, block_c)), x.device,

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .errors import InvalidArgumentError
 from .launch import launch
+from .configs import tile_device
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -39,7 +40,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     m, n = gate.shape
     y = torch.empty((m, n), device=gate.device, dtype=gate.dtype)
     # Few, large programs for the interpreter; one row per program on GPU.
-    block_rows, block_n = (16, min(triton.next_power_of_2(n), 4096)) if gate.device.type == "cpu" else \
+    block_rows, block_n = (16, min(triton.next_power_of_2(n), 4096)) if tile_device(gate.device.type) == "cpu" else \
         (1, min(triton.next_power_of_2(n), 1024))
     if m and n:
         launch(_clamped_swiglu_kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), gate.device,

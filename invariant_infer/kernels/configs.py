@@ -15,6 +15,27 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
+class TileTarget:
+    """The GPU whose tiles CPU tensors take while ``launch_recording`` records launches (not run)."""
+    device_type: str = "cuda"
+    sm_count: int = 132  # an H100 SXM's: picks linear's chunk schedule as that GPU would
+
+
+_tile_target: list[TileTarget | None] = [None]
+
+
+def tile_device(device_type: str) -> str:
+    """The device type whose tiles (and launch parameters) a launch on ``device_type`` tensors
+    takes: its own, but while ``launch_recording`` records CPU launches for a GPU target."""
+    target = _tile_target[0]
+    return target.device_type if target is not None and device_type == "cpu" else device_type
+
+
+def tile_target() -> TileTarget | None:
+    return _tile_target[0]
+
+
+@dataclass(frozen=True)
 class LinearConfig:
     block_m: int
     block_n: int
@@ -79,6 +100,7 @@ def linear_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> Linea
     """The one tile config used for this weight shape, whatever M is."""
     if dtype not in SUPPORTED_DTYPES:
         raise InvalidDtypeError(f"invariant linear supports {SUPPORTED_DTYPES}, got {dtype}")
+    device_type = tile_device(device_type)
     cfg = LINEAR_CONFIGS.get((device_type, dtype, n, k))
     if cfg is not None:
         return cfg
@@ -119,6 +141,7 @@ def row_parallel_config(device_type: str, dtype: torch.dtype, n: int, k: int) ->
     shape alone. On CUDA, BLOCK_K is the largest power of two up to linear_config's that divides a
     leaf. In the interpreter, whose cost is per step, BLOCK_K is the leaf's next power of two (up to
     linear_config's) and a leaf's last step is masked at the leaf's end (``chunk_k``)."""
+    device_type = tile_device(device_type)
     base = linear_config(device_type, dtype, n, k)
     leaves = tree_leaves(k)
     leaf = k // leaves
@@ -143,6 +166,7 @@ class AttentionConfig:
 def attention_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionConfig:
     if dtype not in SUPPORTED_DTYPES:
         raise InvalidDtypeError(f"invariant attention supports bf16/fp16/fp32, got {dtype}")
+    device_type = tile_device(device_type)
     if device_type == "cpu":
         return AttentionConfig(block_m=32, block_n=64)
     if dtype == torch.float32 or head_dim > 128:
@@ -168,6 +192,7 @@ class AttentionBackwardConfig:
 def attention_backward_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionBackwardConfig:
     """One per (device, dtype, head_dim), never per batch. CUDA tiles keep the dK/dV kernel's
     shared memory within sm_80/sm_89's 99 KiB at head_dim 128 (checked by the offline compile test)."""
+    device_type = tile_device(device_type)
     forward = attention_config(device_type, dtype, head_dim)
     if device_type == "cpu":
         return AttentionBackwardConfig(block_m=32, block_n=forward.block_n, delta_rows=64)

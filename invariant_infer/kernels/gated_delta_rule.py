@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .errors import InvalidArgumentError, InvalidDtypeError
 from .launch import DOT_PRECISION, launch
+from .configs import tile_device
 
 CHUNK = 64  # tokens per chunk: fixed, never chosen from the batch or the sequence lengths
 SUB = 16  # the diagonal blocks of the triangular solve, inverted row by row
@@ -190,4 +191,4 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
 def launch_block_v(device: torch.device, dv: int) -> int:
     """Dv per program: all of it in the interpreter (its cost is per program), at most 64 on CUDA."""
     block = max(16, triton.next_power_of_2(dv))
-    return block if device.type == "cpu" else min(block, 64)
+    return block if tile_device(device.type) == "cpu" else min(block, 64)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .errors import InvalidArgumentError
 from .launch import launch
+from .configs import tile_device
 
 
 
@@ -65,7 +66,7 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _blocks(device: torch.device, n: int) -> tuple[int, int]:
-    if device.type == "cpu":  # few, large programs for the interpreter
+    if tile_device(device.type) == "cpu":  # few, large programs for the interpreter
         return 16, min(triton.next_power_of_2(n), 4096)
     return 1, min(triton.next_power_of_2(n), 1024)
 

@@ -92,8 +92,15 @@ def reduction_rows(x2: torch.Tensor) -> torch.Tensor:
     return torch.empty(x2.shape, dtype=x2.dtype, device=x2.device).copy_(x2)
 
 
+# While ``launch_recording.recorded_launches`` runs: a callable that records each launch instead
+# of running it. One test of it per launch otherwise.
+_recorder = None
+
+
 def launch(kernel, grid, device: torch.device, *args, **kwargs):
     """Launch ``kernel[grid](*args, **kwargs)`` on the device the tensors live on."""
+    if _recorder is not None:
+        return _recorder(kernel, device, args, kwargs)
     if device.type == "cuda":
         if isinstance(kernel, InterpretedFunction):
             raise KernelLaunchError("CUDA tensors with TRITON_INTERPRET=1: unset it to run compiled kernels")

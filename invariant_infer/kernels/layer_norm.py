@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .errors import InvalidArgumentError
 from .launch import launch
+from .configs import tile_device
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -42,7 +43,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
-    block_rows = 16 if x.device.type == "cpu" else 1  # the interpreter pays per program
+    block_rows = 16 if tile_device(x.device.type) == "cpu" else 1  # the interpreter pays per program
     block_n = triton.next_power_of_2(n)
     if m:
         launch(_layer_norm_kernel, (triton.cdiv(m, block_rows),), x.device, x2, weight, bias, y, x2.stride(0),

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import LinearConfig, chunk_length, linear_config
+from .configs import LinearConfig, chunk_length, linear_config, tile_device, tile_target
 from .launch import DOT_PRECISION, launch
 from .silu_mul import rounded_silu
 from .errors import InvalidArgumentError, InvalidDtypeError
@@ -146,7 +146,7 @@ def _check_operands(x, weight, bias):
 def parallel_chunks_pays(device: torch.device, m: int, n: int, cfg: LinearConfig) -> bool:
     """The schedule (never the arithmetic): run chunks in parallel when output tiles alone would
     leave most of the GPU idle (small M). The interpreter always runs them in sequence."""
-    if cfg.k_chunks == 1 or device.type != "cuda":
+    if cfg.k_chunks == 1 or tile_device(device.type) != "cuda":
         return False
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     return tiles < _sm_count(device)
@@ -157,6 +157,8 @@ _SM_COUNTS: dict[int, int] = {}
 
 def _sm_count(device: torch.device) -> int:
     # Cached in a plain dict: a traced (torch.compile) call then reads a constant.
+    if device.type != "cuda":  # CPU tensors recorded for a GPU target (launch_recording)
+        return tile_target().sm_count
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch, reduction_rows
+from .configs import tile_device
 from .errors import InvalidArgumentError, InvalidDtypeError, UnsupportedOperationError
 
 MAX_TOP_K = 16
@@ -77,7 +78,7 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tup
         return weights, experts
     logits = reduction_rows(router_logits)
     # The interpreter pays per program, so it takes 16 rows at a time; on GPU one row per program.
-    block_rows = 16 if logits.device.type == "cpu" else 1
+    block_rows = 16 if tile_device(logits.device.type) == "cpu" else 1
     block_e = triton.next_power_of_2(e)
     launch(_moe_routing_kernel, (triton.cdiv(t, block_rows),), logits.device,
            logits, weights, experts, t, e, logits.stride(0),

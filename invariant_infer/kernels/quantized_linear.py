@@ -41,11 +41,14 @@ import triton
 import triton.language as tl
 
 from .launch import DOT_PRECISION, launch
+from .configs import tile_device
 from .errors import InvalidArgumentError, InvalidDtypeError
 
 WEIGHT_FORMATS = ("fp8", "int8", "packed")
 _FORMAT_CODE = {"fp8": 0, "int8": 1, "packed": 2}
 BLOCK = 128  # the block formats' 128x128 weight blocks and 128-wide activation groups
+# BLOCK as the kernels read it: compiled Triton reads only constexpr globals (the interpreter reads any).
+ACTIVATION_GROUP = tl.constexpr(BLOCK)
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def quantized_linear_config(device_type: str, weight: QuantizedWeight) -> Quanti
     block_k = min(BLOCK, group) if group < k else BLOCK
     if group < k and (group & (group - 1) or group < 16):
         raise InvalidArgumentError(f"scale groups along K must be a power of two >= 16, got {group}")
-    if device_type == "cpu":  # interpreter: large tiles mean fewer Python-level programs
+    if tile_device(device_type) == "cpu":  # interpreter: large tiles mean fewer Python-level programs
         return QuantizedLinearConfig(64, min(256, max(16, triton.next_power_of_2(n))), block_k)
     return QuantizedLinearConfig(64, 128, block_k)
 
@@ -166,7 +169,7 @@ def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K
             else:  # fp8: the tile's partial sum from zero, promoted once per K tile
                 part = tl.dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
                 if grouped:
-                    xs = tl.load(xs_ptr + offs_m * stride_xsm + k0 // BLOCK, mask=m_mask, other=0.0)
+                    xs = tl.load(xs_ptr + offs_m * stride_xsm + k0 // ACTIVATION_GROUP, mask=m_mask, other=0.0)
                     ws = tl.load(ws_ptr + (offs_n // SCALE_GROUP_N) * stride_sn + k0 // SCALE_GROUP_K,
                                  mask=offs_n < N, other=0.0).to(tl.float32)
                     part = part * (xs[:, None] * ws[None, :])

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch, reduction_rows
+from .configs import tile_device
 from .errors import InvalidArgumentError
 
 
@@ -47,7 +48,7 @@ def _launch_params(device: torch.device, n: int):
     """(BLOCK_ROWS, BLOCK_N, num_warps): fixed per device and hidden size. The interpreter pays per
     program, so it takes 16 rows at a time; on GPU one row per program."""
     block_n = triton.next_power_of_2(n)
-    return (16 if device.type == "cpu" else 1), block_n, (4 if block_n <= 4096 else 8)
+    return (16 if tile_device(device.type) == "cpu" else 1), block_n, (4 if block_n <= 4096 else 8)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False,

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .errors import InvalidArgumentError
 from .launch import launch
+from .configs import tile_device
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -37,7 +38,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
     m = x2.shape[0]
     y = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
-    if x.device.type == "cpu":  # few, large programs for the interpreter
+    if tile_device(x.device.type) == "cpu":  # few, large programs for the interpreter
         block_rows, block_n = 16, min(triton.next_power_of_2(n), 4096)
     else:
         block_rows, block_n = 1, min(triton.next_power_of_2(n), 1024)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
+from .configs import tile_device
 from .errors import InvalidArgumentError
 
 
@@ -46,7 +47,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         u2 = u2.contiguous()
     m = g2.shape[0]
     y = torch.empty(g2.shape, device=gate.device, dtype=gate.dtype)
-    if gate.device.type == "cpu":  # few, large programs for the interpreter
+    if tile_device(gate.device.type) == "cpu":  # few, large programs for the interpreter
         block_rows, block_n = 16, min(triton.next_power_of_2(n), 4096)
     else:
         block_rows, block_n = 1, min(triton.next_power_of_2(n), 1024)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
+from .configs import tile_device
 from .silu_mul import rounded_silu, silu_mul
 
 
@@ -45,7 +46,7 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tens
     m = g2.shape[0]
     dg = torch.empty(g2.shape, device=gate.device, dtype=gate.dtype)
     du = torch.empty_like(dg)
-    if gate.device.type == "cpu":  # the forward's blocks: few, large programs for the interpreter
+    if tile_device(gate.device.type) == "cpu":  # the forward's blocks: few, large programs for the interpreter
         block_rows, block_n = 16, min(triton.next_power_of_2(n), 4096)
     else:
         block_rows, block_n = 1, min(triton.next_power_of_2(n), 1024)

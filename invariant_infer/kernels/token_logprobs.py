@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch, reduction_rows
+from .configs import tile_device
 from .errors import InvalidArgumentError, InvalidDtypeError
 
 
@@ -53,7 +54,7 @@ def _token_logprobs_kernel(logits_ptr, targets_ptr, logprob_ptr, argmax_ptr, lse
 
 def vocab_block(device_type: str, vocab_size: int) -> int:
     """The one block width used over the vocabulary for this device and V, whatever the rows."""
-    cap = 8192 if device_type == "cpu" else 2048  # the interpreter pays per loop step, the GPU per register
+    cap = 8192 if tile_device(device_type) == "cpu" else 2048  # the interpreter pays per loop step, the GPU per register
     return min(cap, triton.next_power_of_2(vocab_size))
 
 
@@ -85,7 +86,7 @@ def launch_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatu
     if not logits.is_cuda and bool(((targets < 0) | (targets >= v)).any()):  # GPU: no host sync
         raise InvalidArgumentError(f"token_logprobs: targets must lie in [0, {v})")
     # The interpreter pays per program, so it takes 16 rows at a time; on GPU one row per program.
-    block_rows = 16 if logits.device.type == "cpu" else 1
+    block_rows = 16 if tile_device(logits.device.type) == "cpu" else 1
     block_v = block_v or vocab_block(logits.device.type, v)
     launch(_token_logprobs_kernel, (triton.cdiv(r, block_rows),), logits.device,
            logits, targets, logprobs, argmax, logprobs if lse is None else lse, r, v, logits.stride(0), temperature,

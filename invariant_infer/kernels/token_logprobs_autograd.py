@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
+from .configs import tile_device
 from .token_logprobs import launch_token_logprobs, vocab_block
 
 
@@ -47,7 +48,7 @@ def token_logprobs_backward(logits: torch.Tensor, targets: torch.Tensor, lse: to
     if r == 0:
         return dlogits
     grad = grad.to(device=logits.device, dtype=torch.float32).contiguous()
-    block_rows = 16 if logits.device.type == "cpu" else 1
+    block_rows = 16 if tile_device(logits.device.type) == "cpu" else 1
     block_v = block_v or vocab_block(logits.device.type, v)
     launch(_token_logprobs_backward_kernel, (triton.cdiv(r, block_rows),), logits.device,
            logits, targets, lse, grad, dlogits, r, v, logits.stride(0), temperature,
