@@ -1,14 +1,11 @@
-"""Compiling a Triton kernel for a GPU target without a GPU, to read its reduction layouts."""
+"""Compiling a hand-specified Triton kernel variant for a GPU target without a GPU, to read its
+reduction layouts (the recorded variants of the families' workloads: tests/kernels/test_compile_gate.py)."""
 from __future__ import annotations
 
 import inspect
 import re
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-from invariant_infer.kernels import launch as launch_mod
+from invariant_infer.kernels.offline_compile import compile_kernel
 
 
 def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, options=None, aligned=None):
@@ -26,10 +23,8 @@ def compile_for(kernel, arch, types, constexprs, num_warps=4, num_stages=3, opti
             signature[name] = types["ptr"] if name.endswith("_ptr") else "i32"
         if (signature[name].startswith("*") if aligned is None else name in aligned):
             attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    pinned = launch_mod.PINNED_OPTIONS if options is None else options
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages, **pinned})
+    compiled = compile_kernel(kernel, arch, signature, constexprs, attrs,
+                              {"num_warps": num_warps, "num_stages": num_stages}, pinned=options)
     assert compiled.asm["cubin"]
     return compiled
 
