@@ -4,22 +4,11 @@ summary."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
+from .value_format import fmt
+
 RATIO_COLUMNS = ("section", "item", "stock", "invariant", "invariant/stock time", "bits")
-
-
-def fmt(value) -> str:
-    """As RESULTS.md writes values (report_markdown.fmt), without importing torch into the runner."""
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return "yes" if value else "**no**"
-    if isinstance(value, float):
-        return str(value) if not math.isfinite(value) else "0" if value == 0 else (
-            f"{value:.3g}" if abs(value) < 1e5 else f"{value:.3e}")
-    return str(value)
 
 
 def _results(details: Path, name: str) -> dict | None:

@@ -23,7 +23,7 @@ from ..errors import RequestFailedError
 from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from ..model.audit import audit
 from ..model.executor import RankState, worker_command
-from .invariance_check import CheckReport, CheckResult, probe_rows
+from .invariance_check import CheckReport, CheckResult, probe_rows, run_checks
 
 ENGINE_PROBE_LENGTHS = (5, 2, 9, 3)
 DECODE_TOKENS = 3
@@ -44,16 +44,7 @@ def check_engine_invariance(engine, *, seed: int = 0, lengths: Sequence[int] = E
               ("decode", f"{decode_tokens} greedy decode steps == the same positions of the prefill "
                          f"({len(longest)} + {decode_tokens} tokens)",
                lambda: _decode(engine, longest, decode_tokens))]
-    report = CheckReport()
-    for key, name, run in checks:
-        try:
-            result = CheckResult(key, name, *run())
-        except Exception as exc:  # noqa: BLE001  (a check that cannot run is a failed check, named)
-            result = CheckResult(key, name, False, details=[f"{type(exc).__name__}: {exc}"])
-        report.results.append(result)
-        if on_result is not None:
-            on_result(result)
-    return report
+    return run_checks(checks, on_result)
 
 
 @worker_command

@@ -103,6 +103,12 @@ def check_invariance(model, *, seed: int = 0, lengths: Sequence[int] = PROBE_LEN
                lambda: _in_batch(model, samples, "right", alone)),
               ("decode", f"decode step with the KV cache == the same position of the prefill ({max(lengths)} tokens)",
                lambda: _decode(model, max(samples, key=len)))]
+    return run_checks(checks, on_result)
+
+
+def run_checks(checks, on_result: Callable[[CheckResult], None] | None = None) -> CheckReport:
+    """Run each ``(key, name, run)`` check in turn (``run()`` returns ``(passed, max_abs_diff, details)``),
+    reporting each result as it comes; a check that raises is a failed check naming the exception."""
     report = CheckReport()
     for key, name, run in checks:
         try:
