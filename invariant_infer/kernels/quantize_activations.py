@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_support import check_fp8_device
 from .launch import launch
 from .errors import InvalidArgumentError, InvalidDtypeError
 
@@ -64,6 +65,8 @@ def quantize_activations(x: torch.Tensor, dtype: torch.dtype, group_size: int | 
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
         raise InvalidDtypeError(f"quantize_activations takes 2-D {ACTIVATION_DTYPES} activations, got {x.dtype} "
                                 f"{tuple(x.shape)}")
+    if dtype == torch.float8_e4m3fn:
+        check_fp8_device("quantize_activations", x.device)
     m, k = x.shape
     group = k if group_size is None else group_size
     block = triton.next_power_of_2(group)

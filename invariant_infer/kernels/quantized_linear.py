@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_support import check_fp8_device
 from .launch import DOT_PRECISION, launch
 from .configs import tile_device
 from .errors import InvalidArgumentError, InvalidDtypeError
@@ -110,36 +111,54 @@ def quantized_linear_config(device_type: str, weight: QuantizedWeight) -> Quanti
 
 
 @triton.jit
-def _weight_tile(w_ptr, offs_n, ks, N, K, stride_wn, FORMAT: tl.constexpr, BITS: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile of stored weight values at (ks, offs_n): fp8 or int8 as stored,
-    packed integers unpacked to int32 (masked entries are 0)."""
+def _weight_tile(w_ptr, offs_n, k0, N, K, stride_wn, FORMAT: tl.constexpr, BITS: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of stored weight values at (k0 + [0, BLOCK_K), offs_n): fp8 or
+    int8 as stored, packed integers unpacked to int32 (masked entries are 0). Packed words are
+    loaded once each ([BLOCK_K / per_word, BLOCK_N]; k0 is a multiple of per_word) and unpacked
+    in registers: element k is word k // per_word, bits (k % per_word) * BITS."""
+    ks = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n[None, :] < N) & (ks[:, None] < K)
     if FORMAT == 2:
         per_word: tl.constexpr = 32 // BITS
-        words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (ks[:, None] // per_word), mask=mask, other=0)
-        shift = (ks[:, None] % per_word) * BITS
-        q = ((words >> shift) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
+        WORDS: tl.constexpr = BLOCK_K // per_word
+        word_ks = k0 + tl.arange(0, WORDS) * per_word  # the first k of each word
+        words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (word_ks[:, None] // per_word),
+                        mask=(offs_n[None, :] < N) & (word_ks[:, None] < K), other=0)
+        shift = tl.arange(0, per_word) * BITS
+        fields = (words[:, None, :] >> shift[None, :, None]) & ((1 << BITS) - 1)
+        q = tl.reshape(fields, (BLOCK_K, offs_n.shape[0])) - (1 << (BITS - 1))
         return tl.where(mask, q, 0)
     return tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None], mask=mask, other=0.0)
 
 
 @triton.jit
-def _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K, stride_wn, stride_sn, stride_zn,
+def _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, k0, N, K, stride_wn, stride_sn, stride_zn,
                       SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr, FORMAT: tl.constexpr,
-                      BITS: tl.constexpr, HAS_ZP: tl.constexpr):
+                      BITS: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr):
     """The tile dequantized in the scale's dtype: ((q - zero_point) * scale) rounded once, as
     compressed-tensors' ``(q.to(scale.dtype) - zp.to(scale.dtype)) * scale`` gives (the integer
-    difference is exact in bf16/fp16 and fp32, the product exact in fp32)."""
-    q = _weight_tile(w_ptr, offs_n, ks, N, K, stride_wn, FORMAT, BITS)
+    difference is exact in bf16/fp16 and fp32, the product exact in fp32). When the scale group
+    holds whole K tiles (every config ``quantized_linear_config`` gives), the tile's scales and
+    zero points are one [1, BLOCK_N] row, loaded once and broadcast along K."""
+    q = _weight_tile(w_ptr, offs_n, k0, N, K, stride_wn, FORMAT, BITS, BLOCK_K)
+    ks = k0 + tl.arange(0, BLOCK_K)
     smask = (offs_n[None, :] < N) & (ks[:, None] < K)
+    if SCALE_GROUP_K % BLOCK_K == 0:
+        group_k = tl.zeros((1,), dtype=tl.int32) + k0 // SCALE_GROUP_K
+        load_mask = offs_n[None, :] < N
+    else:  # a custom config's K tile across scale groups: one column per k
+        group_k = ks // SCALE_GROUP_K
+        load_mask = smask
     if HAS_ZP:
         per_word: tl.constexpr = 32 // BITS
-        zwords = tl.load(zp_ptr + (offs_n[None, :] // per_word) * stride_zn + ks[:, None] // SCALE_GROUP_K,
-                         mask=smask, other=0)
+        zwords = tl.load(zp_ptr + (offs_n[None, :] // per_word) * stride_zn + group_k[:, None],
+                         mask=load_mask, other=0)
         zp = ((zwords >> ((offs_n[None, :] % per_word) * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
         q = tl.where(smask, q - zp, 0)
-    s = tl.load(ws_ptr + (offs_n[None, :] // SCALE_GROUP_N) * stride_sn + ks[:, None] // SCALE_GROUP_K,
-                mask=smask, other=0.0)
+    s = tl.load(ws_ptr + (offs_n[None, :] // SCALE_GROUP_N) * stride_sn + group_k[:, None],
+                mask=load_mask, other=0.0)
+    s = tl.where(smask, s, 0.0)
     return (q.to(tl.float32) * s.to(tl.float32)).to(ws_ptr.dtype.element_ty)
 
 
@@ -163,7 +182,7 @@ def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
                     mask=m_mask[:, None] & (ks[None, :] < K_END), other=0.0)
         if ACT_QUANT:
-            w = _weight_tile(w_ptr, offs_n, ks, N, K_END, stride_wn, FORMAT, BITS)
+            w = _weight_tile(w_ptr, offs_n, k0, N, K_END, stride_wn, FORMAT, BITS, BLOCK_K)
             if FORMAT == 1:  # int8: exact int32 sums over all of K
                 iacc = tl.dot(x, w, iacc, out_dtype=tl.int32)  # stated: Triton < 3.7 defaults to fp32
             else:  # fp8: the tile's partial sum from zero, promoted once per K tile
@@ -175,8 +194,9 @@ def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K
                     part = part * (xs[:, None] * ws[None, :])
                 acc += part
         else:
-            w = _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K_END, stride_wn, stride_sn, stride_zn,
-                                  SCALE_GROUP_K, SCALE_GROUP_N, FORMAT, BITS, HAS_ZP).to(x_ptr.dtype.element_ty)
+            w = _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, k0, N, K_END, stride_wn, stride_sn, stride_zn,
+                                  SCALE_GROUP_K, SCALE_GROUP_N, FORMAT, BITS, HAS_ZP,
+                                  BLOCK_K).to(x_ptr.dtype.element_ty)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if ACT_QUANT:
         if FORMAT == 1:
@@ -241,9 +261,10 @@ def _dequantize_kernel(w_ptr, ws_ptr, zp_ptr, out_ptr, N, K, stride_wn, stride_s
                        SCALE_GROUP_N: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    w = _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, ks, N, K, stride_wn, stride_sn, stride_zn,
-                          SCALE_GROUP_K, SCALE_GROUP_N, FORMAT, BITS, HAS_ZP)
+    k0 = tl.program_id(1) * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
+    w = _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, k0, N, K, stride_wn, stride_sn, stride_zn,
+                          SCALE_GROUP_K, SCALE_GROUP_N, FORMAT, BITS, HAS_ZP, BLOCK_K)
     tl.store(out_ptr + offs_n[None, :] * stride_on + ks[:, None], w,
              mask=(offs_n[None, :] < N) & (ks[:, None] < K))
 
@@ -263,6 +284,8 @@ def dequantize_weight(weight: QuantizedWeight) -> torch.Tensor:
     """The dense [N, K] weight in the scale's dtype, computed by the tile code the K loop runs:
     the values the weight-only path multiplies (and compressed-tensors' decompression gives)."""
     n, k = weight.shape
+    if weight.format == "fp8":
+        check_fp8_device("dequantize_weight", weight.data.device)
     out = torch.empty((n, k), device=weight.data.device, dtype=weight.scale.dtype)
     cfg = quantized_linear_config(weight.data.device.type, weight)
     launch(_dequantize_kernel, (triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)), weight.data.device,
@@ -274,8 +297,11 @@ def dequantize_weight(weight: QuantizedWeight) -> torch.Tensor:
 
 def check_activations(name: str, x: torch.Tensor, weight: QuantizedWeight, x_scale: torch.Tensor | None,
                       out_dtype: torch.dtype | None) -> None:
-    """Refuse activations (and their scales) that ``weight``'s format does not take."""
+    """Refuse activations (and their scales) that ``weight``'s format does not take, and fp8 on a
+    GPU without it."""
     k = weight.shape[1]
+    if weight.format == "fp8" or x.dtype == torch.float8_e4m3fn:
+        check_fp8_device(name, x.device)
     if x.shape[-1] != k:
         raise InvalidArgumentError(f"{name}: x has {x.shape[-1]} features, weight expects {k}")
     if x_scale is not None:

@@ -201,3 +201,69 @@ def test_partials_refuse_per_channel_weights_and_split_groups():
         quantized_linear_partials(torch.randn(2, K).bfloat16(), quantized_weight("fp8", torch.bfloat16)[0], 2)
     with pytest.raises(ValueError, match="whole scale groups"):
         quantized_linear_partials(torch.randn(2, K).bfloat16(), quantized_weight("packed8", torch.bfloat16)[0], 4)
+
+
+def _packed(bits, n, k, group, seed=0):
+    """A packed weight of random integers and scales, and its dequantized values in float64."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, k // (group or k), generator=g) / 8 + 0.01).bfloat16()
+    dense = q.double() * scale.double().repeat_interleave(group or k, 1)
+    return QuantizedWeight("packed", pack_to_int32(q, bits), scale, (n, k), bits=bits, group_size=group), dense
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_tiles_unpack_in_order_on_partial_tiles_and_across_scale_groups(bits):
+    """The words of a packed tile are loaded once and unpacked in registers: element k of word
+    k // per_word at bits (k % per_word) * bits, through a K tail shorter than a tile (K = 200,
+    per channel) and through a custom config whose K tile spans two scale groups (one scale column
+    per k instead of one per tile)."""
+    tail, dense = _packed(bits, 96, 200, None)
+    assert quantized_linear_config("cpu", tail).block_k == 128 and torch.equal(dequantize_weight(tail),
+                                                                                 dense.bfloat16())
+    grouped, dense = _packed(bits, 96, 256, 64, seed=1)
+    x = torch.randn(5, 256).bfloat16()
+    ref = x.double() @ dense.bfloat16().double().T
+    for config in (None, QuantizedLinearConfig(64, 64, 128)):  # BLOCK_K 64 (one scale column), then 128 (two)
+        y = quantized_linear(x, grouped, config=config)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[torch.bfloat16]
+    # control: the same integers read with the scale groups swapped pairwise are far off
+    swapped = replace(grouped, scale=grouped.scale[:, [1, 0, 3, 2]].contiguous())
+    y = quantized_linear(x, swapped, config=QuantizedLinearConfig(64, 64, 128))
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() > 10 * TOLERANCE[torch.bfloat16]
+
+
+def test_fp8_launchers_refuse_gpus_before_compute_capability_8_9(monkeypatch):
+    """On a GPU of compute capability below 8.9 (faked: there is no GPU here) every fp8 launch is
+    refused by name before anything compiles; int8 and packed launches run."""
+    from invariant_infer.kernels import fp8_support
+    from invariant_infer.kernels.errors import UnsupportedOperationError
+    from invariant_infer.kernels.grouped_quantized_linear import grouped_quantized_linear
+    monkeypatch.setattr(fp8_support, "device_capability", lambda device: (8, 0))
+    x = torch.randn(3, K).bfloat16()
+    fp8, _ = quantized_weight("fp8", torch.bfloat16)
+    stacked = replace(fp8, data=fp8.data[None], scale=fp8.scale[None])
+    calls = [lambda: quantize_activations(x, torch.float8_e4m3fn),
+             lambda: quantized_linear(x, fp8),
+             lambda: quantized_linear(x.to(torch.float8_e4m3fn), fp8, x_scale=torch.ones(3, 1), out_dtype=x.dtype),
+             lambda: dequantize_weight(fp8),
+             lambda: grouped_quantized_linear(x, stacked, torch.tensor([0, 3]))]
+    for call in calls:
+        with pytest.raises(UnsupportedOperationError, match="compute capability 8.0: make_invariant does not run FP8"):
+            call()
+    q, scale = quantize_activations(x, torch.int8)  # control: int8 runs on such a GPU
+    int8 = quantized_weight("int8", torch.bfloat16)[0]
+    assert quantized_linear(q, int8, x_scale=scale, out_dtype=x.dtype).shape == (3, N)
+    monkeypatch.setattr(fp8_support, "device_capability", lambda device: (8, 9))
+    assert quantize_activations(x, torch.float8_e4m3fn)[0].dtype == torch.float8_e4m3fn
+
+
+def test_the_capability_is_read_once_per_device(monkeypatch):
+    from invariant_infer.kernels import fp8_support
+    reads = []
+    monkeypatch.setattr(fp8_support, "_CAPABILITIES", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: reads.append(index) or (8, 0))
+    for _ in range(3):
+        assert fp8_support.device_capability(torch.device("cuda", 1)) == (8, 0)
+    assert reads == [1] and fp8_support.device_capability(torch.device("cpu")) is None
