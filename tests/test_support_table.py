@@ -150,6 +150,23 @@ def load_checkpoint(save, tmp_path):
     load_model(str(save(tmp_path / "model")), device="cpu")
 
 
+def fp8_on_an_ampere_gpu(tmp_path):
+    """An FP8_DYNAMIC checkpoint's forward as a GPU of compute capability 8.0 would run it: the fp8
+    launcher's own check refuses (the capability lookup faked, there being no GPU here)."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM
+
+    from invariant_infer.kernels import fp8_support
+    from invariant_infer.testing.quantized_checkpoints import save_quantized_checkpoint
+    config = qwen2_config("tiny", hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                          num_hidden_layers=1)
+    model = make_invariant(AutoModelForCausalLM.from_pretrained(
+        save_quantized_checkpoint(tmp_path / "fp8", config, "FP8_DYNAMIC"), dtype=torch.bfloat16).eval())
+    with mock.patch.object(fp8_support, "device_capability", lambda device: (8, 0)):
+        model(input_ids=torch.tensor([[5, 6]]))
+
+
 def softcap_in_attention(surface):
     from invariant_infer.engine.paged_batch import paged_stock_attention
     from invariant_infer.model.attention import invariant_attention
@@ -194,6 +211,7 @@ TRIGGERS = {
                                    tensor_parallel_size=2),
     ("compressed_tensors_moe", "*"):
         lambda tmp: make_invariant(with_quantization(tiny("qwen3_moe"), compressed_tensors("FP8_BLOCK"))),
+    ("fp8_before_sm89", "*"): fp8_on_an_ampere_gpu,
     ("videos", "model"): lambda tmp: videos_in_the_forward(),
     ("videos", "engine"): lambda tmp: videos_in_the_engine(),
     ("videos", "scoring"): lambda tmp: videos_in_scoring(),

@@ -14,7 +14,8 @@ import inspect
 from dataclasses import dataclass, field
 
 from ..errors import (InvalidArgumentError, JobError, NonInvariantInputError, RequestError, SpeculativeConfigError,
-                      UnsupportedModelError, UnsupportedTRLError)
+                      UnsupportedModelError, UnsupportedOperationError, UnsupportedTRLError)
+from ..kernels.fp8_support import FP8_LABEL, FP8_REASON
 
 # name -> (label in messages, column heading in the docs)
 SURFACES: dict[str, tuple[str, str]] = {
@@ -138,6 +139,8 @@ FEATURES = [
          refused=_no("transformers decompresses their experts to the float dtype at load. Quantized experts are "
                      "supported in transformers' fp8 format (weight_block_size [128, 128], as the official Qwen3 MoE "
                      "FP8 checkpoints)")),
+    # raised by the fp8 kernels' launchers (kernels.fp8_support), with this label and reason
+    _row("fp8_before_sm89", FP8_LABEL, feature=True, refused=_no(FP8_REASON, error=UnsupportedOperationError)),
     _row("videos", "videos", feature=True,
          refused=_no("only images are supported; pass images (pixel_values, multi_modal_data {'image': [...]})",
                      ("model", "engine", "scoring"), NonInvariantInputError,
