@@ -153,7 +153,10 @@ def main(argv=None) -> int:
     except Stopped as exc:
         print(f"[gpu_check] stopped by {exc}", flush=True)
         stopped = True
-        records = json.loads((dest / "sections.json").read_text())
+        try:
+            records = json.loads((dest / "sections.json").read_text())
+        except (OSError, ValueError):  # stopped before the first record was written
+            records = []
     update(records)
     text = (dest / "summary.md").read_text()
     print(text)

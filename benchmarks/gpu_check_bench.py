@@ -65,11 +65,15 @@ def main(argv=None) -> int:
     parser.add_argument("section")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, required=True)
+    parser.add_argument("--margin-s", type=float, default=0.0, help="kept from the section's time for the report")
     parser.add_argument("--items", default="all")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model-preset", default=None)
     args = parser.parse_args(argv)
     record_path = os.environ.get("GPU_CHECK_RECORD")
+    timeout_s = os.environ.get("GPU_CHECK_TIMEOUT_S")  # a slice cut short: stop items in time to write rows
+    if timeout_s:
+        args.budget_s = max(5.0, min(args.budget_s, float(timeout_s) - args.margin_s))
 
     def finish(status: int, fields: dict) -> int:
         if record_path:

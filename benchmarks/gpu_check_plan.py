@@ -35,7 +35,8 @@ DRY_RUN_REST = ("matmul",)
 DEFAULT_EXTRA_PRESETS, DRY_RUN_EXTRA_PRESETS = "qwen3:qwen3-8b llama:llama-3.1-8b", "qwen3:qwen3-8b"
 # Most seconds per section on a GPU (the slice is also cut to what is left of TOTAL_S), and the
 # least worth starting. A benchmark section stops starting items BENCH_MARGIN_S before its slice ends.
-SLICES = {"smoke": 90, "gpu_tests": 180, "check": 90, "golden_digests": 120, "ratios_matmul": 60,
+# The first four leave about half of the default TOTAL_S to the headline ratios.
+SLICES = {"smoke": 60, "gpu_tests": 120, "check": 60, "golden_digests": 60, "ratios_matmul": 60,
           "ratios_attention": 45, "ratios_e2e": 90, "ratios_engine": 75, "tensor_parallel": 150, "rest": 60,
           "rest_divergence": 90, "preset": 90}
 DRY_RUN_SLICES = {"smoke": 60, "gpu_tests": 150, "check": 60, "golden_digests": 60, "rest": 60, "preset": 60,
@@ -99,7 +100,8 @@ def plan(dest: Path, details: Path, dry_run: bool, extra_presets: str = DEFAULT_
     def bench(name: str, bench_section: str, items: str, *extra, **kw) -> Section:
         slice_s = _slice(name, dry_run, overrides)
         return section(name, [py, "-m", "benchmarks.gpu_check_bench", bench_section, "--out", details / name,
-                              "--budget-s", f"{max(5.0, slice_s - margin):.0f}", "--items", items, *quick, *extra],
+                              "--budget-s", f"{max(5.0, slice_s - margin):.0f}", "--margin-s", f"{margin}",
+                              "--items", items, *quick, *extra],
                        **kw)
 
     golden_out = dest / "golden_digests.json"

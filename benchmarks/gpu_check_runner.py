@@ -30,6 +30,7 @@ STATUSES = ("ok", "failed", "timeout", "skipped")
 NOT_APPLICABLE = 77  # automake's "skipped" status
 OUT_OF_TIME = 124    # timeout(1)'s status
 KILL_GRACE_S = 5.0   # SIGTERM, then SIGKILL this much later
+TIMEOUT_ENV = "GPU_CHECK_TIMEOUT_S"
 RECORD_ENV = "GPU_CHECK_RECORD"
 PENDING_REASON = "not run: the check stopped before this section ended"
 _OWN_FIELDS = ("name", "status", "seconds", "rc", "log")
@@ -85,7 +86,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run_one(section: Section, log: Path, timeout_s: float, cwd: Path, record_path: Path) -> dict:
     """Run ``section`` with output to ``log``; its record (status from the exit status and time)."""
-    env = {**os.environ, **section.env, RECORD_ENV: str(record_path)}
+    # TIMEOUT_ENV: the seconds this run of the section really has (its slice, cut to what is left)
+    env = {**os.environ, **section.env, RECORD_ENV: str(record_path), TIMEOUT_ENV: f"{timeout_s:.1f}"}
     record_path.unlink(missing_ok=True)
     started = time.monotonic()
     with open(log, "w") as out:

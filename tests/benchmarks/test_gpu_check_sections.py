@@ -143,3 +143,20 @@ def test_smoke_checks_catch_batch_variant_kernels(monkeypatch):
     record = {"pinned_options_accepted": True, **{f"{n}_{d}_row_alone_equal": True for n in smoke.CHECKS
                                                   for d in smoke.DTYPES}}
     assert smoke.passed(record) and not smoke.passed({**record, "attention_fp32_row_alone_equal": None})
+
+
+def test_a_benchmark_section_cut_short_stops_its_items_in_time(monkeypatch, tmp_path):
+    """The runner cuts a slice to what is left of TOTAL_S and says so in GPU_CHECK_TIMEOUT_S: the
+    benchmark's budget follows (less its margin), so it writes its rows before it is killed. Control:
+    without the variable, the planned budget stands."""
+    import benchmarks.__main__ as bench_entry
+    from benchmarks import gpu_check_bench
+
+    budgets = []
+    monkeypatch.setattr(bench_entry, "main", lambda argv: budgets.append(float(argv[argv.index("--budget-s") + 1])))
+    argv = ["matmul", "--out", str(tmp_path), "--budget-s", "90", "--margin-s", "30"]
+    monkeypatch.setenv("GPU_CHECK_TIMEOUT_S", "45")
+    gpu_check_bench.main(argv)
+    monkeypatch.delenv("GPU_CHECK_TIMEOUT_S")
+    gpu_check_bench.main(argv)
+    assert budgets == [15.0, 90.0]
