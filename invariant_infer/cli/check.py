@@ -17,7 +17,7 @@ import sys
 
 from ..checkpoints.loading import DEVICES, DTYPES, check_architecture, load_model, resolve_device
 from ..errors import CheckpointLoadError, InvariantInferError, UnsupportedModelError
-from ..testing.invariance_check import check_invariance, environment
+from ..testing.invariance_check import REFUSALS, check_invariance, environment
 from . import exit_codes
 from .help_text import exit_status_epilog, plain
 
@@ -48,7 +48,11 @@ def run(args) -> int:
         print(f"invariant-infer check: {args.model}: {exc}", file=sys.stderr)
         return exit_codes.REFUSED
     print(f"dtype:           {str(next(model.parameters()).dtype).removeprefix('torch.')}", flush=True)
-    report = check_invariance(model, seed=args.seed, on_result=lambda result: print(result, flush=True))
+    try:
+        report = check_invariance(model, seed=args.seed, on_result=lambda result: print(result, flush=True))
+    except REFUSALS as exc:  # refused at its first forward (FP8 on a GPU without it)
+        print(f"invariant-infer check: {args.model}: {exc}", file=sys.stderr)
+        return exit_codes.REFUSED
     if not report.ok:
         print(f"not batch-invariant here: {'; '.join(report.failed)}")
         return exit_codes.NOT_INVARIANT

@@ -11,9 +11,10 @@ behind the engine's lock; until then the kernel keeps completing new connections
 
 Before the socket listens, the model runs the check of ``invariant-infer check`` (the audit, rows
 alone against padded batches, a decode step against its prefill; ``testing.invariance_check``), one
-line per check on stderr; a failing check stops the start (``--skip-check`` serves without it). It
-runs on the invariant kernels at ``--tensor-parallel-size`` 1 (rank 0's sharded model runs only
-through its ranks, and the stock kernels are the batch-variant baseline).
+line per check on stderr; a failing check stops the start (``--skip-check`` serves without it). At
+``--tensor-parallel-size`` above 1 it runs through the engine and its ranks (``testing.engine_check``:
+rank 0's sharded model runs only through them); with the stock kernels (the batch-variant baseline) it
+is not run.
 
 With ``--tensor-parallel-size N`` the server is rank 0 of ``TensorParallelRanks``: it starts the
 other ranks, and stops them when it exits. A rank that dies stops the server within seconds, with

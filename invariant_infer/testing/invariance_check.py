@@ -22,6 +22,7 @@ import torch
 import transformers
 import triton
 
+from ..errors import UnsupportedModelError, UnsupportedOperationError
 from ..kernels.launch import DOT_PRECISION, PINNED_OPTIONS, pinning_problem
 from ..model.audit import audit
 from ..model.families import text_config
@@ -106,6 +107,10 @@ def check_invariance(model, *, seed: int = 0, lengths: Sequence[int] = PROBE_LEN
     return run_checks(checks, on_result)
 
 
+# Raised through the checks: the model is refused here, which the commands report as a refusal.
+REFUSALS = (UnsupportedOperationError, UnsupportedModelError)
+
+
 def run_checks(checks, on_result: Callable[[CheckResult], None] | None = None) -> CheckReport:
     """Run each ``(key, name, run)`` check in turn (``run()`` returns ``(passed, max_abs_diff, details)``),
     reporting each result as it comes; a check that raises is a failed check naming the exception."""
@@ -113,6 +118,8 @@ def run_checks(checks, on_result: Callable[[CheckResult], None] | None = None) -
     for key, name, run in checks:
         try:
             result = CheckResult(key, name, *run())
+        except REFUSALS:  # a refusal by name (FP8 on a GPU that has none) is not a batch-variant result
+            raise
         except Exception as exc:  # noqa: BLE001  (a check that cannot run is a failed check, named)
             result = CheckResult(key, name, False, details=[f"{type(exc).__name__}: {exc}"])
         report.results.append(result)

@@ -120,6 +120,27 @@ def test_negative_control_a_stray_op_in_a_forward_hook_fails_the_audit(checkpoin
     assert "stray op aten." in out and "in model.layers.0.mlp" in out
 
 
+def test_a_refusal_at_the_first_forward_exits_refused_not_batch_variant(checkpoint, capsys, monkeypatch):
+    """FP8 on a GPU before compute capability 8.9 is refused at its first launch, inside the checks: that
+    is a refusal (exit 2, the message on stderr), not a batch-variant result. Control: any other error
+    in a check stays a failed check."""
+    from invariant_infer.errors import UnsupportedOperationError
+    from invariant_infer.testing.invariance_check import run_checks
+
+    def refused():
+        raise UnsupportedOperationError("quantize_activations on a GPU of compute capability 8.0: refused")
+
+    def broken():
+        raise RuntimeError("a broken check")
+    with pytest.raises(UnsupportedOperationError):
+        run_checks([("audit", "audit", refused)])
+    assert run_checks([("audit", "audit", broken)]).failed == ["audit"]
+    monkeypatch.setattr(invariant_infer.model.patch, "linear", lambda *args, **kwargs: refused())
+    code, out, err = check(capsys, checkpoint)
+    assert code == exit_codes.REFUSED and "compute capability 8.0: refused" in err
+    assert "not batch-invariant" not in out
+
+
 @pytest.mark.heavy
 def test_the_check_command_in_a_subprocess(checkpoint, tmp_path):
     command = [sys.executable, "-m", "invariant_infer.cli", "check", "--dtype", "fp32", "--device", "cpu", "--model"]
