@@ -274,25 +274,31 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     test suite, and a dynamic per-tensor scale is replaced rather than refused (docs/how-it-works.md,
     "Fail-closed coverage: audit and strict").
     Returns the same model. Idempotent. Undo with ``restore(model)``."""
+    was_patched = getattr(unwrap_peft(model), _STATE_ATTR, None) is not None
     patched = _patch(model, strict)
     if strict:
-        _refuse_stray_ops(patched)
+        _refuse_stray_ops(patched, restore_on_refusal=not was_patched)
     return patched
 
 
-def _refuse_stray_ops(model: nn.Module) -> None:
+def _refuse_stray_ops(model: nn.Module, restore_on_refusal: bool) -> None:
+    """Audit ``model``; on a stray op, restore it (unless the caller had patched it before) and raise."""
     try:
         report = audit(model)
     except BaseException:  # the probe forward failed: strict leaves no model patched unaudited
-        restore(model)
+        if restore_on_refusal:
+            restore(model)
         raise
     if report.ok:
         return
-    restore(model)
+    if restore_on_refusal:
+        restore(model)
     ops = "; ".join(f"{op} in {module or '<model>'}" for module, op in report.stray)
     raise NonInvariantOpError(
         f"make_invariant(strict=True): the patched forward reduces outside the invariant kernels, so its results "
-        f"could depend on the batch: {ops}. The model was restored. Remove the hook or module that issues the op "
+        f"could depend on the batch: {ops}. "
+        f"{'The model was restored. ' if restore_on_refusal else 'The model stays as patched before. '}"
+        "Remove the hook or module that issues the op "
         "(or, knowingly, patch without strict=True)", report.stray)
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from helpers.servers import run_bounded
-from invariant_infer import NonInvariantOpError, audit, is_invariant, make_invariant
+from invariant_infer import NonInvariantOpError, audit, is_invariant, make_invariant, restore
 from invariant_infer.checkpoints.loading import quantized_loading
 from invariant_infer.checkpoints.quantized import packed_zero_points
 from invariant_infer.model import audit as audit_module
@@ -182,7 +182,11 @@ def test_forward_hook_mm_is_reported_with_its_module_and_refused_by_strict(tiny_
     with pytest.raises(NonInvariantOpError, match=r"aten\.mm\.default in model\.layers\.0\.mlp") as refused:
         make_invariant(tiny_model, strict=True)
     assert refused.value.stray == [("model.layers.0.mlp", "aten.mm.default")]
-    assert not is_invariant(tiny_model)  # restored
+    assert is_invariant(tiny_model) and "stays as patched before" in str(refused.value)  # the caller's patch
+    restore(tiny_model)
+    with pytest.raises(NonInvariantOpError, match="The model was restored"):
+        make_invariant(tiny_model, strict=True)
+    assert not is_invariant(tiny_model)  # strict's own patch is undone
     hook.remove()
     assert is_invariant(make_invariant(tiny_model, strict=True))
 
