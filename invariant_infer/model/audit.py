@@ -8,8 +8,8 @@ Everything else is allowed by one of the classes of ``ALLOWED_OP_CLASSES``, each
 order by its own argument; an op in no class is stray too (the audit fails closed: a new op is
 refused until it is shown exact or moved onto a kernel).
 
-"Inside a kernel" and "which module" are both read from the Python call stack, and only when an op
-is not allowed by its class. The op ran inside a kernel when the innermost frame that is not torch's,
+"Inside a kernel" and "which module" are both read from the Python call stack: "which module" only
+when an op is not allowed by its class ("inside a kernel" for every op, to count the ops outside). The op ran inside a kernel when the innermost frame that is not torch's,
 Triton's, numpy's or the standard library's own code is in a file of ``invariant_infer/kernels/``:
 the launchers' torch-side work counts, and code the kernels call back (a callable passed in) is judged
 by its own frames, so no user code path can pass as a kernel; nothing is set, counted or installed
