@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checkpoints.loading import DEVICES, DTYPES, check_architecture, load_model, resolve_device
-from ..errors import CheckpointLoadError, InvariantInferError, UnsupportedModelError
+from ..checkpoints.loading import DEVICES, DTYPES, load_model, resolve_device
+from ..errors import InvariantInferError
 from ..testing.invariance_check import REFUSALS, check_invariance, environment
 from . import exit_codes
 from .help_text import exit_status_epilog, plain
@@ -30,14 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    try:
-        check_architecture(args.model)
-    except UnsupportedModelError as exc:
-        print(f"invariant-infer check: {args.model}: {exc}", file=sys.stderr)
-        return exit_codes.UNSUPPORTED_MODEL
-    except CheckpointLoadError as exc:
-        print(f"invariant-infer check: {exc}", file=sys.stderr)
-        return exit_codes.REFUSED
+    refused = exit_codes.architecture_refusal("check", args.model)
+    if refused is not None:
+        return refused
     device = resolve_device(args.device)
     print(f"model:           {args.model}")
     for line in environment(device):

@@ -17,8 +17,8 @@ from tqdm import tqdm
 
 from ..testing.drift import batch_drift
 from ..model.families import FAMILIES
-from ..checkpoints.loading import DEVICES, DTYPES, check_architecture, load_model, resolve_device
-from ..errors import CheckpointLoadError, InvariantInferError, UnsupportedModelError
+from ..checkpoints.loading import DEVICES, DTYPES, load_model, resolve_device
+from ..errors import InvariantInferError
 from ..model.patch import make_invariant, restore
 from ..model.quantization import describe_quantization, is_quantized, weight_bytes
 from ..testing.random_checkpoints import random_config, random_model
@@ -61,15 +61,9 @@ def run(args) -> int:
     """The exit statuses of ``check`` and ``score``: 6 for an architecture or model type that is not run,
     2 for another refusal (an unreadable checkpoint, a model make_invariant refuses), each on stderr."""
     subject = args.model or "the built-in model"
-    try:
-        if args.model is not None:
-            check_architecture(args.model)  # before any weight is loaded
-    except UnsupportedModelError as exc:
-        print(f"invariant-infer demo: {subject}: {exc}", file=sys.stderr)
-        return exit_codes.UNSUPPORTED_MODEL
-    except CheckpointLoadError as exc:
-        print(f"invariant-infer demo: {exc}", file=sys.stderr)
-        return exit_codes.REFUSED
+    refused = None if args.model is None else exit_codes.architecture_refusal("demo", args.model)
+    if refused is not None:
+        return refused
     try:
         return _demo(args)
     except (InvariantInferError, OSError, ValueError) as exc:  # what make_invariant refuses; unreadable weights

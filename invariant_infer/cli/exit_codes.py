@@ -20,3 +20,21 @@ MEANINGS = {
     UNSUPPORTED_MODEL: "unsupported model: the checkpoint's architecture or model type is not one that runs here "
                        "(only causal LMs and image-text-to-text models of the supported families)",
 }
+
+
+def architecture_refusal(command: str, path: str) -> int | None:
+    """Check ``path``'s architecture before any weight loads (``checkpoints.loading.check_architecture``):
+    the exit status, with the message on stderr, when it is refused; None when it runs."""
+    import sys
+
+    from ..checkpoints.loading import check_architecture
+    from ..errors import CheckpointLoadError, UnsupportedModelError
+    try:
+        check_architecture(path)
+    except UnsupportedModelError as exc:
+        print(f"invariant-infer {command}: {path}: {exc}", file=sys.stderr)
+        return UNSUPPORTED_MODEL
+    except CheckpointLoadError as exc:
+        print(f"invariant-infer {command}: {exc}", file=sys.stderr)
+        return REFUSED
+    return None

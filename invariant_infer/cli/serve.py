@@ -13,8 +13,8 @@ import json
 import math
 import sys
 
-from ..checkpoints.loading import DEVICES, DTYPES, check_architecture
-from ..errors import CheckpointLoadError, InvariantInferError, UnsupportedModelError
+from ..checkpoints.loading import DEVICES, DTYPES
+from ..errors import InvariantInferError
 from . import exit_codes
 from .help_text import exit_status_epilog, plain
 
@@ -96,14 +96,9 @@ def run(args) -> int:
                   "otherwise", file=sys.stderr)
             return exit_codes.REFUSED
         loras[name] = path
-    try:  # before minutes of loading: a checkpoint of an architecture the engine does not run
-        check_architecture(args.model)
-    except UnsupportedModelError as exc:
-        print(f"invariant-infer serve: {args.model}: {exc}", file=sys.stderr)
-        return exit_codes.UNSUPPORTED_MODEL
-    except CheckpointLoadError as exc:
-        print(f"invariant-infer serve: {exc}", file=sys.stderr)
-        return exit_codes.REFUSED
+    refused = exit_codes.architecture_refusal("serve", args.model)  # before minutes of loading
+    if refused is not None:
+        return refused
     options = ServerOptions(
         model_name=args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes, stream_write_timeout=args.stream_write_timeout, model=args.model,

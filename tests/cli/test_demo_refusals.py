@@ -42,7 +42,7 @@ def test_a_model_refused_after_loading_exits_2(tmp_path, capsys, monkeypatch):
     """A refusal that is not the architecture's (make_invariant's, say) is the shared 'refused' status."""
     def refused(*args, **kwargs):
         raise UnsupportedModelError("make_invariant does not run MXFP4 experts")
-    monkeypatch.setattr(demo_cli, "check_architecture", lambda path: None)
+    monkeypatch.setattr(exit_codes, "architecture_refusal", lambda command, path: None)
     monkeypatch.setattr(demo_cli, "load_model", refused)
     code, _, err = demo(capsys, tmp_path / "model")
     assert code == exit_codes.REFUSED and "make_invariant does not run MXFP4 experts" in err
@@ -51,7 +51,7 @@ def test_a_model_refused_after_loading_exits_2(tmp_path, capsys, monkeypatch):
 def test_negative_control_without_the_check_the_classification_head_loads(tmp_path, capsys, monkeypatch):
     """Without the architecture check the demo goes on to load the checkpoint: the refusal above is the
     check's, not an accident of loading."""
-    monkeypatch.setattr(demo_cli, "check_architecture", lambda path: None)
+    monkeypatch.setattr(exit_codes, "architecture_refusal", lambda command, path: None)
     monkeypatch.setattr(demo_cli, "load_model", no_loading)
     with pytest.raises(AssertionError, match="the checkpoint was loaded"):
         demo(capsys, save_sequence_classification_checkpoint(tmp_path / "model"))
