@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 from helpers.kernel_compile import compile_for
 from helpers.models import DEVICES, DTYPES
@@ -91,6 +92,64 @@ def test_negative_control_rows_keyed_reduction_is_caught():
     assert row_mismatches(rows_keyed_grads, *inputs(70, torch.float32, "cpu", n=1536)) != []
 
 
+SCHEDULES = (1, 5)  # groups per program; the interpreter's default runs all of them in one
+
+
+def schedule_mismatches(backward, x, w, dy) -> list:
+    """The schedules (groups per program) whose d x or d weight differ from the default schedule's."""
+    dx, dw = backward(x, w, dy, None)
+    return [per_program for per_program in SCHEDULES
+            if not all(torch.equal(a, b) for a, b in zip(backward(x, w, dy, per_program), (dx, dw)))]
+
+
+def kernel_backward(x, w, dy, groups_per_program):
+    return autograd_mod.rms_norm_backward(x, w, EPS, dy, groups_per_program=groups_per_program)
+
+
+def test_weight_gradient_schedule_never_moves_its_bits_and_matches_float64():
+    """d weight's leaves are 64-row groups from row 0: 300 rows make 5 groups; one group per
+    program, 5 at a time and all in one program give the same d x and d weight bits, within one
+    rounding of float64."""
+    x, w, dy = inputs(300, torch.bfloat16, "cpu", n=48)
+    assert schedule_mismatches(kernel_backward, x, w, dy) == []
+    assert autograd_mod.row_group_schedule(torch.device("cpu"), 5) == 5
+    dw = kernel_backward(x, w, dy, None)[1]
+    x64 = x.double()
+    want = (dy.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)).sum(0)
+    assert dw.dtype == torch.bfloat16
+    assert ((dw.double() - want).abs().max() / want.abs().max()).item() < TOLERANCE[torch.bfloat16]
+
+
+def test_group_sums_reduce_level_by_level_whatever_the_schedule():
+    """Above the leaves: 4,200 group sums are 66 groups of 64, then one: two levels. Each schedule
+    gives the same bits, the fp32 result within fp32 rounding of the float64 sum."""
+    partial = torch.randn(4200, 48, generator=torch.Generator().manual_seed(0))
+    results = []
+    for per_program in (None, 1, 5):
+        dw = torch.empty(48, dtype=torch.float32)
+        autograd_mod._sum_levels(partial, dw, 16, 64, per_program)
+        results.append(dw)
+    assert all(torch.equal(dw, results[0]) for dw in results)
+    want = partial.double().sum(0)
+    assert ((results[0].double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def program_keyed_backward(x, w, dy, groups_per_program):
+    """Negative control: d weight summed per program, then the programs' sums in order (the backward
+    before the fixed groups: its tree follows the program count, i.e. the schedule)."""
+    xf = x.float()
+    terms = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype).float() * dy.float()
+    rows_per_program = 64 * (groups_per_program or triton.cdiv(x.shape[0], 64))
+    acc = torch.zeros(x.shape[-1])
+    for part in terms.split(rows_per_program):
+        acc = acc + part.sum(0)
+    return torch.zeros_like(x), acc.to(x.dtype)
+
+
+def test_negative_control_a_program_keyed_weight_gradient_is_caught():
+    assert schedule_mismatches(program_keyed_backward, *inputs(4200, torch.float32, "cpu", n=48)) != []
+
+
 @pytest.mark.fast_cells(2)
 @pytest.mark.parametrize("arch", [90, 89, 80])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -100,6 +159,8 @@ def test_backward_kernels_compile_for_cuda(arch, dtype):
     for hidden in (1536, 5120):
         block_rows, block_n, warps = rms_mod._launch_params(torch.device("cuda"), hidden)
         assert compile_for(autograd_mod._rms_norm_backward_kernel, arch, {"ptr": element, "part_ptr": "*fp32", "eps": "fp32"},
-                           dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n, WEIGHT_GRAD=True), warps)
-    assert compile_for(autograd_mod._sum_partial_rows_kernel, arch, {"ptr": element, "part_ptr": "*fp32"},
-                       dict(BLOCK_N=1024), 4)
+                           dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n, WEIGHT_GRAD=True,
+                                GROUP_ROWS=autograd_mod.GROUP_ROWS), warps)
+    for out in ("*fp32", element):  # a level below the root, the root in the weight's dtype
+        assert compile_for(autograd_mod._sum_row_groups_kernel, arch, {"ptr": out, "in_ptr": "*fp32"},
+                           dict(BLOCK_ROWS=1, BLOCK_N=1024, GROUP_ROWS=autograd_mod.GROUP_ROWS), 4)
