@@ -100,7 +100,7 @@ _recorder = None
 def launch(kernel, grid, device: torch.device, *args, **kwargs):
     """Launch ``kernel[grid](*args, **kwargs)`` on the device the tensors live on."""
     if _recorder is not None:
-        return _recorder(kernel, device, args, kwargs)
+        return _recorder(kernel, device, args, kwargs, grid)
     if device.type == "cuda":
         if isinstance(kernel, InterpretedFunction):
             raise KernelLaunchError("CUDA tensors with TRITON_INTERPRET=1: unset it to run compiled kernels")

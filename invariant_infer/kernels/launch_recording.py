@@ -72,21 +72,44 @@ class KernelVariant:
         return f"{self.name}({', '.join(consts)}) [{' '.join(dtypes)}]{odd} {' '.join(opts)}".rstrip()
 
 
+@dataclass(frozen=True)
+class RecordedLaunch:
+    """One recorded launch, in launch order: its variant and its grid (programs per axis, 3 axes)."""
+    variant: KernelVariant
+    grid: tuple[int, int, int]
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+def _grid_of(grid, kwargs: dict) -> tuple[int, int, int]:
+    """The launch's grid as 3 ints (a callable grid is called with the launch's keyword arguments,
+    as Triton calls it with the constexprs)."""
+    if callable(grid):
+        grid = grid(kwargs)
+    sizes = tuple(int(size) for size in grid)
+    return (sizes + (1, 1, 1))[:3]
+
+
 class LaunchRecorder:
-    """Called by ``launch()`` in place of a launch: records its variant (and a count per variant)."""
+    """Called by ``launch()`` in place of a launch: records its variant (and a count per variant)
+    and, in ``launches``, each launch's variant and grid in launch order."""
 
     def __init__(self):
         self.variants: dict[KernelVariant, int] = {}
+        self.launches: list[RecordedLaunch] = []
         self._backend = make_backend(_BINDING_TARGET)
         self._binders: dict = {}
 
-    def __call__(self, kernel, device: torch.device, args: tuple, kwargs: dict):
+    def __call__(self, kernel, device: torch.device, args: tuple, kwargs: dict, grid=(1,)):
         if isinstance(kernel, InterpretedFunction):
             raise KernelLaunchError("recording launches needs compiled kernels: unset TRITON_INTERPRET")
         if device.type != "cpu":
             raise KernelLaunchError(f"recorded launches take CPU tensors (given GPU tiles), got {device.type!r}")
         variant = self.variant_of(kernel, args, kwargs)
         self.variants[variant] = self.variants.get(variant, 0) + 1
+        self.launches.append(RecordedLaunch(variant, _grid_of(grid, kwargs)))
 
     def variant_of(self, kernel, args: tuple, kwargs: dict) -> KernelVariant:
         binder = self._binders.get(kernel)
@@ -111,16 +134,18 @@ def _plain(value):
 
 
 @contextlib.contextmanager
-def recorded_launches(target: TileTarget = TileTarget()):
+def recorded_launches(target: TileTarget = TileTarget(), zeroed_allocations: bool = True):
     """Within: every launch on CPU tensors is recorded, not run, with ``target``'s tiles. Yields
-    the ``LaunchRecorder``, whose ``variants`` fill as the workload runs. Not re-entrant."""
+    the ``LaunchRecorder``, whose ``variants`` and ``launches`` fill as the workload runs. Not re-entrant.
+    ``zeroed_allocations=False`` leaves allocations unwritten (so untouched: a large output costs
+    address space, not memory), for a caller that reads no value between its launches."""
     if launch_mod._recorder is not None or configs.tile_target() is not None:
         raise KernelLaunchError("recorded_launches is already active")
     recorder = LaunchRecorder()
     configs._tile_target[0] = target
     launch_mod._recorder = recorder
     try:
-        with _zeroed_allocations():
+        with _zeroed_allocations() if zeroed_allocations else contextlib.nullcontext():
             yield recorder
     finally:
         launch_mod._recorder = None
