@@ -24,8 +24,6 @@ DeltaNet layers, then one attention layer, as the released models), random weigh
 """
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -34,6 +32,7 @@ from invariant_infer.kernels import chunk_gated_delta_rule
 from invariant_infer.kernels.gated_delta_rule import CHUNK
 
 from . import e2e
+from .stock_kernels import device_label, importable
 from .timing import Run, free_memory, time_ms
 
 HEADS = dict(key_heads=16, value_heads=32, head_dim=128)
@@ -64,12 +63,12 @@ def _stock_functions():
 
 
 def _fla_functions():
-    """fla's (chunk, fused recurrent) gated delta rule, or None when fla is not importable."""
-    try:
-        module = importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception:  # noqa: BLE001  (not installed, or fails to import on this machine)
-        return None
-    return module.chunk_gated_delta_rule, module.fused_recurrent_gated_delta_rule
+    """(fla's (chunk, fused recurrent) gated delta rule, None), or (None, why not: "fla.ops.gated_delta_rule
+    not importable", with the error where fla is installed but its import fails here)."""
+    module, why = importable("fla.ops.gated_delta_rule")
+    if module is None:
+        return None, why
+    return (module.chunk_gated_delta_rule, module.fused_recurrent_gated_delta_rule), None
 
 
 def make_inputs(heads: dict, sequences: int, tokens: int, device, seed: int = 0) -> dict:
@@ -166,7 +165,7 @@ def decode_fns(x: dict, fla) -> dict:
 def run(ctx: Run, heads: dict | None = None, **_preset) -> dict:
     """The ``gdn`` section (its heads are Qwen3.5's whatever ``--model-preset`` says)."""
     heads = heads or (QUICK_HEADS if ctx.quick else HEADS)
-    fla = _fla_functions()
+    fla, fla_missing = _fla_functions()
     cases = [("prefill", 1, t) for t in (QUICK_PREFILL if ctx.quick else PREFILL)]
     context = QUICK_DECODE_CONTEXT if ctx.quick else DECODE_CONTEXT
     cases += [("decode", b, context) for b in (QUICK_DECODE_BATCHES if ctx.quick else DECODE_BATCHES)]
@@ -183,11 +182,11 @@ def run(ctx: Run, heads: dict | None = None, **_preset) -> dict:
         times, batch_rows = {}, []
         for implementation in IMPLEMENTATIONS:
             row = {"case": case, "implementation": implementation, "sequences": sequences, "tokens": tokens,
-                   **heads, "skipped": None, "ms": None, "tokens_per_s": None, "max_abs_diff_to_stock": None,
-                   "decode_equals_prefill": None}
+                   **heads, "device": device_label(ctx.device), "skipped": None, "ms": None, "tokens_per_s": None,
+                   "max_abs_diff_to_stock": None, "decode_equals_prefill": None}
             batch_rows.append(row)
             if implementation not in fns:
-                row["skipped"] = "fla (flash-linear-attention) is not importable"
+                row["skipped"] = fla_missing
                 continue
             try:
                 with torch.no_grad():

@@ -1,5 +1,6 @@
 """Linear layers at a model preset's shapes (default Qwen2.5-1.5B): torch.nn.functional.linear
-(cuBLAS) vs invariant_infer.kernels.linear."""
+(cuBLAS) vs invariant_infer.kernels.linear, timed back to back per (shape, M). The headline Ms are
+decode (1), small batches (16, 64) and prefill (4096)."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +13,7 @@ from invariant_infer.kernels import linear
 from invariant_infer.kernels.configs import row_parallel_config
 from invariant_infer.testing.random_checkpoints import random_config
 
+from .stock_kernels import device_label
 from .timing import Run, time_ms
 
 DEFAULT_FAMILY, DEFAULT_PRESET = "qwen2", "qwen2.5-1.5b"
@@ -20,9 +22,10 @@ PROJECTIONS = {"q": "self_attn.q_proj", "k/v": "self_attn.k_proj", "o": "self_at
                "gate/up": "mlp.gate_proj", "down": "mlp.down_proj"}
 # The row-parallel ones run the K tree that tensor parallelism splits, as in the patched model.
 ROW_PARALLEL = tuple(name for name, path in PROJECTIONS.items() if path in FAMILIES[DEFAULT_FAMILY].row_parallel)
-MS = (1, 8, 32, 128, 512, 2048, 8192)
+MS = (1, 8, 16, 32, 64, 128, 512, 2048, 4096, 8192)
 QUICK_MS = (1, 8, 32)
-HEADLINE_MS, QUICK_HEADLINE_MS = (1, 64, 4096), (1, 8)  # decode, a small batch, prefill (--items headline)
+HEADLINE_MS, QUICK_HEADLINE_MS = (1, 16, 64, 4096), (1, 8)  # decode, small batches, prefill (--items headline)
+STOCK = "F.linear"  # cuBLAS(Lt) on a GPU
 
 
 def model_shapes(family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET) -> dict:
@@ -90,6 +93,7 @@ def run(ctx: Run, shapes: dict | None = None, ms=None, dtype=torch.bfloat16, fam
             flops = 2.0 * m * n * k
             rows.append({
                 "shape": name, "M": m, "N": n, "K": k, "bias": has_bias, "dtype": str(dtype).removeprefix("torch."),
+                "device": device_label(ctx.device), "stock": STOCK,
                 "stock_ms": stock_ms, "invariant_ms": inv_ms,
                 "stock_tflops": flops / (stock_ms * 1e-3) / 1e12, "invariant_tflops": flops / (inv_ms * 1e-3) / 1e12,
                 "ratio": inv_ms / stock_ms,

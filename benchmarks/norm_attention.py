@@ -3,7 +3,8 @@ called as HF's "sdpa" calls it), at a model preset's widths (default Qwen2.5-1.5
 with a sliding window (``window`` > 0: each query sees its last ``window`` keys) give SDPA the
 windowed mask transformers builds for such layers. Rows with attention sinks (``sinks``: gpt-oss's
 one logit per head, with its 128-key window or none) compare with transformers' eager sink
-attention, as gpt-oss runs stock (SDPA has no sink term)."""
+attention, as gpt-oss runs stock (SDPA has no sink term). The ``attention_vs_stock`` rows time the same kernels (and
+``paged_attention``) against the fastest stock kernels importable here: ``benchmarks.attention_vs_stock``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,16 +17,19 @@ from invariant_infer.model.families import FAMILIES
 from invariant_infer.kernels import attention, rms_norm
 from invariant_infer.testing.random_checkpoints import random_config
 
+from . import attention_vs_stock
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET, max_abs_diff
+from .stock_kernels import device_label
 from .timing import Run, time_ms
 
 NORM_MS, QUICK_NORM_MS = (1, 32, 512, 2048, 8192, 32768), (1, 32)
 PREFILL_GRID, QUICK_PREFILL_GRID = [(b, s) for b in (1, 8, 32) for s in (512, 2048)], [(1, 16), (3, 48)]
 DECODE_GRID = [(b, c) for b in (1, 16) for c in (512, 1024, 2048, 4096, 8192)]
 QUICK_DECODE_GRID = [(2, 64), (2, 128)]
-# --items headline: prefill and decode, alone and batched (RMSNorm, windows and sinks: none)
+# --items headline: prefill alone and batched (RMSNorm, windows and sinks: none); the headline decode
+# rows are attention_vs_stock's (8K context, batch 1 and 16, against SDPA and the decode kernels there).
 HEADLINE_PREFILL, QUICK_HEADLINE_PREFILL = [(1, 2048), (8, 2048)], [(3, 48)]
-HEADLINE_DECODE, QUICK_HEADLINE_DECODE = [(1, 4096), (16, 4096)], [(2, 128)]
+HEADLINE_DECODE, QUICK_HEADLINE_DECODE = [], []
 # (batch, tokens, window): prefill of 8k with a 1k or 4k window; decode past the window.
 WINDOW_PREFILL, QUICK_WINDOW_PREFILL = [(1, 8192, 1024), (1, 8192, 4096)], [(1, 48, 16)]
 WINDOW_DECODE, QUICK_WINDOW_DECODE = [(b, 8192, w) for b in (1, 16) for w in (1024, 4096)], [(2, 128, 40)]
@@ -109,6 +113,7 @@ def _rmsnorm(ctx: Run, dtype, w: Widths) -> list:
                 inv_ms = time_ms(inv_fn, ctx.device, reps=3 if ctx.on_gpu else 1, warmup=0, flush_l2=True)
             nbytes = 2 * m * hidden * x.element_size() + hidden * x.element_size()
             rows.append({"M": m, "N": hidden, "eps": eps, "stock_class": w.rms_norm.__name__,
+                         "device": device_label(ctx.device),
                          "stock_ms": stock_ms, "invariant_ms": inv_ms, "ratio": inv_ms / stock_ms,
                          "stock_gbps": nbytes / (stock_ms * 1e-3) / 1e9, "invariant_gbps": nbytes / (inv_ms * 1e-3) / 1e9,
                          "max_abs_diff": max_abs_diff(y_inv, y_stock), "bitwise_equal_to_stock": bool(torch.equal(y_inv, y_stock))})
@@ -154,7 +159,7 @@ def _attention_case(ctx: Run, gen, dtype, heads: tuple, batch: int, lq: int, lk:
     diff = max((max_abs_diff(y_inv[i, r], y_stock[i, r]) for i, r in enumerate(real) if r.start < r.stop), default=0.0)
     return {"batch": batch, "q_len": lq, "kv_len": lk, "heads": hq, "kv_heads": hkv, "head_dim": d,
             "padded_rows": sum(1 for p in pads if p), "pad_tokens": int(sum(pads)), "window": window,
-            "sinks": with_sinks,
+            "sinks": with_sinks, "device": device_label(ctx.device),
             "stock_ms": stock_ms, "invariant_ms": inv_ms, "ratio": inv_ms / stock_ms, "max_abs_diff": diff}
 
 
@@ -166,7 +171,7 @@ def _pads(batch: int, seq: int) -> list:
 def run(ctx: Run, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY, preset: str = DEFAULT_PRESET) -> dict:
     w = widths(family, preset)
     heads = quick_heads(w.heads) if ctx.quick else w.heads
-    out = {"rmsnorm": _rmsnorm(ctx, dtype, w), "attention": [], "decode_attention": []}
+    out = {"rmsnorm": _rmsnorm(ctx, dtype, w), "attention": [], "decode_attention": [], attention_vs_stock.KEY: []}
     gen = torch.Generator(device=ctx.device).manual_seed(2)
     with torch.no_grad():
         prefill = ctx.grid(PREFILL_GRID, QUICK_PREFILL_GRID, HEADLINE_PREFILL, QUICK_HEADLINE_PREFILL)
@@ -202,4 +207,5 @@ def run(ctx: Run, dtype=torch.bfloat16, family: str = DEFAULT_FAMILY, preset: st
                 out[key].append(_attention_case(ctx, gen, dtype, heads, batch, lq, lk, [0] * batch, window, True))
             except Exception as exc:
                 ctx.failed(f"{key} {batch}x{lk} sinks window {window}", exc)
+    out[attention_vs_stock.KEY] = attention_vs_stock.run(ctx, gen, dtype, heads)
     return out

@@ -83,6 +83,8 @@ def markdown(results: dict) -> str:
     out.append(table(results.get("attention"), attn_cols))
     out.append("\n## Decode attention (Lq = 1)\n")
     out.append(table(results.get("decode_attention"), attn_cols))
+    from .attention_vs_stock import markdown as attention_vs_stock_markdown  # noqa: PLC0415  (as vlm's)
+    out.append(attention_vs_stock_markdown(results, table))
     if results.get("skipped"):
         out.append("\n## Skipped\n")
         out.append(table(results["skipped"], [("section", "section"), ("item", "item"), ("reason", "reason")]))
@@ -300,7 +302,7 @@ def quant_markdown(results: dict) -> str:
         ("stock", "stock"), ("invariant ms", "invariant_ms"), ("stock ms", "stock_ms"), ("ratio", "ratio"),
         ("÷ bf16", "ratio_to_bf16"), ("bytes / bf16", "bytes_ratio"),
         ("alone bitwise (invariant)", "invariant_alone_bitwise_equal"),
-        ("alone bitwise (stock)", "stock_alone_bitwise_equal")]))
+        ("alone bitwise (stock)", "stock_alone_bitwise_equal"), ("skipped", "skipped")]))
     return "\n".join(out)
 
 

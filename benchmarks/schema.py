@@ -53,6 +53,9 @@ REQUIRED["lora"] = ("mode", "phase", "adapters", "rank", "requests", "tokens", "
                     "time_ratio_to_base", "bitwise_rows_checked", "bitwise_rows_equal")
 REQUIRED["vlm"] = ("case", "images", "batch", "side", "image_tokens", "stock_ms", "invariant_ms", "ratio",
                    "stock_alone_bitwise_equal", "invariant_alone_bitwise_equal", "max_abs_diff_to_stock")
+REQUIRED["attention_vs_stock"] = ("case", "batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "device",
+                                  "invariant", "stock", "invariant_ms", "stock_ms", "ratio", "max_abs_diff",
+                                  "bitwise_equal_to_attention", "skipped")
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 
 
@@ -110,7 +113,7 @@ def validate(results: dict) -> list:
     missing = [key for key in REQUIRED["top"] if key not in results]
     for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
                     "server", "train", "moe", "gdn", "gdn_prefill", "gdn_decode", "tp_exchange", "tp_steps", "spec",
-                    "quant", "lora", "vlm"):
+                    "quant", "lora", "vlm", "attention_vs_stock"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing

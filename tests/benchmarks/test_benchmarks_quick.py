@@ -18,8 +18,8 @@ import torch
 # benchmarks/ is a folder of the repository, not part of the installed package.
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks import (SECTIONS, divergence, e2e, gdn, host_overhead, matmul, moe, norm_attention,  # noqa: E402
-                        quant, scoring, train, vlm)
+from benchmarks import (SECTIONS, attention_vs_stock, divergence, e2e, gdn, host_overhead, matmul, moe,  # noqa: E402
+                        norm_attention, quant, scoring, train, vlm)
 from benchmarks import tensor_parallel as tp_bench  # noqa: E402
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
@@ -91,6 +91,25 @@ def test_norm_attention_rows(results):
     assert with_sinks == norm_attention.QUICK_SINK_CASES
     for row in results["attention"] + results["decode_attention"]:
         assert (row["heads"], row["kv_heads"], row["head_dim"]) == (4, 2, 64) and row["max_abs_diff"] < 0.05
+
+
+def test_attention_vs_stock_rows(results):
+    """Every quick item against every stock kernel: measured (close to the invariant output) or skipped
+    with the reason; the paged kernel bitwise the attention kernel past three KV blocks."""
+    rows = results["attention_vs_stock"]
+    items = [("prefill", b, t) for b, t in attention_vs_stock.QUICK_PREFILL]
+    items += [("decode", b, c) for b, c in attention_vs_stock.QUICK_DECODE]
+    kernels = {"prefill": [("attention", s) for s in ("sdpa_flash", "flash_attn_func")],
+               "decode": [(k, s) for k in ("attention", "paged_attention")
+                          for s in ("flashinfer_decode", "flash_attn_with_kvcache", "sdpa")]}
+    assert [(r["case"], r["batch"], r["kv_len"], r["invariant"], r["stock"].split(" (")[0]) for r in rows] == [
+        (case, b, t, kernel, stock) for case, b, t in items for kernel, stock in kernels[case]]
+    for row in rows:
+        assert (row["heads"], row["kv_heads"], row["head_dim"], row["device"]) == (4, 2, 64, "cpu")
+        assert row["skipped"] is None or row["skipped"].startswith(row["stock"].split("_")[0])
+        assert row["skipped"] is not None or (row["ratio"] > 0 and row["max_abs_diff"] < 0.05)
+        assert row["bitwise_equal_to_attention"] is (True if row["invariant"] == "paged_attention" else None)
+    assert any(r["stock"] == "sdpa" and r["skipped"] is None for r in rows)  # the fallback always runs
 
 
 def test_e2e_rows(results):
