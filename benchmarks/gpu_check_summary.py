@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .stock_ratio_rows import ratio_rows as stock_kernel_rows
 from .value_format import fmt
 
 RATIO_COLUMNS = ("section", "item", "stock", "invariant", "invariant/stock time", "bits")
@@ -56,7 +57,7 @@ def ratio_rows(name: str, results: dict) -> list[tuple]:
         rows.append((name, f"engine c={conc} ({inv['requests']} requests)", _tps(stock and stock.get("tokens_per_s")),
                      _tps(inv.get("tokens_per_s")), fmt(ratio),
                      f"equal alone {inv['invariant_rows_equal']}/{checked}" if checked else "–"))
-    return rows
+    return rows + stock_kernel_rows(name, results)
 
 
 def markdown(records: list[dict], details: Path, header: list[str], ratio_sections, summary_of) -> str:

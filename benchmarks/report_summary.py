@@ -5,6 +5,7 @@ import math
 
 from .report_markdown import fmt
 from .schema import NOT_MEANINGFUL, model_name
+from .stock_ratio_rows import summary_lines as stock_kernel_lines
 
 
 def _geomean(values):
@@ -85,6 +86,7 @@ def summary(results: dict) -> str:
         if rows:
             lines.append(f"{key} invariant/stock time ratio geomean {fmt(_geomean([r['ratio'] for r in rows]))} "
                          f"over {len(rows)} cases")
+    lines += stock_kernel_lines(results)
     for r in results.get("spec") or []:  # speculative decoding: speedup and bits per workload and batch
         if r.get("speculative"):
             lines.append(f"spec {r['workload']} batch={r['batch']}: {fmt(r['speedup'])}x, acceptance "

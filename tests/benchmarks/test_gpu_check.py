@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.heavy, pytest.mark.file_minutes(2.5)]  # measured on 2
 DRY_RUN_TIMEOUT_S = 900
 GPU_IMAGE_LACKS = ("fastapi", "uvicorn", "prometheus_client", "openai", "ray", "lm_eval", "trl", "peft",
                    "compressed_tensors")
-EXPECTED = ["smoke", "gpu_tests", "check", "golden_digests", "ratios_matmul", "ratios_attention", "ratios_e2e",
-            "ratios_engine", "tensor_parallel", "rest_matmul", "preset_qwen3-8b"]
+EXPECTED = ["smoke", "gpu_tests", "check", "golden_digests", "ratios_matmul", "ratios_attention", "ratios_quant",
+            "ratios_e2e", "ratios_engine", "tensor_parallel", "rest_matmul", "preset_qwen3-8b"]
 
 
 def run_to_end(argv, env, cwd, timeout):
@@ -72,7 +72,7 @@ def test_dry_run_passes_with_every_section_recorded(dry_run):
     assert tests["tests_selected"] > 0 and tests["left_out"] == [] and tests["collection_errors"] == []
     assert tests["counts"] == {"skipped": tests["tests_selected"]}  # every GPU test collected, skipped on CPU
     assert by_name["golden_digests"]["digests"] > 0 and by_name["golden_digests"]["part_errors"] == {}
-    for name in ("ratios_matmul", "ratios_attention", "ratios_e2e", "ratios_engine", "rest_matmul"):
+    for name in ("ratios_matmul", "ratios_attention", "ratios_quant", "ratios_e2e", "ratios_engine", "rest_matmul"):
         assert by_name[name]["rows"] > 0 and by_name[name]["failed_items"] == 0
     with tarfile.open(out / "details.tar.gz") as tar:
         smoke_log = tar.extractfile("details/smoke.log").read().decode()
@@ -88,7 +88,8 @@ def test_dry_run_outputs(dry_run):
     assert "| section | item | stock | invariant | invariant/stock time | bits |" in ratios
     for item in ("| ratios_matmul | GEMM q M=1 ", "| ratios_attention | attention prefill", "| ratios_attention | "
                  "attention decode", "| ratios_e2e | e2e scoring", "| ratios_e2e | e2e decode",
-                 "| ratios_engine | engine c=4"):
+                 "| ratios_engine | engine c=4", "| ratios_quant | fp8_channel GEMM gate/up M=1 ",
+                 "paged_attention vs sdpa", "flash_attn not importable", "| paged = attention: yes |"):
         assert item in ratios
     assert "commit: " in (out / "commit.txt").read_text() and "torch: " in (out / "commit.txt").read_text()
     assert "cpu-interpreter" in json.loads((out / "golden_digests.json").read_text())

@@ -24,15 +24,15 @@ from benchmarks.gpu_check_tests import select  # noqa: E402
 from helpers.controls import m_dependent_linear  # noqa: E402
 from invariant_infer.kernels import AttentionConfig  # noqa: E402
 
-DRY_RUN_SECTIONS = ["smoke", "gpu_tests", "check", "golden_digests", "ratios_matmul", "ratios_attention", "ratios_e2e",
-                    "ratios_engine", "tensor_parallel", "rest_matmul", "preset_qwen3-8b"]
+DRY_RUN_SECTIONS = ["smoke", "gpu_tests", "check", "golden_digests", "ratios_matmul", "ratios_attention",
+                    "ratios_quant", "ratios_e2e", "ratios_engine", "tensor_parallel", "rest_matmul", "preset_qwen3-8b"]
 
 
 def test_the_plan_runs_the_sections_in_priority_order(tmp_path):
     dry = plan(tmp_path, tmp_path / "details", dry_run=True, extra_presets="qwen3:qwen3-8b", gpus=0)
     assert [s.name for s in dry] == DRY_RUN_SECTIONS
     gpu = plan(tmp_path, tmp_path / "details", dry_run=False, gpus=1, slices={"gpu_tests": 240})
-    assert [s.name for s in gpu] == DRY_RUN_SECTIONS[:9] + [f"rest_{name}" for name in REST] + [
+    assert [s.name for s in gpu] == DRY_RUN_SECTIONS[:10] + [f"rest_{name}" for name in REST] + [
         "preset_qwen3-8b", "preset_llama-3.1-8b"]
     by_name = {s.name: s for s in gpu}
     assert by_name["gpu_tests"].slice_s == 240 and by_name["smoke"].argv[-2:] == ["--device", "cuda"]
@@ -40,6 +40,10 @@ def test_the_plan_runs_the_sections_in_priority_order(tmp_path):
     budget = by_name["ratios_e2e"].argv[by_name["ratios_e2e"].argv.index("--budget-s") + 1]
     assert 0 < float(budget) < by_name["ratios_e2e"].slice_s  # items stop before the slice's kill
     assert by_name["tensor_parallel"].precondition() == "tensor parallelism needs two or more GPUs (found 1)"
+    for name, section in (("ratios_quant", "quant"), ("preset_llama-3.1-8b", "matmul")):  # headline items
+        argv = by_name[name].argv
+        assert argv[argv.index("benchmarks.gpu_check_bench") + 1] == section
+        assert argv[argv.index("--items") + 1] == "headline"
     two = {s.name: s for s in plan(tmp_path, tmp_path, dry_run=False, gpus=2)}
     assert two["tensor_parallel"].precondition() is None
 
