@@ -1,5 +1,5 @@
 """python -m benchmarks [--quick] [--out DIR] [--only matmul,e2e,...] [--budget-s S] [--model-preset FAMILY:PRESET]
-[--items all|headline|rest]"""
+[--items all|headline|rest]; python -m benchmarks plan [--write-doc] [--gpu h100|h200] (benchmarks.plan)"""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,7 @@ SHARES = {"matmul": 0.23, "norm_attention": 0.12, "e2e": 0.23, "scoring": 0.09, 
           "spec": 0.08, "quant": 0.06, "lora": 0.08, "vlm": 0.06}
 DEFAULT_MODEL_PRESET = f"{DEFAULT_FAMILY}:{DEFAULT_PRESET}"
 # The sections with headline items (--items headline); with --items rest the others run every item.
-HEADLINE_SECTIONS = ("matmul", "norm_attention", "e2e", "engine")
+HEADLINE_SECTIONS = ("matmul", "norm_attention", "e2e", "engine", "quant")
 
 
 # The sections run text models (vision-language models have their own tests).
@@ -58,8 +58,9 @@ def parse(argv=None):
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available and not --quick)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--items", choices=ITEMS, default="all",
-                   help="all (default); headline: each section's few headline items (GEMM at M 1/64/4096, attention "
-                        "prefill and decode, e2e scoring and decode, engine throughput; other sections have none); "
+                   help="all (default); headline: each section's few headline items (GEMM at M 1/16/64/4096, attention "
+                        "prefill and split-KV decode against the stock kernels, FP8 GEMMs, e2e scoring and decode, "
+                        "engine throughput; other sections have none); "
                         "rest: the others")
     p.add_argument("--model-preset", type=model_preset, default=DEFAULT_MODEL_PRESET, metavar="FAMILY:PRESET",
                    help=f"the model whose shapes every section uses (default {DEFAULT_MODEL_PRESET}; quick mode "
@@ -75,6 +76,10 @@ def parse(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # the plan report: python -m benchmarks plan --help
+        from .plan import main as plan_main
+        return plan_main(argv[1:])
     args = parse(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
     family, preset = args.model_preset
@@ -90,7 +95,7 @@ def main(argv=None) -> int:
                     "scoring_memory": [], "scoring_throughput": [], "divergence": [], "engine": [],
                     "host_overhead": [], "server": [], "train": [], "moe": [], "gdn": [], "gdn_prefill": [],
                     "gdn_decode": [], "tp_exchange": [], "tp_steps": [], "spec": [], "quant": [], "lora": [],
-                    "vlm": []})
+                    "vlm": [], "attention_vs_stock": []})
     out = args.out or Path("bench_out") / f"{time.strftime('%Y%m%d-%H%M%S')}-{results['device'].split(' (')[0].replace(' ', '-')}"
     for i, name in enumerate(args.only):
         if end is not None:  # this section's share of what is left
