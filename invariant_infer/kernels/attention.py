@@ -22,12 +22,16 @@ kv_start, kv_end and q_start as indices into the keys it holds, kv_start possibl
 evicted first token's index), so every block boundary stays at the same absolute position; keys
 below index 0 are never read.
 
-Future flash-decoding (split-KV) must keep this contract: split each row's keys into chunks
-of a fixed SIZE (a multiple of BLOCK_N, starting at kv_start), never a fixed COUNT chosen
-from the batch, Lk or the number of SMs; reduce each chunk with this online softmax and
-merge the chunks' (m, l, acc) in ascending chunk order. A chunk merge is not bitwise a
-continuation of the online softmax, so prefill must then reduce with the same chunks (one
-split-aware kernel serving both), or decode would no longer equal prefill.
+Split-KV: each row's keys are also cut into chunks of a fixed SIZE ``kv_chunk`` (a multiple
+of BLOCK_N, from the config, never from the batch, Lk or the number of SMs), counted from
+kv_start like the blocks. Each chunk's online softmax starts from the empty state; the chunk
+states merge in ascending chunk order (``attention_state.merge_chunk_state``), then the sink
+and acc / l. Decode and prefill reduce with the same chunks: a decode row's last chunk stops at
+its own position, and the blocks and chunks prefill walks past it are fully masked for it (a
+masked block and an empty chunk change nothing). Whether the chunks of a (query tile, head) run in
+sequence in one program or in parallel programs whose states a combine kernel merges is a
+schedule (``attention_split``): it never moves a bit. Chunks wholly before a tile's first window
+are skipped (empty for every row of the tile).
 """
 from __future__ import annotations
 
@@ -35,68 +39,31 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_split import (check_kv_chunk, chunk_count, chunk_workspace, combine_chunks, parallel_chunks_pay,
+                              workspace_bytes)
+from .attention_state import (finish_rows, first_chunk, first_window_block, in_window, merge_chunk_state,
+                              online_softmax_block, row_lse)
 from .configs import AttentionConfig, attention_config
 from .launch import DOT_PRECISION, launch
 from .errors import InvalidArgumentError, InvalidDtypeError
 
 
-@triton.jit
-def online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: tl.constexpr):
-    """One KV block of the online softmax, each query row of the tile updated from its own scores.
-    q [BM, D], k [D, BN], v [BN, D], visible [BM, BN]; returns the new (m, l, acc). The padded and
-    the paged kernel both call this, so they reduce in exactly the same order. A block with no
-    visible key for a row leaves that row's m, l, acc bit-for-bit unchanged (alpha = 1, p = 0)."""
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.where(m_new > m_i, tl.exp(m_i - m_safe), 1.0)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def finish_rows(m_i, l_i, acc, sink, HAS_SINKS: tl.constexpr):
-    """(out [BM, D], m, l) after the last block: with a sink, exp(sink) joins each row's denominator
-    (rescaled to the new max, as one more block); then acc / l. A row with no visible key and no
-    sink gives 0, never NaN; with a sink it gives 0 too (acc = 0)."""
-    if HAS_SINKS:
-        m_new = tl.maximum(m_i, sink)
-        alpha = tl.where(m_new > m_i, tl.exp(m_i - m_new), 1.0)
-        l_i = l_i * alpha + tl.exp(sink - m_new)
-        acc = acc * alpha[:, None]
-        m_i = m_new
-    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
-
-
-@triton.jit
-def first_window_block(kv_start, first_query, window, BLOCK_N: tl.constexpr):
-    """Start of the first KV block (blocks aligned to kv_start) that holds a key the query at
-    ``first_query`` sees with a sliding window of ``window`` keys (0: no window, every block)."""
-    skip = tl.maximum(first_query - window + 1 - kv_start, 0) // BLOCK_N * BLOCK_N
-    return kv_start + tl.where(window > 0, skip, 0)
-
-
-@triton.jit
-def in_window(offs_n, q_pos, window):
-    """[BM, BN]: key offs_n is causal for query q_pos and, with a window, one of its last ``window``."""
-    causal = offs_n[None, :] <= q_pos[:, None]
-    return causal & ((offs_n[None, :] > q_pos[:, None] - window) | (window == 0))
-
-
 @triton.jit(do_not_specialize=["Lq", "Lk", "window"])
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sinks_ptr, kv_start_ptr, kv_end_ptr, q_start_ptr,
+    m_ws_ptr, l_ws_ptr, acc_ws_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
     Lq, Lk, Hq, D, scale, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
+    KV_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False, PARALLEL_CHUNKS: tl.constexpr = False,
 ):
+    """Sequential: one program per (query tile, row and head) merges every chunk and stores the
+    output. PARALLEL_CHUNKS: program_id(2) = j computes the tile's j-th chunk alone and stores its
+    state in the workspace [chunks, B, Lq, Hq] (acc: [..., D]) for ``combine_chunks``."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // Hq).to(tl.int64)  # batch offsets can pass 2**31 elements (long static caches)
@@ -119,38 +86,56 @@ def _attention_kernel(
     # for that row and leave its m, l, acc bit-for-bit unchanged (alpha = 1, p = 0).
     hi = tl.minimum(kv_end, q_start + tl.minimum((pid_m + 1) * BLOCK_M, Lq))
     lo = first_window_block(kv_start, q_start + pid_m * BLOCK_M, window, BLOCK_N)
+    chunk_lo = first_chunk(kv_start, lo, KV_CHUNK)
+    if PARALLEL_CHUNKS:  # this program's one chunk (past hi: an empty state, stored all the same)
+        chunk_lo += tl.program_id(2) * KV_CHUNK
+        chunk_hi = chunk_lo + KV_CHUNK
+    else:
+        chunk_hi = hi
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_seq = (offs_n < kv_end) & (offs_n >= 0)
-        k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                    mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
-        visible = in_seq[None, :] & in_window(offs_n, q_pos, window)
-        m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
-    # Rows with no visible key (left-pad queries) give 0, never NaN.
-    sink = tl.load(sinks_ptr + h).to(tl.float32) if HAS_SINKS else 0.0
-    out, m_i, l_i = finish_rows(m_i, l_i, acc, sink, HAS_SINKS)
-    tl.store(o_ptr + b * stride_ob + offs_m[:, None] * stride_om + h * stride_oh + offs_d[None, :] * stride_od,
-             out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
-    if STORE_LSE:  # for the backward only: lse [B, Hq, Lq] fp32, -inf for a row that sees no key
-        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + (b * Hq + h) * Lq + offs_m, lse, mask=offs_m < Lq)
+    for c0 in range(chunk_lo, chunk_hi, KV_CHUNK):
+        m_c = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_c = tl.zeros((BLOCK_M,), tl.float32)
+        acc_c = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for n0 in range(tl.maximum(c0, lo), tl.minimum(c0 + KV_CHUNK, hi), BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            in_seq = (offs_n < kv_end) & (offs_n >= 0)
+            k = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                        mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                        mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
+            visible = in_seq[None, :] & in_window(offs_n, q_pos, window)
+            m_c, l_c, acc_c = online_softmax_block(q, k, v, visible, m_c, l_c, acc_c, scale, DOT_PRECISION)
+        m_i, l_i, acc = merge_chunk_state(m_i, l_i, acc, m_c, l_c, acc_c)
+    if PARALLEL_CHUNKS:
+        state = ((tl.program_id(2) * (tl.num_programs(1) // Hq) + b) * Lq + offs_m) * Hq + h  # [chunk, b, i, h]
+        tl.store(m_ws_ptr + state, m_i, mask=offs_m < Lq)
+        tl.store(l_ws_ptr + state, l_i, mask=offs_m < Lq)
+        tl.store(acc_ws_ptr + state[:, None] * D + offs_d[None, :], acc,
+                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+    else:
+        # Rows with no visible key (left-pad queries) give 0, never NaN.
+        sink = tl.load(sinks_ptr + h).to(tl.float32) if HAS_SINKS else 0.0
+        out, m_i, l_i = finish_rows(m_i, l_i, acc, sink, HAS_SINKS)
+        tl.store(o_ptr + b * stride_ob + offs_m[:, None] * stride_om + h * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+        if STORE_LSE:  # for the backward only: lse [B, Hq, Lq] fp32, -inf for a row that sees no key
+            tl.store(lse_ptr + (b * Hq + h) * Lq + offs_m, row_lse(m_i, l_i), mask=offs_m < Lq)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               kv_start: torch.Tensor, kv_end: torch.Tensor, q_start: torch.Tensor,
               scale: float, config: AttentionConfig | None = None, window: int = 0,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, parallel_chunks: bool | None = None) -> torch.Tensor:
     """Causal GQA attention.
 
     q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D] (not repeated); kv_start, kv_end, q_start: int32 [B].
     ``window`` > 0: a sliding window of that many keys (see the module docstring); ``sinks``: one
     logit per query head [Hq] added to each row's softmax denominator (any float dtype).
     Returns [B, Lq, Hq, D], contiguous. ``config`` overrides the fixed per-shape config
-    (tests use it for a negative control)."""
+    (tests use it for a negative control); ``parallel_chunks`` forces the KV chunks' schedule
+    (tests; the bits are the same), by default ``attention_split.parallel_chunks_pay`` picks it."""
     B, Hq, Lq, D = q.shape
     _, Hkv, Lk, _ = k.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % Hkv:
@@ -161,7 +146,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if window < 0:
         raise InvalidArgumentError(f"attention: window must be 0 (none) or positive, got {window}")
     check_sinks(sinks, Hq, q.device, "attention")
-    return attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config, window=window, sinks=sinks)
+    return attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config, window=window, sinks=sinks,
+                             parallel_chunks=parallel_chunks)
 
 
 def check_sinks(sinks: torch.Tensor | None, heads: int, device: torch.device, name: str) -> None:
@@ -171,24 +157,37 @@ def check_sinks(sinks: torch.Tensor | None, heads: int, device: torch.device, na
 
 
 def attention_forward(q, k, v, kv_start, kv_end, q_start, scale, config=None, lse=None, window: int = 0,
-                      sinks=None):
+                      sinks=None, parallel_chunks: bool | None = None):
     """``attention`` without the argument checks; with ``lse`` (fp32 [B, Hq, Lq], contiguous) it
     also stores each query row's log-sum-exp of its scaled scores (and its sink) there (the
     backward's input)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     cfg = config or attention_config(q.device.type, q.dtype, D)
+    check_kv_chunk(cfg, "attention")
     out = torch.empty((B, Lq, Hq, D), device=q.device, dtype=q.dtype)
     if B == 0 or Lq == 0:
         return out
-    grid = (triton.cdiv(Lq, cfg.block_m), B * Hq)
+    tiles = (triton.cdiv(Lq, cfg.block_m), B * Hq)
+    chunks = chunk_count(Lk, cfg.kv_chunk)
+    if parallel_chunks is None:
+        parallel_chunks = parallel_chunks_pay(q.device, tiles[0] * tiles[1], triton.cdiv(Lk, cfg.kv_chunk),
+                                              workspace_bytes(chunks, B * Lq * Hq, D))
+    m_ws = l_ws = acc_ws = out
+    if parallel_chunks:
+        m_ws, l_ws, acc_ws = chunk_workspace(chunks, (B, Lq, Hq), D, q.device)
     launch(
-        _attention_kernel, grid, q.device,
+        _attention_kernel, (*tiles, chunks) if parallel_chunks else tiles, q.device,
         q, k, v, out, out if lse is None else lse, out if sinks is None else sinks, kv_start, kv_end, q_start,
+        m_ws, l_ws, acc_ws,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         Lq, Lk, Hq, D, scale, int(window),
         GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_PRECISION=DOT_PRECISION, STORE_LSE=lse is not None, HAS_SINKS=sinks is not None,
+        KV_CHUNK=cfg.kv_chunk, DOT_PRECISION=DOT_PRECISION, STORE_LSE=lse is not None and not parallel_chunks,
+        HAS_SINKS=sinks is not None and not parallel_chunks, PARALLEL_CHUNKS=bool(parallel_chunks),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if parallel_chunks:
+        combine_chunks(m_ws, l_ws, acc_ws, out, lse, sinks, B, Lq, Hq, D, out.stride(),
+                       None if lse is None else (Hq * Lq, Lq))
     return out

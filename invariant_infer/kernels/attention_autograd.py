@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import attention_forward, check_sinks, first_window_block, in_window
+from .attention import attention_forward, check_sinks
+from .attention_state import first_window_block, in_window
 from .configs import AttentionBackwardConfig, AttentionConfig, attention_backward_config, attention_config
 from .launch import DOT_PRECISION, launch, reduction_rows
 from .errors import InvalidArgumentError, InvalidDtypeError

@@ -161,17 +161,26 @@ class AttentionConfig:
     block_n: int  # the KV block: fixed per (device, dtype, head_dim), never per batch
     num_warps: int = 4
     num_stages: int = 2
+    # The KV chunk: a row's keys are reduced in chunks of this many (a multiple of block_n, counted
+    # from the row's first key), whose softmax states merge in order. Part of the reduction tree, so
+    # fixed like the blocks; the default is a multiple of every block_n used.
+    kv_chunk: int = 512
 
 
 def attention_config(device_type: str, dtype: torch.dtype, head_dim: int) -> AttentionConfig:
     if dtype not in SUPPORTED_DTYPES:
         raise InvalidDtypeError(f"invariant attention supports bf16/fp16/fp32, got {dtype}")
     device_type = tile_device(device_type)
-    if device_type == "cpu":
-        return AttentionConfig(block_m=32, block_n=64)
+    if device_type == "cpu":  # two blocks a chunk: tests cross several chunks at a few hundred keys
+        return AttentionConfig(block_m=32, block_n=64, kv_chunk=128)
+    # 512 keys a chunk: decode of Qwen2.5-1.5B (12 query heads) at 8K context runs 12 x 16 = 192
+    # chunk programs, more than an H100's 132 SMs, while a prefill tile pays one merge per 8 or 16
+    # blocks; a smaller chunk would fill more SMs at short contexts but cost prefill more merges.
+    # A tile holds a chunk's (m, l, acc) and the running total's: from head_dim 128 on, 8 warps
+    # compile without spills on sm_90 (206 registers at 128, 175 at 256; 4 warps need 255 and spill).
     if dtype == torch.float32 or head_dim > 128:
-        return AttentionConfig(block_m=32, block_n=32)
-    return AttentionConfig(block_m=64, block_n=64)
+        return AttentionConfig(block_m=32, block_n=32, num_warps=8 if head_dim > 128 else 4, kv_chunk=512)
+    return AttentionConfig(block_m=64, block_n=64, num_warps=8 if head_dim > 64 else 4, kv_chunk=512)
 
 
 @dataclass(frozen=True)

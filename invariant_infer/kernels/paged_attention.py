@@ -14,9 +14,14 @@ gets the logits ``model(...)`` gets. What makes it so:
   [j*BLOCK_N, (j+1)*BLOCK_N): aligned to the sequence's first token exactly as the padded kernel
   aligns its blocks to kv_start. A page holds a whole number of blocks (page_size is a multiple
   of BLOCK_N; the engine uses page_size == BLOCK_N), so a page never splits a block.
+* Same chunks. KV chunk c covers positions [c*kv_chunk, (c+1)*kv_chunk) (kv_chunk from the
+  same config, a multiple of BLOCK_N), as the padded kernel counts its chunks from kv_start.
 * Same arithmetic in the same order. Both kernels update each block with one shared function,
-  ``attention.online_softmax_block`` (scores, -inf masking, m, alpha, p, l, acc), and finish
-  with ``attention.finish_rows`` (a sink, if any, then acc / l). The online softmax
+  ``attention_state.online_softmax_block`` (scores, -inf masking, m, alpha, p, l, acc), merge
+  each chunk's state into the row's total with ``attention_state.merge_chunk_state`` in chunk
+  order, and finish with ``attention_state.finish_rows`` (a sink, if any, then acc / l). The
+  chunks run in one program or in parallel programs merged by a combine kernel
+  (``attention_split``): a schedule, the same bits. The online softmax
   of a query row uses only that row's scores, so which other rows share its tile (other
   queries of its sequence, or tile tails past its chunk) never changes it.
 * Same walk. A query tile holds BLOCK_M consecutive queries of ONE sequence. It walks blocks
@@ -39,6 +44,7 @@ specialized, so CUDA compiles one kernel for any batch.
 What the caller (the engine) must guarantee, unchecked on the device (no host sync):
   * 0 <= q_len(s) <= seq_lens[s], query_starts non-decreasing, query_starts[S] == T;
   * max_query_len >= every q_len(s) (tiles past it are never launched: those rows stay unset);
+  * max_seq_len, when given, >= every seq_lens[s] (the parallel schedule launches no chunk past it);
   * block_tables[s, j] is a valid page for j < cdiv(seq_lens[s], page_size); entries past a
     sequence's last page are never read, so any filler (0) is fine there;
   * K/V of positions 0 .. seq_lens[s] - 1 are in those pages (write this step's first);
@@ -50,25 +56,32 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import check_sinks, finish_rows, first_window_block, in_window, online_softmax_block
+from .attention import check_sinks
+from .attention_split import check_kv_chunk, chunk_workspace, combine_chunks, parallel_chunks_pay, workspace_bytes
+from .attention_state import (finish_rows, first_chunk, first_window_block, in_window, merge_chunk_state,
+                              online_softmax_block)
 from .configs import AttentionConfig, attention_config
 from .launch import DOT_PRECISION, launch
 from .errors import InvalidArgumentError, InvalidDtypeError
 
 
-@triton.jit(do_not_specialize=["stride_bts", "stride_btp", "window"])
+@triton.jit(do_not_specialize=["stride_bts", "stride_btp", "window", "T"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, sinks_ptr, query_starts_ptr, seq_lens_ptr, block_tables_ptr,
+    m_ws_ptr, l_ws_ptr, acc_ws_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ko, stride_kh, stride_kd,
     stride_vp, stride_vo, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_bts, stride_btp,
-    Hq, D, scale, window,
+    T, Hq, D, scale, window,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr = False, PARALLEL_CHUNKS: tl.constexpr = False,
 ):
+    """Sequential: one program per (query tile, sequence and head) merges every chunk and stores
+    the output. PARALLEL_CHUNKS: program_id(2) = j computes the tile's j-th chunk alone and stores
+    its state in the workspace [chunks, T, Hq] (acc: [..., D]) for ``combine_chunks``."""
     pid_m = tl.program_id(0)
     sh = tl.program_id(1)
     s = sh // Hq
@@ -94,31 +107,51 @@ def _paged_attention_kernel(
     # Walk blocks up to the tile's last query (hi <= seq_len: no page past the sequence's last
     # one is looked up); blocks past a row's own limit leave its m, l, acc bit-for-bit unchanged.
     hi = tl.minimum(seq_len, q_start + tl.minimum((pid_m + 1) * BLOCK_M, q_len))
+    lo = first_window_block(0, q_start + pid_m * BLOCK_M, window, BLOCK_N)
+    chunk_lo = first_chunk(0, lo, KV_CHUNK)
+    if PARALLEL_CHUNKS:  # this program's one chunk (past hi: an empty state, stored all the same)
+        chunk_lo += tl.program_id(2) * KV_CHUNK
+        chunk_hi = chunk_lo + KV_CHUNK
+    else:
+        chunk_hi = hi
     table = block_tables_ptr + s.to(tl.int64) * stride_bts
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_vh
-    for n0 in range(first_window_block(0, q_start + pid_m * BLOCK_M, window, BLOCK_N), hi, BLOCK_N):
-        page = tl.load(table + (n0 // PAGE_SIZE) * stride_btp).to(tl.int64)  # page * stride can pass 2**31
-        in_page = (n0 % PAGE_SIZE) + tl.arange(0, BLOCK_N)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_seq = offs_n < seq_len
-        k = tl.load(k_head + page * stride_kp + in_page[None, :] * stride_ko + offs_d[:, None] * stride_kd,
-                    mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
-        v = tl.load(v_head + page * stride_vp + in_page[:, None] * stride_vo + offs_d[None, :] * stride_vd,
-                    mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
-        visible = in_seq[None, :] & in_window(offs_n, q_pos, window)
-        m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
-    # A row with no visible key (none here: every query sees itself) would give 0, never NaN.
-    sink = tl.load(sinks_ptr + h).to(tl.float32) if HAS_SINKS else 0.0
-    out = finish_rows(m_i, l_i, acc, sink, HAS_SINKS)[0]
-    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
-             out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < D))
+    for c0 in range(chunk_lo, chunk_hi, KV_CHUNK):
+        m_c = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_c = tl.zeros((BLOCK_M,), tl.float32)
+        acc_c = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for n0 in range(tl.maximum(c0, lo), tl.minimum(c0 + KV_CHUNK, hi), BLOCK_N):
+            page = tl.load(table + (n0 // PAGE_SIZE) * stride_btp).to(tl.int64)  # page * stride can pass 2**31
+            in_page = (n0 % PAGE_SIZE) + tl.arange(0, BLOCK_N)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            in_seq = offs_n < seq_len
+            k = tl.load(k_head + page * stride_kp + in_page[None, :] * stride_ko + offs_d[:, None] * stride_kd,
+                        mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
+            v = tl.load(v_head + page * stride_vp + in_page[:, None] * stride_vo + offs_d[None, :] * stride_vd,
+                        mask=in_seq[:, None] & (offs_d[None, :] < D), other=0.0)
+            visible = in_seq[None, :] & in_window(offs_n, q_pos, window)
+            m_c, l_c, acc_c = online_softmax_block(q, k, v, visible, m_c, l_c, acc_c, scale, DOT_PRECISION)
+        m_i, l_i, acc = merge_chunk_state(m_i, l_i, acc, m_c, l_c, acc_c)
+    if PARALLEL_CHUNKS:
+        state = (tl.program_id(2) * T + rows) * Hq + h  # [chunk, token, head]
+        tl.store(m_ws_ptr + state, m_i, mask=offs_m < q_len)
+        tl.store(l_ws_ptr + state, l_i, mask=offs_m < q_len)
+        tl.store(acc_ws_ptr + state[:, None] * D + offs_d[None, :], acc,
+                 mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < D))
+    else:
+        # A row with no visible key (none here: every query sees itself) would give 0, never NaN.
+        sink = tl.load(sinks_ptr + h).to(tl.float32) if HAS_SINKS else 0.0
+        out = finish_rows(m_i, l_i, acc, sink, HAS_SINKS)[0]
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < D))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_starts: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, *, max_query_len: int, config: AttentionConfig | None = None,
-                    window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int = 0, sinks: torch.Tensor | None = None, max_seq_len: int | None = None,
+                    parallel_chunks: bool | None = None) -> torch.Tensor:
     """Causal GQA attention of packed queries over a paged KV cache.
 
     q: [T, Hq, D], the queries of S sequences packed back to back (sequence s owns rows
@@ -129,9 +162,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [j * page_size, (j + 1) * page_size); max_query_len: a host int >= every sequence's query
     count (sizes the grid); ``window`` > 0: a sliding window of that many keys, the blocks
     ``attention`` walks and skips for it; ``sinks`` [Hq]: attention sinks, as ``attention``'s.
-    Returns [T, Hq, D] in q's dtype, contiguous. ``config`` overrides the fixed per-shape config
-    (tests use it for a negative control); bitwise equality with ``attention`` holds for the
-    default one, which ``attention`` also uses."""
+    ``max_seq_len``: a host int >= every seq_lens[s], or None; it sizes the parallel schedule's
+    grid of KV chunks, so without it the chunks run in sequence. Returns [T, Hq, D] in q's dtype,
+    contiguous. ``config`` overrides the fixed per-shape config (tests use it for a negative
+    control); bitwise equality with ``attention`` holds for the default one, which ``attention``
+    also uses. ``parallel_chunks`` forces the KV chunks' schedule (tests; the bits are the same),
+    by default ``attention_split.parallel_chunks_pay`` picks it."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise InvalidArgumentError("paged_attention: expected q [T, Hq, D] and caches [pages, page_size, Hkv, D], "
                                    f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
@@ -162,20 +198,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if page_size % cfg.block_n:
         raise InvalidArgumentError(f"paged_attention: page_size {page_size} is not a multiple of the KV block "
                                    f"{cfg.block_n}: a page would split a block")
+    check_kv_chunk(cfg, "paged_attention")
+    if parallel_chunks and max_seq_len is None:
+        raise InvalidArgumentError("paged_attention: parallel_chunks needs max_seq_len (the grid's bound on the "
+                                   "KV chunks)")
     out = torch.empty((T, Hq, D), device=q.device, dtype=q.dtype)
     if T == 0 or S == 0 or max_query_len <= 0:
         return out
     grid = (triton.cdiv(max_query_len, cfg.block_m), S * Hq)
+    chunks = 1 if max_seq_len is None else triton.cdiv(max(max_seq_len, 1), cfg.kv_chunk)
+    if parallel_chunks is None:
+        parallel_chunks = parallel_chunks_pay(q.device, grid[0] * grid[1], chunks, workspace_bytes(chunks, T * Hq, D))
+    m_ws = l_ws = acc_ws = out
+    if parallel_chunks:
+        m_ws, l_ws, acc_ws = chunk_workspace(chunks, (1, T, Hq), D, q.device)
     launch(
-        _paged_attention_kernel, grid, q.device,
+        _paged_attention_kernel, (*grid, chunks) if parallel_chunks else grid, q.device,
         q, k_cache, v_cache, out, out if sinks is None else sinks, query_starts, seq_lens, block_tables,
+        m_ws, l_ws, acc_ws,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
-        Hq, D, scale, int(window),
+        T, Hq, D, scale, int(window),
         GROUP=Hq // Hkv, PAGE_SIZE=page_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_PRECISION=DOT_PRECISION, HAS_SINKS=sinks is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(D)), KV_CHUNK=cfg.kv_chunk,
+        DOT_PRECISION=DOT_PRECISION, HAS_SINKS=sinks is not None and not parallel_chunks,
+        PARALLEL_CHUNKS=bool(parallel_chunks), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if parallel_chunks:
+        combine_chunks(m_ws, l_ws, acc_ws, out, None, sinks, 1, T, Hq, D, (0, *out.stride()), None)
     return out
 
 
