@@ -52,9 +52,10 @@ class PagedBatch:
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         write_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.invariant:
+            # max_seq_len from the host's copy (no sync): it lets a GPU run the KV chunks in parallel
             out = paged_attention(q.contiguous(), k_cache, v_cache, self.query_starts, self.seq_lens,
                                   self.block_tables, scale, max_query_len=self.max_query_len, window=window,
-                                  sinks=sinks)
+                                  sinks=sinks, max_seq_len=max(self.host_seq_lens, default=0))
             return out[None]
         return self._stock_attend(q, k_cache, v_cache, scale, window, sinks)[None]
 
