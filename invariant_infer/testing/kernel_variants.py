@@ -115,7 +115,9 @@ def _forward(model, vocab: int):
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
         # one long row: enough 64-row tiles that each per-shape config runs its K chunks in sequence
-        model(input_ids=torch.randint(0, vocab, (1, 1100)), logits_to_keep=1)
+        prefill = model(input_ids=torch.randint(0, vocab, (1, 1100)), logits_to_keep=1, use_cache=True)
+        # its decode step: few attention tiles over several KV chunks run the chunks in parallel
+        model(input_ids=torch.randint(0, vocab, (1, 1)), past_key_values=prefill.past_key_values)
 
 
 def _training(model, vocab: int):
@@ -132,7 +134,8 @@ def _engine(model, vocab: int, **options):
 
     engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=256, kv_cache_memory=64 << 20, **options)
     params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=0, logprobs=1)
-    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (9, 70)]
+    # 600 tokens: more than one KV chunk, so the decode steps run the paged chunks in parallel
+    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (9, 600)]
     return engine, engine.generate(prompts, params)
 
 
