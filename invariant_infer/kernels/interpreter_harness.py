@@ -100,9 +100,13 @@ def _dot(self, a, b, d, *args, **kwargs):
     if d.dtype.scalar != tl.float32 or not (a.dtype.scalar.is_floating() and b.dtype.scalar.is_floating()):
         return _saved["create_dot"](self, a, b, d, *args, **kwargs)
     a32, b32 = _as_fp32(a), _as_fp32(b)
-    if a32.ndim != 2:  # batched dots are not used by our kernels; keep stock behaviour
+    if a32.ndim == 3:  # batched: each batch entry as its own product
+        product = np.stack([fixed_order_dot(a32[i], b32[i]) for i in range(a32.shape[0])])
+    elif a32.ndim == 2:
+        product = fixed_order_dot(a32, b32)
+    else:
         return _saved["create_dot"](self, a, b, d, *args, **kwargs)
-    out = d.data.astype(np.float32) + fixed_order_dot(a32, b32)
+    out = d.data.astype(np.float32) + product
     return _interp.TensorHandle(out.astype(np.float32), tl.float32)
 
 
