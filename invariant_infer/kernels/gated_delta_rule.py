@@ -7,7 +7,7 @@ softplus(a + dt_bias) <= 0 and beta = sigmoid(b), the state S [dk, dv] follows
 The scan cuts each sequence into chunks of CHUNK tokens **from the sequence's first token**, and
 computes a chunk from the state at its start (the boundary state) in the WY form (gamma: the chunk's
 cumulative g; L: the strictly lower beta_i (k_i . k_j) exp(gamma_i - gamma_j); T = (I + L)^-1, by
-forward substitution in 16 x 16 diagonal blocks merged pairwise):
+forward substitution in 16 x 16 diagonal blocks merged pairwise, ``triangular_inverse``):
     w = T (beta k exp(gamma)),  u = T (beta v),  v_new = u - w S,
     o = (q exp(gamma)) S + causal(q k^T exp(gamma_i - gamma_j)) v_new,
     S' = S exp(gamma_last) + (k exp(gamma_last - gamma))^T v_new     (complete chunks only).
@@ -17,7 +17,9 @@ only its first t + 1 rows gives row t the bits the complete chunk gives it: a de
 prefill cut anywhere, is the same computation over "the rows since the boundary state". Callers keep
 each sequence's boundary state and the inputs of its unfinished chunk, and run the rows since the
 boundary again with the new ones appended (``chunk_gated_delta_rule``'s segments start at a
-boundary). The state and every accumulation are fp32.
+boundary). The state and every accumulation are fp32. The products run on tensor cores, their fp32
+operands split into bf16 parts (``split_precision_dot``): bf16x6 (fp32's accuracy) for those with v
+and for q k^T, bf16x3 for the rest, whose error the output and state damp.
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ import triton
 import triton.language as tl
 
 from .errors import InvalidArgumentError, InvalidDtypeError
-from .launch import DOT_PRECISION, launch
 from .configs import tile_device
+from .launch import launch
+from .split_precision_dot import dot_bf16x3, dot_bf16x6
+from .triangular_inverse import unit_lower_inverse
 
 CHUNK = 64  # tokens per chunk: fixed, never chosen from the batch or the sequence lengths
 SUB = 16  # the diagonal blocks of the triangular solve, inverted row by row
@@ -40,38 +44,6 @@ def _l2_normalize(x):
     return x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 
 
-@triton.jit
-def _unit_lower_inverse(lower, CHUNK: tl.constexpr, SUB: tl.constexpr, MERGES: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
-    """(I + lower)^-1 of a strictly lower [CHUNK, CHUNK] block, blocked: forward substitution inside
-    each diagonal SUB x SUB block (row i of every block at once, from the rows before it), then the
-    blocks merged pairwise, T21 = -T22 L21 T11, up to the whole chunk. Each product is a dot over the
-    whole block with exact zeros outside the triangle, so row i depends on rows 0 .. i of ``lower``
-    alone, in one order for any number of rows."""
-    r = tl.arange(0, CHUNK)
-    inverse = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    diagonal = tl.where((r[:, None] // SUB) == (r[None, :] // SUB), lower, 0.0)
-    for i in range(1, SUB):
-        rows = (r % SUB) == i
-        inverse = tl.where(rows[:, None], inverse - tl.dot(diagonal, inverse, input_precision=DOT_PRECISION), inverse)
-    if MERGES > 0:
-        inverse = _merge_blocks(lower, inverse, r, SUB, DOT_PRECISION)
-    if MERGES > 1:
-        inverse = _merge_blocks(lower, inverse, r, 2 * SUB, DOT_PRECISION)
-    tl.static_assert(MERGES <= 2, "CHUNK is at most 4 SUB blocks")
-    return inverse
-
-
-@triton.jit
-def _merge_blocks(lower, inverse, r, SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Pairs of inverted SIZE x SIZE diagonal blocks into one of 2 SIZE: its lower-left block
-    -T22 L21 T11, from dots over the whole chunk (``inverse`` is block-diagonal in SIZE blocks)."""
-    pair = (r[:, None] // (2 * SIZE)) == (r[None, :] // (2 * SIZE))
-    below = pair & ((r[:, None] // SIZE) % 2 == 1) & ((r[None, :] // SIZE) % 2 == 0)
-    corner = tl.dot(tl.where(below, lower, 0.0), inverse, input_precision=DOT_PRECISION)
-    return tl.where(below, -tl.dot(inverse, corner, input_precision=DOT_PRECISION), inverse)
-
-
 @triton.jit(do_not_specialize=["num_segments"])
 def _chunk_gated_delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr, seg_start_ptr, seg_end_ptr,
@@ -79,7 +51,6 @@ def _chunk_gated_delta_rule_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, MERGES: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     seg = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,18 +93,21 @@ def _chunk_gated_delta_rule_kernel(
         gamma = tl.cumsum(g, axis=0)
         pair = tl.where(causal, tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0)), 0.0)  # <= 1
 
+        # Products on tensor cores: bf16x6 (fp32's accuracy) where the values reach the state or the
+        # output at full weight (the products with v, and q k^T); bf16x3 where its 2^-16 is damped
+        # (measured against float64 per product: docs/how-it-works.md).
         k_beta = k * beta[:, None]
-        kk = tl.dot(k_beta, tl.trans(k), input_precision=DOT_PRECISION)
+        kk = dot_bf16x3(k_beta, tl.trans(k), tl.zeros((CHUNK, CHUNK), tl.float32))
         lower = tl.where(strictly_lower & valid[:, None] & valid[None, :], kk * pair, 0.0)
-        inverse = _unit_lower_inverse(lower, CHUNK, SUB, MERGES, DOT_PRECISION)
-        w = tl.dot(inverse, k_beta * tl.exp(gamma)[:, None], input_precision=DOT_PRECISION)
-        u = tl.dot(inverse, v * beta[:, None], input_precision=DOT_PRECISION)
-        v_new = u - tl.dot(w, state, input_precision=DOT_PRECISION)
+        inverse = unit_lower_inverse(lower, CHUNK, SUB, MERGES)
+        w = dot_bf16x3(inverse, k_beta * tl.exp(gamma)[:, None], tl.zeros((CHUNK, BLOCK_K), tl.float32))
+        u = dot_bf16x6(inverse, v * beta[:, None], tl.zeros((CHUNK, BLOCK_V), tl.float32))
+        v_new = u - dot_bf16x3(w, state, tl.zeros((CHUNK, BLOCK_V), tl.float32))
 
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = dot_bf16x6(q, tl.trans(k), tl.zeros((CHUNK, CHUNK), tl.float32))
         attend = tl.where(valid[:, None] & valid[None, :], qk * pair, 0.0)
-        out = tl.dot(q * tl.exp(gamma)[:, None], state, input_precision=DOT_PRECISION)
-        out = tl.dot(attend, v_new, out, input_precision=DOT_PRECISION)
+        out = dot_bf16x3(q * tl.exp(gamma)[:, None], state, tl.zeros((CHUNK, BLOCK_V), tl.float32))
+        out = dot_bf16x6(attend, v_new, out)
         store = valid & (rows >= out_from)
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=store[:, None] & v_mask[None, :])
@@ -141,7 +115,7 @@ def _chunk_gated_delta_rule_kernel(
         if c0 + CHUNK <= end:  # a complete chunk moves the boundary state
             last = tl.sum(tl.where(r == CHUNK - 1, gamma, 0.0), axis=0)
             k_decayed = k * tl.exp(last - gamma)[:, None]
-            state = tl.dot(tl.trans(k_decayed), v_new, state * tl.exp(last), input_precision=DOT_PRECISION)
+            state = dot_bf16x6(tl.trans(k_decayed), v_new, state * tl.exp(last))
     tl.store(state_base + state_offs, state, mask=state_mask)
 
 
@@ -183,7 +157,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
            out.stride(0), out.stride(1),
            GROUP=hv // hk, CHUNK=chunk, SUB=min(SUB, chunk), MERGES=(chunk // min(SUB, chunk)).bit_length() - 1,
-           BLOCK_K=block_k, BLOCK_V=block_v, DOT_PRECISION=DOT_PRECISION,
+           BLOCK_K=block_k, BLOCK_V=block_v,
            num_warps=NUM_WARPS, num_stages=1)
     return out
 
