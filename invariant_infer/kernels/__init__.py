@@ -8,7 +8,7 @@ from .attention import attention
 from .attention_autograd import AttentionFunction, attention_autograd
 from .causal_conv1d import causal_conv1d_silu
 from .clamped_swiglu import clamped_swiglu
-from .configs import (LINEAR_CONFIGS, AttentionBackwardConfig, AttentionConfig, LinearConfig, attention_backward_config,
+from .configs import (AttentionBackwardConfig, AttentionConfig, LinearConfig, attention_backward_config,
                       attention_config, linear_config)
 from .fused_linear_autograd import SiluMulLinearFunction, silu_mul_linear_autograd
 from .gated_delta_rule import chunk_gated_delta_rule
@@ -36,7 +36,7 @@ from .token_logprobs_autograd import TokenLogprobsFunction, token_logprobs_autog
 __all__ = [
     "AttentionConfig", "attention", "attention_config",
     "AttentionBackwardConfig", "AttentionFunction", "attention_autograd", "attention_backward_config",
-    "LINEAR_CONFIGS", "LinearConfig", "linear", "linear_config", "LinearFunction", "linear_autograd",
+    "LinearConfig", "linear", "linear_config", "LinearFunction", "linear_autograd",
     "grouped_linear", "grouped_silu_mul_linear", "moe_routing", "clamped_swiglu",
     "paged_attention", "write_kv",
     "QuantizedLinearConfig", "QuantizedWeight", "dequantize_weight", "grouped_quantized_linear", "quantize_activations",

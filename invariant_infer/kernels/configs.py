@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 from .errors import InvalidDtypeError
+from .linear_configs import (MIN_BLOCK_K, TREE_LEAVES, LinearConfig, chunk_length, gpu_linear_config,  # noqa: F401
+                             gpu_row_parallel_config, tree_leaves)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,117 +37,41 @@ def tile_target() -> TileTarget | None:
     return _tile_target[0]
 
 
-@dataclass(frozen=True)
-class LinearConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    k_chunks: int = 1   # the reduction tree: K cut into this many chunks, summed in order
-    chunk_k: int = 0    # K per chunk; 0: ceil(K / BLOCK_K / k_chunks) BLOCK_Ks (see chunk_length)
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-# (device type, dtype) -> default config. Valid on sm_80/sm_89 shared memory too:
-# (64*64 + 64*128) * 2 B * 3 stages = 72 KiB for 16-bit types.
-_DEFAULT_CONFIGS = {
-    ("cuda", torch.bfloat16): LinearConfig(64, 128, 64),
-    ("cuda", torch.float16): LinearConfig(64, 128, 64),
-    ("cuda", torch.float32): LinearConfig(64, 64, 32),
-    # Interpreter: large tiles mean fewer Python-level programs (trimmed to the weight below).
-    ("cpu", torch.bfloat16): LinearConfig(64, 512, 512),
-    ("cpu", torch.float16): LinearConfig(64, 512, 512),
-    ("cpu", torch.float32): LinearConfig(64, 512, 512),
-}
-
-# Per-weight-shape CUDA configs, keyed by (N, K), for bf16 and fp16.
-# PREDICTIONS, NOT MEASURED ON A GPU: recorded in benchmarks/results/LOG.md, to be measured with
-# benchmarks/gpu_check.sh. Rationale: at small M (one 64-row tile) the output tiles alone fill
-# few of an H100/H200's 132 SMs, so shapes with few N tiles get a fixed K-chunk tree that the
-# parallel schedule spreads over more programs. Every tile stays within 72 KiB of shared memory
-# at 3 stages for 16-bit types (sm_80/89 safe). The kernel cuts K into chunks of
-# ceil(K / BLOCK_K / k_chunks) BLOCK_Ks, so a k_chunks dividing K / BLOCK_K gives equal chunks.
-_QWEN25_1_5B = {
-    (1536, 1536): LinearConfig(64, 64, 64, k_chunks=4),    # q, o: 24 N tiles -> 96 programs at M <= 64
-    (256, 1536): LinearConfig(64, 32, 64, k_chunks=4),     # k, v: 8 N tiles -> 32 programs
-    (8960, 1536): LinearConfig(64, 128, 64, k_chunks=2),   # gate, up: 70 N tiles -> 140 programs
-    (1536, 8960): LinearConfig(64, 64, 64, k_chunks=8),    # down: 24 N tiles -> 192 programs, 18 a chunk (last: 14)
-    (151936, 1536): LinearConfig(64, 128, 64),             # lm_head: 1187 N tiles already
-}
-# Hidden 4096, 32 query / 8 KV heads of 128: q/o and k/v are the same shapes in both models,
-# so one entry serves Qwen3-8B and Llama-3.1-8B. K = 4096 is 64 BLOCK_Ks.
-_QWEN3_8B_AND_LLAMA31_8B = {
-    (4096, 4096): LinearConfig(64, 128, 64, k_chunks=4),   # q, o: 32 N tiles -> 128 programs, 16 BLOCK_Ks a chunk
-    (1024, 4096): LinearConfig(64, 64, 64, k_chunks=8),    # k, v: 16 N tiles -> 128 programs, 8 a chunk
-}
-_QWEN3_8B = {  # intermediate 12288, vocab 151936
-    (12288, 4096): LinearConfig(64, 128, 64, k_chunks=2),  # gate, up: 96 N tiles -> 192 programs, 32 a chunk
-    (4096, 12288): LinearConfig(64, 128, 64, k_chunks=4),  # down: 32 N tiles -> 128 programs, 48 a chunk
-    (151936, 4096): LinearConfig(64, 128, 64),             # lm_head: 1187 N tiles already
-}
-_LLAMA31_8B = {  # intermediate 14336, vocab 128256
-    (14336, 4096): LinearConfig(64, 128, 64, k_chunks=2),  # gate, up: 112 N tiles -> 224 programs, 32 a chunk
-    (4096, 14336): LinearConfig(64, 128, 64, k_chunks=4),  # down: 32 N tiles -> 128 programs, 56 a chunk
-    (128256, 4096): LinearConfig(64, 128, 64),             # lm_head: 1002 N tiles already
-}
-_CUDA_SHAPE_CONFIGS = {**_QWEN25_1_5B, **_QWEN3_8B_AND_LLAMA31_8B, **_QWEN3_8B, **_LLAMA31_8B}
-LINEAR_CONFIGS: dict[tuple, LinearConfig] = {
-    ("cuda", dtype, n, k): cfg
-    for dtype in (torch.bfloat16, torch.float16) for (n, k), cfg in _CUDA_SHAPE_CONFIGS.items()
-}
+# The CPU (interpreter) tiles: large tiles mean fewer Python-level programs (trimmed to the weight
+# in linear_config). One K chunk: the interpreter runs chunks in sequence anyway.
+_CPU_CONFIG = LinearConfig(64, 512, 512)
 
 
 def linear_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> LinearConfig:
-    """The one tile config used for this weight shape, whatever M is."""
+    """The one tile config used for this weight shape, whatever M is: on a GPU the rule of
+    ``linear_configs.gpu_linear_config``, a function of (dtype, N, K) alone."""
     if dtype not in SUPPORTED_DTYPES:
         raise InvalidDtypeError(f"invariant linear supports {SUPPORTED_DTYPES}, got {dtype}")
-    device_type = tile_device(device_type)
-    cfg = LINEAR_CONFIGS.get((device_type, dtype, n, k))
-    if cfg is not None:
-        return cfg
-    cfg = _DEFAULT_CONFIGS[(device_type, dtype)]
-    if device_type == "cpu":  # small test models: do not pay for tiles far wider than the weight
-        cfg = replace(cfg, block_n=min(cfg.block_n, max(16, triton.next_power_of_2(n))),
-                      block_k=min(cfg.block_k, max(16, triton.next_power_of_2(k))))
-    return cfg
+    if tile_device(device_type) != "cpu":
+        return gpu_linear_config(dtype, n, k)
+    # small test models: do not pay for tiles far wider than the weight
+    return replace(_CPU_CONFIG, block_n=min(_CPU_CONFIG.block_n, max(16, triton.next_power_of_2(n))),
+                   block_k=min(_CPU_CONFIG.block_k, max(16, triton.next_power_of_2(k))))
 
 
 # Row-parallel layers (o_proj, down_proj: tensor parallelism splits their K) reduce K as a tree of
-# up to TREE_LEAVES equal leaves, each summed in BLOCK_K steps from its own start, the leaves' fp32
-# sums added in leaf order. A TP size t dividing the leaf count gives each rank whole leaves, so
-# every TP size that divides it (and one process) computes the same tree: see tree_leaves.
-TREE_LEAVES = 8
-MIN_BLOCK_K = 16  # tl.dot's smallest K
-
-
-def tree_leaves(k: int) -> int:
-    """Leaves of the K tree for a row-parallel layer of K inputs: the most (TREE_LEAVES, 4, 2, 1)
-    such that each leaf is a whole number of MIN_BLOCK_K steps. A function of K alone."""
-    leaves = TREE_LEAVES
-    while leaves > 1 and k % (leaves * MIN_BLOCK_K):
-        leaves //= 2
-    return leaves
-
-
-def chunk_length(config: LinearConfig, k: int) -> int:
-    """The K width of each of ``config.k_chunks`` chunks (the last one may be shorter)."""
-    if config.chunk_k:
-        return config.chunk_k
-    return triton.cdiv(triton.cdiv(k, config.block_k), config.k_chunks) * config.block_k
-
-
+# up to TREE_LEAVES equal leaves, each summed from its own start, the leaves' fp32 sums added in leaf
+# order. A TP size t dividing the leaf count gives each rank whole leaves, so every TP size that
+# divides it (and one process) computes the same tree: see linear_configs.tree_leaves.
 def row_parallel_config(device_type: str, dtype: torch.dtype, n: int, k: int) -> LinearConfig:
-    """The config of a row-parallel layer: ``linear_config``'s tiles, K cut into ``tree_leaves(k)``
-    chunks (leaves), each walked in BLOCK_K steps from its own start on every rank. Fixed by the
-    shape alone. On CUDA, BLOCK_K is the largest power of two up to linear_config's that divides a
-    leaf. In the interpreter, whose cost is per step, BLOCK_K is the leaf's next power of two (up to
-    linear_config's) and a leaf's last step is masked at the leaf's end (``chunk_k``)."""
-    device_type = tile_device(device_type)
+    """The config of a row-parallel layer, fixed by the shape alone: K cut into ``tree_leaves(k)``
+    leaves (on a GPU each leaf cut further into equal chunks: ``gpu_row_parallel_config``), each
+    chunk walked in BLOCK_K steps from its own start on every rank, its last step masked at the
+    chunk's end. In the interpreter, whose cost is per step, BLOCK_K is the leaf's next power of two
+    (up to linear_config's) and a chunk is one leaf."""
+    if tile_device(device_type) != "cpu":
+        if dtype not in SUPPORTED_DTYPES:
+            raise InvalidDtypeError(f"invariant linear supports {SUPPORTED_DTYPES}, got {dtype}")
+        return gpu_row_parallel_config(dtype, n, k)
     base = linear_config(device_type, dtype, n, k)
     leaves = tree_leaves(k)
     leaf = k // leaves
-    if device_type == "cpu" and leaves > 1:
+    if leaves > 1:
         return replace(base, block_k=min(base.block_k, triton.next_power_of_2(leaf)), k_chunks=leaves, chunk_k=leaf)
     block_k = base.block_k
     while block_k > MIN_BLOCK_K and leaf % block_k:

@@ -3,14 +3,25 @@
 ``silu_mul_linear`` computes silu(gate) * up as the down projection loads its input. The
 prologue computes exactly the values the standalone kernel would write, so fusing saves the
 [tokens x intermediate] round trip through memory without changing a bit, and stays
-batch-invariant.
+batch-invariant. Fusing is therefore a schedule choice (``prologue_pays``): every N tile of the
+output recomputes the prologue over its rows' whole K, which pays at small M (one row tile: a
+launch and a round trip saved, the weight's bytes dominate) and not at large M, where the down
+projection's N tiles (12 at N = 1536) would each redo it; there silu_mul runs once, then linear.
 """
 from __future__ import annotations
 
 import torch
 
+from .configs import linear_config, tile_device
 from .linear import PROLOGUE_SILU_MUL, LinearConfig, _check_operands, launch_linear
+from .silu_mul import silu_mul
 from .errors import InvalidArgumentError
+
+
+def prologue_pays(device: torch.device, m: int, config: LinearConfig) -> bool:
+    """The schedule (never the arithmetic): fuse silu_mul into the projection's prologue when M is
+    one row tile, run it once beforehand otherwise. The interpreter always fuses (fewer launches)."""
+    return tile_device(device.type) == "cpu" or m <= config.block_m
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -31,10 +42,18 @@ def _gate_up_rows(gate, up, weight, bias):
 
 
 def silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: LinearConfig | None = None, parallel_chunks: bool | None = None) -> torch.Tensor:
-    """linear(silu_mul(gate, up), weight, bias), bitwise, without writing silu_mul's output."""
+                    config: LinearConfig | None = None, parallel_chunks: bool | None = None,
+                    fused: bool | None = None) -> torch.Tensor:
+    """linear(silu_mul(gate, up), weight, bias), bitwise; fused (without writing silu_mul's output)
+    where ``prologue_pays``. ``fused`` and ``parallel_chunks`` force a schedule (tests)."""
     g2, u2 = _gate_up_rows(gate, up, weight, bias)
-    y = launch_linear(g2, weight, bias, config, PROLOGUE_SILU_MUL, up=u2, parallel_chunks=parallel_chunks)
+    config = config or linear_config(g2.device.type, g2.dtype, *weight.shape)
+    if fused is None:
+        fused = prologue_pays(g2.device, g2.shape[0], config)
+    if fused:
+        y = launch_linear(g2, weight, bias, config, PROLOGUE_SILU_MUL, up=u2, parallel_chunks=parallel_chunks)
+    else:
+        y = launch_linear(silu_mul(g2, u2), weight, bias, config, parallel_chunks=parallel_chunks)
     return y.reshape(*gate.shape[:-1], weight.shape[0])
 
 

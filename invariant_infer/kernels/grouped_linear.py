@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .configs import LinearConfig, chunk_length, linear_config
 from .launch import DOT_PRECISION, launch
-from .linear import PROLOGUE_NONE, PROLOGUE_SILU_MUL, _k_tree_dot
+from .linear import PROLOGUE_NONE, PROLOGUE_SILU_MUL, _k_tree_dot, pipeline_stages
 from .errors import InvalidArgumentError, InvalidDtypeError, UnsupportedOperationError
 
 
@@ -122,7 +122,7 @@ def launch_grouped_linear(x, up, weight, offsets, bias, prologue, config: Linear
         HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, PROLOGUE=int(prologue),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=triton.next_power_of_2(experts),
         DOT_PRECISION=DOT_PRECISION,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, prologue, x.element_size()),
     )
     return y
 

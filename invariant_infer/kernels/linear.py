@@ -7,7 +7,10 @@ chunk sums are added in chunk order. That reduction tree can run on two schedule
 same bits:
   * sequential: one program walks all chunks, adding each chunk's sum into its total;
   * parallel (split-K): one program per chunk writes fp32 partials, and a combine kernel adds
-    them in chunk order.
+    them in chunk order (``sum_partials``).
+The sequential schedule walks every BLOCK_K step of every chunk in one loop, flushing each chunk's
+sum into the total at the chunk's last step (``flush_chunk``), so the software pipeline never
+restarts at a chunk boundary.
 Only the schedule may depend on M (parallel chunks fill the GPU when M is small); the
 arithmetic never does.
 """
@@ -52,15 +55,15 @@ def _linear_kernel(
 
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * N can pass 2**31 (logits)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PARALLEL_CHUNKS:
-        first_chunk = pid_k
-        last_chunk = pid_k + 1
+    if PARALLEL_CHUNKS:  # this program's chunk alone, summed from zero: one accumulator
+        k_begin = pid_k * CHUNK_K
+        acc = _chunk_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr, up_ptr, w_ptr, offs_m, offs_n,
+                         tl.arange(0, BLOCK_K), k_begin, tl.minimum(K, k_begin + CHUNK_K), M, N,
+                         stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
     else:
-        first_chunk = 0
-        last_chunk = K_CHUNKS
-    acc = _k_tree_dot(x_ptr, up_ptr, w_ptr, offs_m, offs_n, first_chunk, last_chunk, M, N, K, CHUNK_K,
-                      stride_xm, stride_xk, stride_wn, stride_wk, K_CHUNKS, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K,
-                      DOT_PRECISION)
+        acc = _k_tree_dot(x_ptr, up_ptr, w_ptr, offs_m, offs_n, 0, K_CHUNKS, M, N, K, CHUNK_K,
+                          stride_xm, stride_xk, stride_wn, stride_wk, K_CHUNKS, PROLOGUE, BLOCK_M, BLOCK_N, BLOCK_K,
+                          DOT_PRECISION)
 
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
@@ -78,23 +81,42 @@ def _k_tree_dot(x_ptr, up_ptr, w_ptr, offs_m, offs_n, first_chunk, last_chunk, M
                 K_CHUNKS: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The fp32 [BLOCK_M, BLOCK_N] sum over chunks first_chunk..last_chunk-1 of the K-chunk tree:
-    the reduction order of one output tile, shared by every kernel that must give linear's bits."""
+    the reduction order of one output tile, shared by every kernel that must give linear's bits.
+
+    Chunk c covers K range [c * CHUNK_K, min(K, (c + 1) * CHUNK_K)) (configs.chunk_length), walked
+    in BLOCK_K steps from its start, its last step masked at its end. One loop walks every step of
+    every chunk (the software pipeline never restarts): each chunk is summed from zero into
+    ``part``, flushed into the total on the chunk's last step (``flush_chunk``)."""
     offs_k = tl.arange(0, BLOCK_K)
-    # Chunk c covers K range [c * CHUNK_K, (c + 1) * CHUNK_K): fixed by the config and K only
-    # (configs.chunk_length).
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for chunk in range(first_chunk, last_chunk):
+    if K_CHUNKS == 1:
+        return _chunk_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr, up_ptr, w_ptr, offs_m, offs_n,
+                          offs_k, 0, K, M, N, stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K,
+                          DOT_PRECISION)
+    steps_per_chunk = (CHUNK_K + BLOCK_K - 1) // BLOCK_K
+    last_begin = (last_chunk - 1) * CHUNK_K  # the last chunk may be shorter, or empty past K
+    last_steps = (tl.maximum(tl.minimum(K, last_begin + CHUNK_K) - last_begin, 0) + BLOCK_K - 1) // BLOCK_K
+    first_step = first_chunk * steps_per_chunk
+    end_step = (last_chunk - 1) * steps_per_chunk + tl.maximum(last_steps, 1)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first_step, end_step):
+        chunk = step // steps_per_chunk
+        within = step - chunk * steps_per_chunk
         k_begin = chunk * CHUNK_K
         k_end = tl.minimum(K, k_begin + CHUNK_K)
-        if K_CHUNKS == 1:
-            acc = _chunk_dot(acc, x_ptr, up_ptr, w_ptr, offs_m, offs_n, offs_k, k_begin, k_end,
-                             M, N, stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
-        else:  # a chunk is summed from zero, then added to the total in chunk order
-            part = _chunk_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr, up_ptr, w_ptr,
-                              offs_m, offs_n, offs_k, k_begin, k_end, M, N,
-                              stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
-            acc += part
-    return acc
+        part = _step_dot(part, x_ptr, up_ptr, w_ptr, offs_m, offs_n, offs_k, k_begin + within * BLOCK_K, k_end,
+                         M, N, stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
+        # the chunk's last step: a full chunk's, the last real one of a short chunk, or the loop's
+        last = (within == steps_per_chunk - 1) | (k_begin + (within + 1) * BLOCK_K >= k_end) | (step == end_step - 1)
+        total, part = flush_chunk(total, part, last)
+    return total
+
+
+@triton.jit
+def flush_chunk(total, part, last):
+    """(total + part, 0) on a chunk's last step, else (total, part): the one merge of a chunk's fp32
+    sum into the K tree's total, branch-free, shared by every GEMM that walks a chunk tree."""
+    return tl.where(last, total + part, total), tl.where(last, 0.0, part)
 
 
 @triton.jit
@@ -103,34 +125,52 @@ def _chunk_dot(acc, x_ptr, up_ptr, w_ptr, offs_m, offs_n, offs_k, k_begin, k_end
                PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + x[:, k_begin:k_end] @ w[:, k_begin:k_end]^T, k in order, with the x prologue applied."""
     for k0 in range(k_begin, k_end, BLOCK_K):
-        ks = k0 + offs_k
-        x_offs = offs_m[:, None] * stride_xm + ks[None, :] * stride_xk
-        x_mask = (offs_m[:, None] < M) & (ks[None, :] < k_end)
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-        if PROLOGUE == PROLOGUE_SILU_MUL:  # x is gate: silu(gate) rounded, times up, rounded (as silu_mul)
-            up = tl.load(up_ptr + x_offs, mask=x_mask, other=0.0)
-            g = x.to(tl.float32)
-            x = (rounded_silu(g, x_ptr.dtype.element_ty) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
-                    mask=(offs_n[None, :] < N) & (ks[:, None] < k_end), other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        acc = _step_dot(acc, x_ptr, up_ptr, w_ptr, offs_m, offs_n, offs_k, k0, k_end, M, N,
+                        stride_xm, stride_xk, stride_wn, stride_wk, PROLOGUE, BLOCK_K, DOT_PRECISION)
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
+def _step_dot(acc, x_ptr, up_ptr, w_ptr, offs_m, offs_n, offs_k, k0, k_end, M, N,
+              stride_xm, stride_xk, stride_wn, stride_wk,
+              PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + the BLOCK_K step at k0 (masked at k_end), with the x prologue applied."""
+    ks = k0 + offs_k
+    x_offs = offs_m[:, None] * stride_xm + ks[None, :] * stride_xk
+    x_mask = (offs_m[:, None] < M) & (ks[None, :] < k_end)
+    x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+    if PROLOGUE == PROLOGUE_SILU_MUL:  # x is gate: silu(gate) rounded, times up, rounded (as silu_mul)
+        up = tl.load(up_ptr + x_offs, mask=x_mask, other=0.0)
+        g = x.to(tl.float32)
+        x = (rounded_silu(g, x_ptr.dtype.element_ty) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
+                mask=(offs_n[None, :] < N) & (ks[:, None] < k_end), other=0.0)
+    return tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["M", "K_CHUNKS"])
 def _chunk_combine_kernel(
-    part_ptr, b_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym,
-    HAS_BIAS: tl.constexpr, K_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    part_ptr, b_ptr, y_ptr, M, N, K_CHUNKS, stride_ps, stride_pm, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < N
-    acc = tl.load(part_ptr + row * stride_pm + offs_n, mask=mask, other=0.0)
-    for s in tl.static_range(1, K_CHUNKS):  # always chunk 0, 1, 2, ... in that order
-        acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + offs_n, mask=mask, other=0.0)
+    acc = sum_partials(part_ptr + row * stride_pm, offs_n, mask, stride_ps, K_CHUNKS)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sum_partials(part_ptr, offs_n, mask, stride_ps, K_CHUNKS):
+    """The fp32 chunk sums of one output row added in chunk order from zero: the total the
+    sequential schedule's ``flush_chunk`` builds, shared by every combine of a K tree. The chunk
+    count is a runtime value: one compiled combine serves every weight shape."""
+    total = tl.zeros((offs_n.shape[0],), dtype=tl.float32)
+    for s in range(0, K_CHUNKS):  # always chunk 0, 1, 2, ... in that order
+        total += tl.load(part_ptr + s * stride_ps + offs_n, mask=mask, other=0.0)
+    return total
 
 
 def _check_operands(x, weight, bias):
@@ -141,6 +181,18 @@ def _check_operands(x, weight, bias):
         raise InvalidArgumentError(f"linear: x on {x.device} but weight on {weight.device}")
     if x.shape[-1] != weight.shape[1]:
         raise InvalidArgumentError(f"linear: x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
+
+
+SHARED_MEMORY_BUDGET = 96 * 1024  # per block: sm_89's 99 KiB, less room for the epilogue
+
+
+def pipeline_stages(cfg: LinearConfig, prologue, itemsize: int) -> int:
+    """The software pipeline's depth for a launch: the config's, fewer where the silu prologue's
+    up tile (one beside each x tile) would pass SHARED_MEMORY_BUDGET. A schedule choice: the
+    stages prefetch tiles, the K steps are summed in the same order."""
+    x_tiles = 2 if int(prologue) == int(PROLOGUE_SILU_MUL) else 1
+    per_stage = (x_tiles * cfg.block_m + cfg.block_n) * cfg.block_k * itemsize
+    return max(1, min(cfg.num_stages, SHARED_MEMORY_BUDGET // per_stage))
 
 
 def parallel_chunks_pays(device: torch.device, m: int, n: int, cfg: LinearConfig) -> bool:
@@ -197,7 +249,7 @@ def launch_linear(x2, weight, bias, config, prologue=PROLOGUE_NONE, up=None,
         HAS_BIAS=has_bias, K_CHUNKS=cfg.k_chunks, PARALLEL_CHUNKS=parallel_chunks, PROLOGUE=int(prologue),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=DOT_PRECISION,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, prologue, x2.element_size()),
     )
     if partials:
         return out
@@ -210,8 +262,8 @@ def _combine(parts, bias, y):
     m, n = y.shape
     block_n = 1024
     launch(_chunk_combine_kernel, (m, triton.cdiv(n, block_n)), parts.device,
-           parts, parts if bias is None else bias, y, m, n, parts.stride(0), parts.stride(1), y.stride(0),
-           HAS_BIAS=bias is not None, K_CHUNKS=parts.shape[0], BLOCK_N=block_n)
+           parts, parts if bias is None else bias, y, m, n, parts.shape[0], parts.stride(0), parts.stride(1),
+           y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n)
 
 
 def combine_partials(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

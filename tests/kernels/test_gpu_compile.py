@@ -16,7 +16,7 @@ import torch
 
 import invariant_infer.kernels  # noqa: F401  (loads the kernel modules)
 from helpers.kernel_compile import compile_for, reduction_layouts
-from invariant_infer.kernels import LINEAR_CONFIGS, attention_config
+from invariant_infer.kernels import attention_config, linear_config
 
 configs_mod = sys.modules["invariant_infer.kernels.configs"]
 launch_mod = sys.modules["invariant_infer.kernels.launch"]
@@ -111,14 +111,18 @@ def test_a_variable_set_after_import_is_refused_at_the_next_launch(monkeypatch):
         launch_mod.launch(Kernel(), (1,), torch.device("cuda"), 1)
 
 
+_WORKSPACE = {"m_ws_ptr": "*fp32", "l_ws_ptr": "*fp32", "acc_ws_ptr": "*fp32"}  # split-KV chunk states
+
+
 def _alignment_cases():
     bf16 = {"ptr": "*bf16"}
     yield "linear", linear_mod._linear_kernel, bf16, dict(
         HAS_BIAS=True, K_CHUNKS=2, PARALLEL_CHUNKS=False, PROLOGUE=linear_mod.PROLOGUE_SILU_MUL, BLOCK_M=64,
         BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT_PRECISION=DOT_PRECISION), 4, 3
     yield "attention", attention_mod._attention_kernel, {
-        **bf16, "kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32", "scale": "fp32"}, dict(
-        GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, DOT_PRECISION=DOT_PRECISION, STORE_LSE=False), 4, 2
+        **bf16, "kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32", "scale": "fp32",
+        **_WORKSPACE}, dict(
+        GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, KV_CHUNK=512, DOT_PRECISION=DOT_PRECISION, STORE_LSE=False), 4, 2
     yield "rms_norm", rms_mod._rms_norm_kernel, {**bf16, "eps": "fp32"}, dict(BLOCK_ROWS=1, BLOCK_N=2048), 4, 3
 
 
@@ -152,15 +156,20 @@ def test_reduction_rows_depend_on_width_alone(make_view, copied):
     assert rows.stride() == (view.shape[1], 1) and rows.data_ptr() % 16 == 0
 
 
+# Weight shapes whose rule configs cover every tile the rule picks: 128 x 128 with and without
+# K chunks, and the narrower tiles of Qwen2.5-1.5B's k/v (N = 256) and of a 512-wide k/v.
+_RULE_SHAPES = [(151936, 1536), (1536, 1536), (256, 1536), (512, 3584)]
+
+
 def _linear_cases():
-    """(arch, dtype, config, parallel schedule, prologue): the fp16 and fp32 default configs on every
-    arch, with the prologue on sm_90; every distinct per-shape config in fp16 on sm_90."""
+    """(arch, dtype, config, parallel schedule, prologue): the fp16 and fp32 configs of a wide
+    shape on every arch, with the prologue on sm_90; every distinct rule config in fp16 on sm_90."""
     for dtype in OTHER_DTYPES:
-        default = configs_mod._DEFAULT_CONFIGS[("cuda", dtype)]
+        default = linear_config("cuda", dtype, *_RULE_SHAPES[0])
         for arch in ARCHS:
             yield arch, dtype, default, False, linear_mod.PROLOGUE_NONE
         yield 90, dtype, default, False, linear_mod.PROLOGUE_SILU_MUL
-    shape_configs = {cfg for (device, _, _, _), cfg in LINEAR_CONFIGS.items() if device == "cuda"}
+    shape_configs = {linear_config("cuda", torch.float16, n, k) for n, k in _RULE_SHAPES}
     for cfg in sorted(shape_configs, key=str):
         yield 90, torch.float16, cfg, cfg.k_chunks > 1, linear_mod.PROLOGUE_NONE
 
@@ -177,7 +186,7 @@ def test_linear_compiles(arch, dtype, cfg, parallel, prologue):
                 cfg.num_warps, cfg.num_stages)
     if parallel:
         compile_for(linear_mod._chunk_combine_kernel, arch, {"ptr": f"*{dt}", "part_ptr": "*fp32"},
-                    dict(HAS_BIAS=True, K_CHUNKS=cfg.k_chunks, BLOCK_N=1024))
+                    dict(HAS_BIAS=True, BLOCK_N=1024))
 
 
 @pytest.mark.fast_cells(2)
@@ -188,8 +197,8 @@ def test_attention_compiles(arch, dtype, head_dim):
     cfg = attention_config("cuda", dtype, head_dim)
     compile_for(attention_mod._attention_kernel, arch,
                 {"ptr": f"*{TL_DTYPE[dtype]}", "kv_start_ptr": "*i32", "kv_end_ptr": "*i32", "q_start_ptr": "*i32",
-                 "scale": "fp32"},
-                dict(GROUP=6, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim,
+                 "scale": "fp32", **_WORKSPACE},
+                dict(GROUP=6, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, KV_CHUNK=cfg.kv_chunk,
                      DOT_PRECISION=DOT_PRECISION, STORE_LSE=False),
                 cfg.num_warps, cfg.num_stages)
 
@@ -201,9 +210,9 @@ def test_paged_attention_compiles(dtype):
     cfg = attention_config("cuda", dtype, head_dim)
     compile_for(paged_mod._paged_attention_kernel, 90,
                 {"ptr": f"*{TL_DTYPE[dtype]}", "query_starts_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "block_tables_ptr": "*i32", "scale": "fp32"},
+                 "block_tables_ptr": "*i32", "scale": "fp32", **_WORKSPACE},
                 dict(GROUP=6, PAGE_SIZE=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim,
-                     DOT_PRECISION=DOT_PRECISION),
+                     KV_CHUNK=cfg.kv_chunk, DOT_PRECISION=DOT_PRECISION),
                 cfg.num_warps, cfg.num_stages)
 
 
@@ -243,7 +252,7 @@ def test_linear_attention_kernels_compile(arch, dtype):
                 {"ptr": dt, "state_ptr": "*fp32", "seg_start_ptr": "*i32", "seg_end_ptr": "*i32",
                  "out_from_ptr": "*i32", "a_log_ptr": "*fp32", "dt_bias_ptr": dt, "scale": "fp32"},
                 dict(GROUP=2, CHUNK=gdn_mod.CHUNK, SUB=gdn_mod.SUB, MERGES=2, BLOCK_K=128,
-                     BLOCK_V=gdn_mod.launch_block_v(torch.device("cuda"), 128), DOT_PRECISION=DOT_PRECISION),
+                     BLOCK_V=gdn_mod.launch_block_v(torch.device("cuda"), 128)),
                 gdn_mod.NUM_WARPS, 1)
     compile_for(conv_mod._causal_conv1d_silu_kernel, arch,
                 {"ptr": dt, "seg_start_ptr": "*i32", "seg_end_ptr": "*i32", "out_from_ptr": "*i32"},

@@ -4,7 +4,8 @@ import torch
 
 from helpers.controls import m_dependent_linear
 from helpers.models import DEVICES, DTYPES
-from invariant_infer.kernels import LINEAR_CONFIGS, LinearConfig, linear, linear_config
+from invariant_infer.kernels import LinearConfig, linear, linear_config
+from invariant_infer.kernels.configs import row_parallel_config
 
 # Max relative error (|y - ref|.max / |ref|.max) against float64: bf16 / fp16 outputs are rounded
 # to 8 / 11 bits; fp32 accumulates in fp32 (IEEE, no TF32).
@@ -96,7 +97,7 @@ def test_n_slice_of_the_weights_keeps_every_bit():
     only, not on N: the outputs of a slice of the weight rows are bitwise those columns of the full
     product. The real-width tests below rely on this to run two N tiles of the real weights."""
     n, k = 256, 1536  # Qwen2.5-1.5B's k/v projection, in full
-    cfg = LINEAR_CONFIGS[("cuda", torch.bfloat16, n, k)]
+    cfg = linear_config("cuda", torch.bfloat16, n, k)
     w, b = _weights(n, k, torch.bfloat16, "cpu")
     x = torch.randn(5, k).bfloat16()
     full = linear(x, w, b, config=cfg, parallel_chunks=True)
@@ -105,13 +106,14 @@ def test_n_slice_of_the_weights_keeps_every_bit():
         assert torch.equal(linear(x, w[rows], b[rows], config=cfg, parallel_chunks=True), full[:, rows])
 
 
-@pytest.mark.parametrize("shape", [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)])
-def test_gpu_shape_table_is_invariant_in_the_interpreter(shape):
-    """The CUDA per-weight-shape configs, run through the interpreter on two N tiles of weights of
-    the real shape (the real K, so the real reduction order): both schedules give the same bits,
-    rows equal alone and in a batch, and accuracy holds."""
+@pytest.mark.parametrize("shape, row", [((1536, 1536), False), ((256, 1536), False), ((8960, 1536), False),
+                                        ((1536, 8960), True), ((1536, 1536), True)])
+def test_gpu_rule_configs_are_invariant_in_the_interpreter(shape, row):
+    """The GPU rule's configs (``linear_config`` / ``row_parallel_config`` on CUDA), run through the
+    interpreter on two N tiles of weights of the real shape (the real K, so the real reduction
+    order): both schedules give the same bits, rows equal alone and in a batch, and accuracy holds."""
     n, k = shape
-    cfg = LINEAR_CONFIGS[("cuda", torch.bfloat16, n, k)]
+    cfg = (row_parallel_config if row else linear_config)("cuda", torch.bfloat16, n, k)
     w, b = _weights(n, k, torch.bfloat16, "cpu")
     w, b = w[:2 * cfg.block_n], b[:2 * cfg.block_n]
     x = torch.randn(5, k).bfloat16()
