@@ -4,8 +4,8 @@ The quantized twin of ``grouped_linear``: x [T, K] holds the rows routed to the 
 expert (rows offsets[e]:offsets[e+1] are expert e's), and a stacked ``QuantizedWeight`` holds
 every expert's compressed weight ([E, N, K] fp8/int8 or packed, scales [E, ...]). A program
 computes one (expert, row tile, N tile) with ``quantized_linear``'s own K loop
-(``_quantized_dot``) and tile config, so a row's bits never depend on how many rows its expert
-got or on the other experts' rows. Activations quantized per token (``quantize_activations``)
+(``_quantized_dot``) and tile config (its K chunks in sequence), so a row's bits never depend on
+how many rows its expert got or on the other experts' rows. Activations quantized per token (``quantize_activations``)
 are sorted with their rows; a per-tensor activation scale over all routed rows, the batch-variant
 bug of stock fused-MoE FP8, has no place here.
 """
@@ -24,10 +24,10 @@ from .errors import InvalidArgumentError
 
 @triton.jit
 def _grouped_quantized_linear_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, y_ptr, offsets_ptr, N, K, E,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, y_ptr, offsets_ptr, N, K, E, CHUNK_K,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, stride_ym,
     FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
-    HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr, GROUPED: tl.constexpr, K_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -39,9 +39,9 @@ def _grouped_quantized_linear_kernel(
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _quantized_dot(x_ptr + row_begin * stride_xm, xs_ptr + row_begin * stride_xsm, w_ptr + e * stride_we,
-                             ws_ptr + e * stride_se, zp_ptr + e * stride_ze, offs_m, offs_n, M, N, K, 0, K,
+                             ws_ptr + e * stride_se, zp_ptr + e * stride_ze, offs_m, offs_n, M, N, K, 0, K, CHUNK_K,
                              stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
-                             FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT, GROUPED,
+                             FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT, GROUPED, K_CHUNKS, True,
                              BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         y_ptrs = y_ptr + (row_begin + offs_m)[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -90,10 +90,10 @@ def grouped_quantized_linear(x: torch.Tensor, weight: QuantizedWeight, expert_of
     zp = weight.zero_point if weight.zero_point is not None else weight.scale
     stride_ze, stride_zn = (zp.stride(0), zp.stride(1)) if weight.zero_point is not None else (0, 0)
     launch(_grouped_quantized_linear_kernel, (grid_slots(rows, experts, cfg.block_m), triton.cdiv(n, cfg.block_n)),
-           x.device, x, xs, weight.data, weight.scale, zp, y, expert_offsets, n, k, experts,
+           x.device, x, xs, weight.data, weight.scale, zp, y, expert_offsets, n, k, experts, cfg.chunk_k,
            x.stride(0), xs.stride(0), weight.data.stride(0), weight.data.stride(1), weight.scale.stride(0),
            weight.scale.stride(1), stride_ze, stride_zn, y.stride(0),
-           **launch_args(weight), ACT_QUANT=act_quant, GROUPED=weight.scale_group_k < k,
+           **launch_args(weight), ACT_QUANT=act_quant, GROUPED=weight.scale_group_k < k, K_CHUNKS=cfg.k_chunks,
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=triton.next_power_of_2(experts),
            DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -2,17 +2,13 @@
 
 The weight stays in its checkpoint format; each K tile is loaded and dequantized inside the K
 loop, and every output element is reduced over K in one order fixed by the weight's shape and
-format (one tile config per weight, never chosen by M; no split-K, no atomics).
+format (one tile config per weight, never chosen by M; no atomics). On a GPU, K is cut into
+chunks of whole scale groups by linear's rule (``linear_configs.chunk_steps``): each chunk summed
+from zero, the chunk sums added in chunk order (the same ``flush_chunk`` / ``sum_partials`` as
+linear), then the per-channel and per-token scales. The chunks run in sequence in one program, or
+in parallel (split-K) at small M with a combine kernel: the same bits.
 
-Weight formats (``QuantizedWeight.format``):
-  * ``"fp8"``: float8_e4m3fn [N, K], fp32/bf16/fp16 scales per output channel [N, 1] or per
-    128x128 block [ceil(N/128), ceil(K/128)];
-  * ``"int8"``: int8 [N, K], scales per output channel [N, 1];
-  * ``"packed"``: 4- or 8-bit integers packed along K into int32 [N, K * bits / 32] (element k of
-    a row at bits (k % (32/bits)) * bits of word k // (32/bits), stored + 2**(bits-1)), scales
-    per group of ``group_size`` along K [N, K / group_size]; asymmetric weights add zero points
-    per group, packed the same way along N (compressed-tensors' layout) [N * bits / 32, K / group_size],
-    and dequantize as ``(q - zero_point) * scale``.
+Weight formats: ``quantized_weight.QuantizedWeight``.
 
 Activations:
   * bf16/fp16 (weight-only, W4A16/W8A16): the weight tile is dequantized to the activation dtype,
@@ -34,7 +30,6 @@ loop, their fp32 sums added in chunk order by ``linear.combine_partials``, which
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -42,72 +37,13 @@ import triton.language as tl
 
 from .fp8_support import check_fp8_device
 from .launch import DOT_PRECISION, launch
-from .configs import tile_device
+from .linear import flush_chunk, parallel_chunks_pays, sum_partials
+from .quantized_weight import BLOCK, QuantizedLinearConfig, QuantizedWeight, quantized_linear_config
 from .errors import InvalidArgumentError, InvalidDtypeError
 
-WEIGHT_FORMATS = ("fp8", "int8", "packed")
 _FORMAT_CODE = {"fp8": 0, "int8": 1, "packed": 2}
-BLOCK = 128  # the block formats' 128x128 weight blocks and 128-wide activation groups
 # BLOCK as the kernels read it: compiled Triton reads only constexpr globals (the interpreter reads any).
 ACTIVATION_GROUP = tl.constexpr(BLOCK)
-
-
-@dataclass(frozen=True)
-class QuantizedWeight:
-    """A weight kept compressed: ``data`` in ``format``, ``scale`` per channel, group or block."""
-    format: str
-    data: torch.Tensor
-    scale: torch.Tensor
-    shape: tuple[int, int]          # (N, K) of the dense weight
-    bits: int = 8                   # packed only: 4 or 8
-    group_size: int | None = None   # packed: the scale group along K; None for per channel
-    block: bool = False             # fp8 only: 128x128 block scales
-    zero_point: torch.Tensor | None = None  # packed only: int32, packed along N like the values
-
-    def __post_init__(self):
-        if self.format not in WEIGHT_FORMATS:
-            raise InvalidArgumentError(f"weight format must be one of {WEIGHT_FORMATS}, got {self.format!r}")
-        if self.zero_point is not None and self.format != "packed":
-            raise InvalidArgumentError(f"zero points are for packed weights, not {self.format}")
-
-    @property
-    def experts(self) -> int | None:
-        """How many experts' weights the tensors stack ([E, ...]); None for one weight."""
-        return self.data.shape[0] if self.data.dim() == 3 else None
-
-    def expert(self, index: int) -> QuantizedWeight:
-        """Expert ``index``'s weight of a stacked one: views of its tensors."""
-        zero_point = None if self.zero_point is None else self.zero_point[index]
-        return replace(self, data=self.data[index], scale=self.scale[index], zero_point=zero_point)
-
-    @property
-    def scale_group_k(self) -> int:
-        """How many consecutive k share one scale column."""
-        if self.block:
-            return BLOCK
-        return self.group_size or self.shape[1]
-
-
-@dataclass(frozen=True)
-class QuantizedLinearConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def quantized_linear_config(device_type: str, weight: QuantizedWeight) -> QuantizedLinearConfig:
-    """One tile config per (device type, weight shape and format), never per M. BLOCK_K divides
-    the scale group so a K tile never straddles two scales."""
-    n, k = weight.shape
-    group = weight.scale_group_k
-    block_k = min(BLOCK, group) if group < k else BLOCK
-    if group < k and (group & (group - 1) or group < 16):
-        raise InvalidArgumentError(f"scale groups along K must be a power of two >= 16, got {group}")
-    if tile_device(device_type) == "cpu":  # interpreter: large tiles mean fewer Python-level programs
-        return QuantizedLinearConfig(64, min(256, max(16, triton.next_power_of_2(n))), block_k)
-    return QuantizedLinearConfig(64, 128, block_k)
 
 
 @triton.jit
@@ -163,18 +99,24 @@ def _dequantized_tile(w_ptr, ws_ptr, zp_ptr, offs_n, k0, N, K, stride_wn, stride
 
 
 @triton.jit
-def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K, K_BEGIN, K_END,
+def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K, K_BEGIN, K_END, CHUNK_K,
                    stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
                    FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr,
                    SCALE_GROUP_N: tl.constexpr, HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr,
-                   GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUPED: tl.constexpr, K_CHUNKS: tl.constexpr, APPLY_SCALES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """The fp32 [BLOCK_M, BLOCK_N] tile of ``x[:, K_BEGIN:K_END] @ dequant(W)[:, K_BEGIN:K_END]^T``
-    at (offs_m, offs_n), scales applied: the K loop every quantized GEMM here runs, one order for
-    any M. ``GROUPED``: the scales go per K group or block, applied to each K tile."""
+    at (offs_m, offs_n): the K loop every quantized GEMM here runs, one order for any M.
+    ``GROUPED``: the scales go per K group or block, applied to each K tile. ``K_CHUNKS`` > 1: K is
+    a tree of chunks of CHUNK_K (a multiple of BLOCK_K) from K_BEGIN, each summed from zero (int8:
+    exactly, in int32, then converted) and flushed into the total at its last tile, in one loop.
+    ``APPLY_SCALES``: the per-token and per-channel scales (not grouped) multiply the total here;
+    a split-K partial leaves them to the combine."""
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     grouped = GROUPED
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(K_BEGIN, K_END, BLOCK_K):
@@ -183,7 +125,7 @@ def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K
                     mask=m_mask[:, None] & (ks[None, :] < K_END), other=0.0)
         if ACT_QUANT:
             w = _weight_tile(w_ptr, offs_n, k0, N, K_END, stride_wn, FORMAT, BITS, BLOCK_K)
-            if FORMAT == 1:  # int8: exact int32 sums over all of K
+            if FORMAT == 1:  # int8: exact int32 sums over the chunk (all of K with one chunk)
                 iacc = tl.dot(x, w, iacc, out_dtype=tl.int32)  # stated: Triton < 3.7 defaults to fp32
             else:  # fp8: the tile's partial sum from zero, promoted once per K tile
                 part = tl.dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
@@ -198,22 +140,29 @@ def _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K
                                   SCALE_GROUP_K, SCALE_GROUP_N, FORMAT, BITS, HAS_ZP,
                                   BLOCK_K).to(x_ptr.dtype.element_ty)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    if ACT_QUANT:
-        if FORMAT == 1:
-            acc = iacc.to(tl.float32)
+        if K_CHUNKS > 1:
+            last = ((k0 + BLOCK_K - K_BEGIN) % CHUNK_K == 0) | (k0 + BLOCK_K >= K_END)
+            if ACT_QUANT and FORMAT == 1:
+                total, _ = flush_chunk(total, iacc.to(tl.float32), last)
+                iacc = tl.where(last, 0, iacc)
+            else:
+                total, acc = flush_chunk(total, acc, last)
+    if K_CHUNKS == 1:
+        total = iacc.to(tl.float32) if ACT_QUANT and FORMAT == 1 else acc
+    if ACT_QUANT and APPLY_SCALES:
         if not grouped:  # per token x per channel, once, after the K loop
             xs = tl.load(xs_ptr + offs_m * stride_xsm, mask=m_mask, other=0.0)
             ws = tl.load(ws_ptr + (offs_n // SCALE_GROUP_N) * stride_sn, mask=offs_n < N, other=0.0).to(tl.float32)
-            acc = (acc * xs[:, None]) * ws[None, :]
-    return acc
+            total = (total * xs[:, None]) * ws[None, :]
+    return total
 
 
 @triton.jit(do_not_specialize=["M"])
 def _quantized_linear_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, b_ptr, y_ptr, M, N, K,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, b_ptr, y_ptr, M, N, K, CHUNK_K,
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn, stride_ym,
     FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
-    HAS_ZP: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_ZP: tl.constexpr, GROUPED: tl.constexpr, K_CHUNKS: tl.constexpr,
     ACT_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -221,9 +170,9 @@ def _quantized_linear_kernel(
     pid_n = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K, 0, K,
+    acc = _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K, 0, K, CHUNK_K,
                          stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
-                         FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT, GROUPED,
+                         FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT, GROUPED, K_CHUNKS, True,
                          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -236,10 +185,11 @@ def _quantized_partials_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, p_ptr, M, N, K, CHUNK_K,
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn, stride_pc, stride_pm,
     FORMAT: tl.constexpr, BITS: tl.constexpr, SCALE_GROUP_K: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
-    HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr,
+    HAS_ZP: tl.constexpr, ACT_QUANT: tl.constexpr, GROUPED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One K chunk's fp32 sum per program (axis 2: the chunk), for a tree over K."""
+    """One K chunk's fp32 sum per program (axis 2: the chunk), for a tree over K; per-token and
+    per-channel scales (not ``GROUPED``) are left to the combine."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -247,12 +197,31 @@ def _quantized_partials_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = chunk * CHUNK_K
     acc = _quantized_dot(x_ptr, xs_ptr, w_ptr, ws_ptr, zp_ptr, offs_m, offs_n, M, N, K, k_begin,
-                         k_begin + CHUNK_K, stride_xm, stride_xsm, stride_wn, stride_sn, stride_zn,
-                         FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT, True,
-                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                         tl.minimum(K, k_begin + CHUNK_K), CHUNK_K, stride_xm, stride_xsm, stride_wn, stride_sn,
+                         stride_zn, FORMAT, BITS, SCALE_GROUP_K, SCALE_GROUP_N, HAS_ZP, ACT_QUANT, GROUPED, 1,
+                         False, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     out_mask = (offs_m < M)[:, None] & (offs_n[None, :] < N)
     tl.store(p_ptr + chunk.to(tl.int64) * stride_pc + offs_m[:, None] * stride_pm + offs_n[None, :], acc,
              mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M", "K_CHUNKS"])
+def _quantized_combine_kernel(part_ptr, xs_ptr, ws_ptr, b_ptr, y_ptr, M, N, K_CHUNKS, stride_ps, stride_pm,
+                              stride_xsm, stride_sn, stride_ym, SCALE: tl.constexpr, SCALE_GROUP_N: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A split-K row: the chunk sums in chunk order, then the per-token and per-channel scales
+    (``SCALE``) and the bias, as ``_quantized_linear_kernel`` applies them after its K loop."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    acc = sum_partials(part_ptr + row * stride_pm, offs_n, mask, stride_ps, K_CHUNKS)
+    if SCALE:
+        xs = tl.load(xs_ptr + row * stride_xsm)
+        ws = tl.load(ws_ptr + (offs_n // SCALE_GROUP_N) * stride_sn, mask=mask, other=0.0).to(tl.float32)
+        acc = (acc * xs) * ws
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -321,11 +290,14 @@ def check_activations(name: str, x: torch.Tensor, weight: QuantizedWeight, x_sca
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                     config: QuantizedLinearConfig | None = None) -> torch.Tensor:
+                     config: QuantizedLinearConfig | None = None,
+                     parallel_chunks: bool | None = None) -> torch.Tensor:
     """``x @ dequant(weight)^T + bias`` with a batch-invariant reduction order.
 
     ``x`` [..., K] is bf16/fp16 (weight-only), or fp8/int8 values from ``quantize_activations``
-    with their fp32 ``x_scale`` [..., 1 or K / 128]; then ``out_dtype`` is the output's dtype."""
+    with their fp32 ``x_scale`` [..., 1 or K / 128]; then ``out_dtype`` is the output's dtype.
+    ``parallel_chunks`` forces the schedule of a config's K chunks (tests); by default split-K runs
+    where ``linear.parallel_chunks_pays``."""
     n, k = weight.shape
     check_activations("quantized_linear", x, weight, x_scale, out_dtype)
     act_quant = x_scale is not None
@@ -337,14 +309,36 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     m = x2.shape[0]
     y = torch.empty((m, n), device=x.device, dtype=out_dtype)
     cfg = config or quantized_linear_config(x.device.type, weight)
-    if m:
-        launch(_quantized_linear_kernel, (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)), x.device,
-               x2, xs2, weight.data, weight.scale, zero_point_args(weight)[0], bias if bias is not None else x2, y,
-               m, n, k, x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0),
-               zero_point_args(weight)[1], y.stride(0),
-               **launch_args(weight), GROUPED=weight.scale_group_k < k, ACT_QUANT=act_quant, HAS_BIAS=bias is not None,
+    grouped = weight.scale_group_k < k
+    if cfg.k_chunks > 1 and (cfg.chunk_k % cfg.block_k or (grouped and cfg.chunk_k % weight.scale_group_k)
+                             or (cfg.k_chunks - 1) * cfg.chunk_k >= k):
+        raise InvalidArgumentError(f"quantized_linear: {cfg.k_chunks} chunks of {cfg.chunk_k} do not cut K = {k} into "
+                                   f"whole BLOCK_Ks ({cfg.block_k}) of whole scale groups ({weight.scale_group_k})")
+    if parallel_chunks is None:
+        parallel_chunks = parallel_chunks_pays(x.device, m, n, cfg)
+    if m and parallel_chunks and cfg.k_chunks > 1:
+        parts = torch.empty((cfg.k_chunks, m, n), device=x.device, dtype=torch.float32)
+        launch(_quantized_partials_kernel, (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.k_chunks),
+               x.device, x2, xs2, weight.data, weight.scale, zero_point_args(weight)[0], parts, m, n, k, cfg.chunk_k,
+               x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0),
+               zero_point_args(weight)[1], parts.stride(0), parts.stride(1),
+               **launch_args(weight), ACT_QUANT=act_quant, GROUPED=grouped,
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=DOT_PRECISION,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        block_n = 1024
+        launch(_quantized_combine_kernel, (m, triton.cdiv(n, block_n)), x.device,
+               parts, xs2, weight.scale, bias if bias is not None else parts, y, m, n, cfg.k_chunks, parts.stride(0),
+               parts.stride(1), xs2.stride(0), weight.scale.stride(0), y.stride(0),
+               SCALE=act_quant and not grouped, SCALE_GROUP_N=BLOCK if weight.block else 1, HAS_BIAS=bias is not None,
+               BLOCK_N=block_n)
+    elif m:
+        launch(_quantized_linear_kernel, (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)), x.device,
+               x2, xs2, weight.data, weight.scale, zero_point_args(weight)[0], bias if bias is not None else x2, y,
+               m, n, k, cfg.chunk_k, x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0),
+               zero_point_args(weight)[1], y.stride(0),
+               **launch_args(weight), GROUPED=grouped, K_CHUNKS=cfg.k_chunks, ACT_QUANT=act_quant,
+               HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+               DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -391,7 +385,7 @@ def quantized_linear_partials(x: torch.Tensor, weight: QuantizedWeight, k_chunks
                x.device, x2, xs2, weight.data, weight.scale, zero_point_args(weight)[0], parts, m, n, k, chunk_k,
                x2.stride(0), xs2.stride(0), weight.data.stride(0), weight.scale.stride(0),
                zero_point_args(weight)[1], parts.stride(0), parts.stride(1),
-               **launch_args(weight), ACT_QUANT=act_quant,
+               **launch_args(weight), ACT_QUANT=act_quant, GROUPED=True,
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=DOT_PRECISION,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return parts

@@ -267,3 +267,43 @@ def test_the_capability_is_read_once_per_device(monkeypatch):
     for _ in range(3):
         assert fp8_support.device_capability(torch.device("cuda", 1)) == (8, 0)
     assert reads == [1] and fp8_support.device_capability(torch.device("cpu")) is None
+
+
+# Two K chunks of 128 (whole scale groups in every format), each two BLOCK_Ks of 64: the K tree a
+# GPU config cuts, at this test's small K.
+SPLIT_K = QuantizedLinearConfig(64, 64, 64, k_chunks=2, chunk_k=128)
+FORMATS = [(fmt, None, None) for fmt in WEIGHT_ONLY] + W8A8
+
+
+@pytest.mark.fast_cells(ids=["int4_asym", "fp8-w8a8", "fp8_block-w8a8"])  # the others in the heavy tier
+@pytest.mark.parametrize("fmt,target,group", FORMATS, ids=[case[0] + ("-w8a8" if case[1] else "") for case in FORMATS])
+def test_split_k_schedules_give_the_same_bits(fmt, target, group):
+    """Each format's K chunks on the parallel schedule (split-K partials, then the combine with the
+    per-token / per-channel scales and the bias) and the sequential one (one loop, a flush at each
+    chunk's end) give the same bits, for a row alone and in a batch; the chunked tree is another
+    sum than one chunk over all of K (so the chunks are real; int8 x int8 sums are exact), and
+    stays accurate."""
+    weight, dense = quantized_weight(fmt, torch.bfloat16)
+    x, b = torch.randn(7, K).bfloat16(), torch.randn(N).bfloat16()
+    q, scale = quantize_activations(x, target, group) if target else (x, None)
+
+    def run(rows, config=SPLIT_K, parallel=None):
+        return quantized_linear(q[rows], weight, b, x_scale=None if scale is None else scale[rows],
+                                out_dtype=torch.bfloat16, config=config, parallel_chunks=parallel)
+    sequential = run(slice(None), parallel=False)
+    assert torch.equal(run(slice(None), parallel=True), sequential)
+    assert torch.equal(run(slice(3, 4), parallel=True)[0], sequential[3])
+    unsplit = QuantizedLinearConfig(64, 64, 64)
+    exact = lambda config: quantized_linear(q, weight, x_scale=scale, out_dtype=torch.float32, config=config)  # noqa: E731
+    # int8 x int8 chunk sums are exact integers (here under 2**24, so exact in fp32 too): no tree moves them
+    assert torch.equal(exact(SPLIT_K), exact(unsplit)) == (target == torch.int8)
+    x_dense = (q.double().unflatten(1, (scale.shape[1], -1)) * scale.double()[..., None]).flatten(1) if target else x.double()
+    ref = x_dense @ (dense.T if target else dense.to(torch.bfloat16).double().T) + b.double()
+    assert ((sequential.double() - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[torch.bfloat16]
+
+
+def test_split_k_refuses_chunks_that_split_a_scale_group():
+    weight, _ = quantized_weight("fp8_block", torch.bfloat16)
+    with pytest.raises(ValueError, match="whole scale groups"):
+        quantized_linear(torch.randn(2, K).bfloat16(), weight, config=QuantizedLinearConfig(64, 64, 64, k_chunks=4,
+                                                                                           chunk_k=64))
