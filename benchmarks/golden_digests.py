@@ -111,6 +111,10 @@ BATCHINGS = {
     "right_pad": ((3, 2, 1, 0), "right", 1, False),
     "embeds_left_pad": ((2, 0, 3, 1), "left", 0, True),
 }
+# One row longer than several of the CPU interpreter's KV chunks (128 keys), alone and left-padded beside
+# a short one, in ENGINE_FAMILY's model with room for its positions: the digests then cover attention's
+# chunk tree (split-KV), not only a first chunk.
+LONG_CONTEXT, LONG_MAX_POSITIONS = 300, 512
 ENGINE_REQUESTS = [  # (prompt length, sampling parameters): greedy and seeded, with logprobs
     (7, dict(max_tokens=5, temperature=0.0, logprobs=2, prompt_logprobs=1)),
     (4, dict(max_tokens=6, temperature=0.8, top_p=0.9, seed=7, logprobs=1)),
@@ -119,8 +123,8 @@ ENGINE_REQUESTS = [  # (prompt length, sampling parameters): greedy and seeded, 
 ]
 
 
-def write_checkpoint(family: str, dtype: torch.dtype, path: Path) -> Path:
-    config = FAMILIES[family].config_class(**CONFIGS[family])
+def write_checkpoint(family: str, dtype: torch.dtype, path: Path, **overrides) -> Path:
+    config = FAMILIES[family].config_class(**{**CONFIGS[family], **overrides})
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights appear once
@@ -144,6 +148,16 @@ def model_digests(model, family: str, prefix: str) -> dict[str, str]:
         by_sample = dict(zip(members, rows))
         out[f"{prefix}/{name}"] = digest(by_sample[i] for i in sorted(by_sample))
     return out
+
+
+def long_context_digests(family: str, dtype: torch.dtype, device: str, path: Path, prefix: str) -> dict[str, str]:
+    """The LONG_CONTEXT row's logits alone and left-padded beside the first sample (equal by design)."""
+    write_checkpoint(family, dtype, path, max_position_embeddings=LONG_MAX_POSITIONS)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    make_invariant(model)
+    long = torch.from_numpy(integers(f"{family}/long", LONG_CONTEXT, 0, CONFIGS[family]["vocab_size"]))
+    beside = logits_in_batch(model, [samples(family)[0], long], side="left")[1]
+    return {f"{prefix}/long_alone": digest([logits_alone(model, long)]), f"{prefix}/long_left_pad": digest([beside])}
 
 
 def engine_digest(model, family: str) -> str:
@@ -193,6 +207,9 @@ def _family_digests(family: str, dtype_name: str, device: str, path: Path, engin
     out = model_digests(model, family, f"{family}/{dtype_name}")
     if engine and family == ENGINE_FAMILY:
         out[f"{family}/{dtype_name}/engine"] = engine_digest(model, family)
+    if family == ENGINE_FAMILY:
+        out.update(long_context_digests(family, dtype, device, path.with_name(path.name + "-long"),
+                                        f"{family}/{dtype_name}"))
     return out
 
 
