@@ -1,5 +1,5 @@
-"""The engine past many KV chunks: a prompt of a few thousand tokens on a model whose attention has
-head_dim 128 (CPU chunks of 128 keys: 16 of them). Alone or chunked next to other requests, and with
+"""The engine past many KV chunks: a prompt of 1280 tokens on a model whose attention has head_dim
+128 (CPU chunks of 128 keys: 10 of them). Alone or chunked next to other requests, and with
 the KV chunks in sequence or in parallel, a request's tokens, logprobs and prompt logprobs are the
 same bits, and its decode logprobs are the padded prefill's (``score_sequences``). Comparisons are
 exact."""
@@ -15,7 +15,7 @@ from helpers.engine_runs import run_schedule
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.engine import Engine, SamplingParams
 
-PROMPT = 2048
+PROMPT = 1280
 PARAMS = SamplingParams(max_tokens=3, logprobs=1, prompt_logprobs=1, ignore_eos=True)
 
 
@@ -38,8 +38,8 @@ def test_a_long_prompt_alone_equals_it_chunked_in_a_busy_batch_and_prefill(model
     combine = paged.combine_chunks
     monkeypatch.setattr(paged, "parallel_chunks_pay", lambda device, programs, chunks, nbytes: chunks > 1)
     monkeypatch.setattr(paged, "combine_chunks", lambda *a: (combines.append(1), combine(*a)))
-    # A 700-token budget chunks the long prefill into three pieces next to the others' prefill and decode.
-    busy = run_schedule(Engine(model, max_num_seqs=3, max_num_batched_tokens=700), prompts, lambda i: PARAMS,
+    # A 450-token budget chunks the long prefill into three pieces next to the others' prefill and decode.
+    busy = run_schedule(Engine(model, max_num_seqs=3, max_num_batched_tokens=450), prompts, lambda i: PARAMS,
                         arrivals=(0, 0, 2))[0]
     assert combines
     assert busy.token_ids == alone.token_ids and busy.logprobs == alone.logprobs
