@@ -246,7 +246,7 @@ def decode_calls(family: Family, batch: int, context: int = DECODE_CONTEXT):
             tables = torch.arange(batch * pages, dtype=torch.int32).reshape(batch, pages)
             return paged_attention(_blank(batch, f.heads, d), k_cache, k_cache, _ints(list(range(batch + 1))),
                                    _ints([context] * batch), tables, d ** -0.5, max_query_len=1, window=window,
-                                   sinks=sinks)
+                                   sinks=sinks, max_seq_len=context)  # as the engine passes it (a host value)
         calls.append((f"paged attention decode{suffix}", "decode", cost, paged))
     return calls
 
