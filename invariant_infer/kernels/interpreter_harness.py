@@ -11,6 +11,9 @@ The stock interpreter has two defects that matter here:
 reduces every output element over k in one sequential order (as one tensor-core instruction does on a GPU,
 whatever the other rows hold), and round-to-nearest-even bf16 and fp8 e4m3 casts.
 
+``tl.fma`` on fp32 rounds once, as the GPU's fma does (Triton < 3.7's interpreter multiplied, then
+added: two roundings, so a kernel's interpreted bits depended on the Triton release).
+
 It also mends a defect of Triton < 3.7's interpreter: it turns a scalar into a Python int with
 ``int()`` of its 1-element array, which numpy 2.4 refuses (numpy >= 1.25 warns), so a loop over
 computed bounds fails. The fix is installed only where a probe of the stock conversion fails.
@@ -110,6 +113,29 @@ def _dot(self, a, b, d, *args, **kwargs):
     return _interp.TensorHandle(out.astype(np.float32), tl.float32)
 
 
+def fma_fp32(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """x * y + z of fp32 arrays rounded once to fp32, as a GPU's fma: the product is exact in float64
+    (24 + 24 significant bits), the sum is rounded to odd in float64 (an inexact sum whose last bit
+    is even moves one ulp toward the exact value, found by TwoSum), and rounding to odd with more
+    than two extra bits then rounds to fp32 as the exact value would."""
+    x64, y64, z64 = (np.asarray(v, dtype=np.float64) for v in np.broadcast_arrays(x, y, z))
+    product = x64 * y64
+    total = product + z64
+    with np.errstate(invalid="ignore"):  # inf - inf in the error of an infinite sum: not used
+        virtual = total - product
+        error = (product - (total - virtual)) + (z64 - virtual)
+    even = (total.view(np.uint64) & np.uint64(1)) == 0
+    nudge = np.isfinite(total) & (error != 0) & even
+    toward = np.where(error > 0, np.inf, -np.inf)
+    return np.where(nudge, np.nextafter(total, toward), total).astype(np.float32)
+
+
+def _fma(self, x, y, z):
+    if not (x.dtype.scalar == y.dtype.scalar == z.dtype.scalar == tl.float32):
+        return _saved["create_fma"](self, x, y, z)
+    return _interp.TensorHandle(fma_fp32(x.data, y.data, z.data), tl.float32)
+
+
 def fp32_to_fp8e4m3_bits(x: np.ndarray) -> np.ndarray:
     """Round fp32 to float8_e4m3fn bits, nearest even, saturating at +-448 (the GPU's
     ``cvt.rn.satfinite``): torch's cast rounds the same way once the range is clamped."""
@@ -164,7 +190,7 @@ def _patch_lang_tensor_scalar_index(tensor, scope):
     scope.set_attr(tensor, "__index__", _scalar_index)  # restored with the interpreter's own patches
 
 
-_PATCHES = {"create_dot": _dot, "cast_impl": _cast, "create_fp_to_fp": _fp_to_fp}
+_PATCHES = {"create_dot": _dot, "cast_impl": _cast, "create_fp_to_fp": _fp_to_fp, "create_fma": _fma}
 _twins: dict = {}
 
 

@@ -164,3 +164,38 @@ def test_fp8_cast_rounds_to_nearest_even_and_saturates():
     got = torch.from_numpy(fp32_to_fp8e4m3_bits(x.numpy())).view(torch.float8_e4m3fn).float()
     assert torch.equal(got, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
     assert got[0].item() == 128.0 and got[1].item() == 448.0
+
+
+@triton.jit
+def _fma_kernel(x_ptr, y_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    z = tl.load(z_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, tl.fma(x, y, z), mask=mask)
+
+
+def test_fma_rounds_once_as_the_gpus_in_every_triton_release():
+    """(1 + 2^-12)^2 - (1 + 2^-11) is 2^-24 exactly; multiplying then adding rounds the product to
+    1 + 2^-11 first and gives 0 (Triton < 3.7's interpreter). The interpreted tl.fma must give the
+    fused result, and equal Triton's own correctly rounded fma where this release has one."""
+    one_plus = 1 + 2.0 ** -12
+    x = torch.tensor([one_plus, 3.0, -1.5], dtype=torch.float32)
+    z = torch.tensor([-(1 + 2.0 ** -11), 1.0, 0.25], dtype=torch.float32)
+    out = torch.empty(3, dtype=torch.float32)
+    with patched_interpreter():
+        interpreted(_fma_kernel)[(1,)](x, x, z, out, 3, BLOCK=4)
+    assert out[0].item() == 2.0 ** -24 and (x[0] * x[0] + z[0]).item() == 0.0  # the two-rounding control
+    assert out[1:].tolist() == [10.0, 2.5]
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(50_000).astype(np.float32) * np.exp2(rng.integers(-30, 30, 50_000)).astype(np.float32)
+               for _ in range(3))
+    c = np.where(np.arange(50_000) % 2 == 0, -(a * b), c).astype(np.float32)  # heavy cancellation in half of them
+    ours = interpreter_harness.fma_fp32(a, b, c)
+    exact = [float(np.float32(float(np.longdouble(p) * np.longdouble(q) + np.longdouble(r))))
+             for p, q, r in zip(a[:2000], b[:2000], c[:2000])]  # the product exact in a 64-bit mantissa
+    assert ours[:2000].tolist() == exact
+    native = getattr(getattr(interpreter, "_interpreter", None), "fma_fp32", None)
+    if native is not None:  # Triton >= 3.7's interpreter: its own fma, correctly rounded
+        assert np.array_equal(ours.view(np.uint32), native(a, b, c).view(np.uint32))
