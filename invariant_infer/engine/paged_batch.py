@@ -9,6 +9,7 @@ has sinks (SDPA has no sink term); a window or a sink is honoured on both paths,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,12 @@ class PagedBatch:
     invariant: bool
     linear_attention: LinearAttentionStep | None = None  # hybrid models: the Gated DeltaNet layers' step
 
+    @cached_property
+    def max_seq_len(self) -> int:
+        """The step's longest context, from the host's copy (no sync), once per step: it lets a GPU
+        run the KV chunks in parallel."""
+        return max(self.host_seq_lens, default=0)
+
     def attend(self, layer_idx: int, query, key, value, scale: float, window: int = 0,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [1, Hq, T, D], k/v [1, Hkv, T, D] (this step's tokens) -> [1, T, Hq, D]; ``window`` > 0:
@@ -52,10 +59,9 @@ class PagedBatch:
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         write_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.invariant:
-            # max_seq_len from the host's copy (no sync): it lets a GPU run the KV chunks in parallel
             out = paged_attention(q.contiguous(), k_cache, v_cache, self.query_starts, self.seq_lens,
                                   self.block_tables, scale, max_query_len=self.max_query_len, window=window,
-                                  sinks=sinks, max_seq_len=max(self.host_seq_lens, default=0))
+                                  sinks=sinks, max_seq_len=self.max_seq_len)
             return out[None]
         return self._stock_attend(q, k_cache, v_cache, scale, window, sinks)[None]
 

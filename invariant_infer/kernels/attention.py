@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .attention_split import (check_kv_chunk, chunk_count, chunk_workspace, combine_chunks, parallel_chunks_pay,
-                              workspace_bytes)
+                              store_chunk_state, workspace_bytes)
 from .attention_state import (finish_rows, first_chunk, first_window_block, in_window, merge_chunk_state,
                               online_softmax_block, row_lse)
 from .configs import AttentionConfig, attention_config
@@ -110,10 +110,7 @@ def _attention_kernel(
         m_i, l_i, acc = merge_chunk_state(m_i, l_i, acc, m_c, l_c, acc_c)
     if PARALLEL_CHUNKS:
         state = ((tl.program_id(2) * (tl.num_programs(1) // Hq) + b) * Lq + offs_m) * Hq + h  # [chunk, b, i, h]
-        tl.store(m_ws_ptr + state, m_i, mask=offs_m < Lq)
-        tl.store(l_ws_ptr + state, l_i, mask=offs_m < Lq)
-        tl.store(acc_ws_ptr + state[:, None] * D + offs_d[None, :], acc,
-                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+        store_chunk_state(m_ws_ptr, l_ws_ptr, acc_ws_ptr, state, offs_m < Lq, offs_d, D, m_i, l_i, acc)
     else:
         # Rows with no visible key (left-pad queries) give 0, never NaN.
         sink = tl.load(sinks_ptr + h).to(tl.float32) if HAS_SINKS else 0.0

@@ -34,6 +34,24 @@ from .linear import _sm_count
 MAX_WORKSPACE_BYTES = 256 << 20
 
 
+@triton.jit
+def store_chunk_state(m_ptr, l_ptr, acc_ptr, state, rows, offs_d, D, m, l, acc):
+    """Write rows' chunk state into the workspace: m, l at ``state``, acc at ``state * D + d``."""
+    tl.store(m_ptr + state, m, mask=rows)
+    tl.store(l_ptr + state, l, mask=rows)
+    tl.store(acc_ptr + state[:, None] * D + offs_d[None, :], acc, mask=rows[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def load_chunk_state(m_ptr, l_ptr, acc_ptr, state, rows, offs_d, D):
+    """The chunk state ``store_chunk_state`` wrote; rows outside ``rows`` read as an empty chunk."""
+    m = tl.load(m_ptr + state, mask=rows, other=float("-inf"))
+    l = tl.load(l_ptr + state, mask=rows, other=0.0)
+    acc = tl.load(acc_ptr + state[:, None] * D + offs_d[None, :], mask=rows[:, None] & (offs_d[None, :] < D),
+                  other=0.0)
+    return m, l, acc
+
+
 @triton.jit(do_not_specialize=["Lq", "chunks"])
 def _split_kv_combine_kernel(
     m_ptr, l_ptr, acc_ptr, o_ptr, lse_ptr, sinks_ptr,
@@ -57,11 +75,7 @@ def _split_kv_combine_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for c in range(0, chunks):  # always chunk 0, 1, 2, ... in that order
-        at = c * stride_wc + state
-        m_c = tl.load(m_ptr + at, mask=rows, other=float("-inf"))
-        l_c = tl.load(l_ptr + at, mask=rows, other=0.0)
-        acc_c = tl.load(acc_ptr + at[:, None] * D + offs_d[None, :],
-                        mask=rows[:, None] & (offs_d[None, :] < D), other=0.0)
+        m_c, l_c, acc_c = load_chunk_state(m_ptr, l_ptr, acc_ptr, c * stride_wc + state, rows, offs_d, D)
         m_i, l_i, acc = merge_chunk_state(m_i, l_i, acc, m_c, l_c, acc_c)
     sink = tl.load(sinks_ptr + h).to(tl.float32) if HAS_SINKS else 0.0
     out, m_i, l_i = finish_rows(m_i, l_i, acc, sink, HAS_SINKS)

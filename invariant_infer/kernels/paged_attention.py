@@ -57,7 +57,8 @@ import triton
 import triton.language as tl
 
 from .attention import check_sinks
-from .attention_split import check_kv_chunk, chunk_workspace, combine_chunks, parallel_chunks_pay, workspace_bytes
+from .attention_split import (check_kv_chunk, chunk_workspace, combine_chunks, parallel_chunks_pay,
+                              store_chunk_state, workspace_bytes)
 from .attention_state import (finish_rows, first_chunk, first_window_block, in_window, merge_chunk_state,
                               online_softmax_block)
 from .configs import AttentionConfig, attention_config
@@ -135,10 +136,7 @@ def _paged_attention_kernel(
         m_i, l_i, acc = merge_chunk_state(m_i, l_i, acc, m_c, l_c, acc_c)
     if PARALLEL_CHUNKS:
         state = (tl.program_id(2) * T + rows) * Hq + h  # [chunk, token, head]
-        tl.store(m_ws_ptr + state, m_i, mask=offs_m < q_len)
-        tl.store(l_ws_ptr + state, l_i, mask=offs_m < q_len)
-        tl.store(acc_ws_ptr + state[:, None] * D + offs_d[None, :], acc,
-                 mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < D))
+        store_chunk_state(m_ws_ptr, l_ws_ptr, acc_ws_ptr, state, offs_m < q_len, offs_d, D, m_i, l_i, acc)
     else:
         # A row with no visible key (none here: every query sees itself) would give 0, never NaN.
         sink = tl.load(sinks_ptr + h).to(tl.float32) if HAS_SINKS else 0.0
