@@ -8,10 +8,6 @@ from torch import nn
 from .families import FAMILIES, text_config
 from .lora import is_peft_model, unwrap_peft
 
-# Families whose sliding_window applies to every layer when set (the others say so in layer_types).
-_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral")
-
-
 def quantization_kinds(quantization) -> set[str]:
     """The quantized formats of a ``quantization_config`` (a dict or a transformers config object)."""
     if quantization is None:
@@ -39,10 +35,10 @@ def quantization_kinds(quantization) -> set[str]:
     return kinds
 
 
-def _windowed(model_type: str, config) -> bool:
+def _windowed(adapter, config) -> bool:
     layer_types = getattr(config, "layer_types", None) or ()
-    return ("sliding_attention" in layer_types or model_type == "gpt_oss"  # gpt-oss: attention sinks too
-            or (model_type in _WINDOW_ON_EVERY_LAYER and getattr(config, "sliding_window", None) is not None))
+    return ("sliding_attention" in layer_types or adapter.model_type == "gpt_oss"  # gpt-oss: attention sinks too
+            or (adapter.window_on_every_layer and getattr(config, "sliding_window", None) is not None))
 
 
 def config_kinds(config) -> set[str]:
@@ -57,7 +53,7 @@ def config_kinds(config) -> set[str]:
             kinds.add("hybrid")
         if adapter.vision is not None:
             kinds.add("vision_language")
-        if _windowed(text.model_type if hasattr(text, "model_type") else model_type, text):
+        if _windowed(adapter, text):
             kinds.add("windowed")
         if adapter.moe and quantization_method_of(config) == "compressed-tensors":
             kinds.add("compressed_tensors_moe")

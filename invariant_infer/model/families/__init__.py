@@ -90,6 +90,9 @@ class FamilyAdapter:
     # Multimodal RoPE: [3, B, L] positions (temporal, height, width) each rotate their own frequencies (the
     # rotary embedding's ``mrope_section``), "sectioned" (Qwen2.5-VL) or "interleaved" (Qwen3-VL); None: text RoPE.
     mrope: str | None = None
+    # A configured ``sliding_window`` applies to every layer (Mistral, Mixtral); otherwise only to the
+    # layers ``layer_types`` names "sliding_attention".
+    window_on_every_layer: bool = False
 
     def is_sparse(self, layer: nn.Module) -> bool:
         return self.moe is not None and type(layer.mlp) is self.moe.block

@@ -7,7 +7,7 @@ from . import FamilyAdapter, register_family
 
 
 ADAPTER = register_family(FamilyAdapter(
-    model_type="mistral", config_class=MistralConfig, rms_norm=MistralRMSNorm, mlp=MistralMLP,
+    model_type="mistral", window_on_every_layer=True, config_class=MistralConfig, rms_norm=MistralRMSNorm, mlp=MistralMLP,
     presets={
         "mistral-7b-v0.3": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                 num_key_value_heads=8, num_hidden_layers=32, vocab_size=32768,

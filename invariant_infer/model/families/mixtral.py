@@ -9,7 +9,7 @@ from . import FamilyAdapter, MoeLayout, register_family
 
 
 ADAPTER = register_family(FamilyAdapter(
-    model_type="mixtral", config_class=MixtralConfig, rms_norm=MixtralRMSNorm, mlp=None,
+    model_type="mixtral", window_on_every_layer=True, config_class=MixtralConfig, rms_norm=MixtralRMSNorm, mlp=None,
     moe=MoeLayout(block=MixtralSparseMoeBlock, router=MixtralTopKRouter, experts=MixtralExperts,
                   normalize=lambda router: True, weights_in_logits_dtype=False),
     presets={

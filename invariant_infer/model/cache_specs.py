@@ -1,0 +1,119 @@
+"""What each decoder layer keeps per sequence between forwards: its cache spec, derived once from the
+config through the family adapter, and the one answer to "which layers are attention, windowed or
+linear attention" for every other part of the project.
+
+Kinds:
+  * ``FullAttentionSpec``: K and V of every token;
+  * ``SlidingWindowSpec``: K and V of the last ``window`` tokens only (a query sees its last
+    ``window`` keys, itself included), so older ones may be dropped;
+  * ``LinearStateSpec``: a Gated DeltaNet layer's fixed-size state (the short convolution's last
+    inputs, the fp32 state at the last chunk boundary, and the unfinished chunk's rows), whatever the
+    sequence's length.
+
+A further kind (a latent cache, or K/V read from another layer) is one more spec class here and one
+more manager in the engine; nothing else branches on the kind.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .families import family_of, text_config
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A layer that keeps K and V per token: ``num_kv_heads`` heads of ``head_dim`` each."""
+    num_kv_heads: int
+    head_dim: int
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """Bytes of one token's K and V on one rank (a rank holds 1 / tp_size of the KV heads)."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * (self.num_kv_heads // tp_size) * self.head_dim * element
+
+    def tokens_held(self, context: int) -> int:
+        """Tokens whose K/V a sequence of ``context`` tokens must still hold for its next query."""
+        return context
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """K and V of every token."""
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """K and V of the last ``window`` tokens: a query at position p sees keys (p - window, p]."""
+    window: int = 0
+
+    def tokens_held(self, context: int) -> int:
+        return min(context, self.window)
+
+
+@dataclass(frozen=True)
+class LinearStateSpec:
+    """A Gated DeltaNet layer's state per sequence (its size does not grow with the context)."""
+    conv_dim: int          # channels of the short convolution (q, k and v)
+    conv_kernel: int       # the convolution's width: it keeps the last conv_kernel - 1 inputs
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    def state_bytes(self, dtype: torch.dtype, history: int) -> int:
+        """Bytes of one sequence's state: ``history`` rows of the unfinished chunk (conv_dim + 2 Hv
+        each, in ``dtype``), the convolution's inputs, and the fp32 boundary state."""
+        element = torch.empty((), dtype=dtype).element_size()
+        rows = history * (self.conv_dim + 2 * self.num_v_heads) * element
+        conv = (self.conv_kernel - 1) * self.conv_dim * element
+        return rows + conv + 4 * self.num_v_heads * self.head_k_dim * self.head_v_dim
+
+
+LayerCacheSpec = FullAttentionSpec | SlidingWindowSpec | LinearStateSpec
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _linear_state_spec(config) -> LinearStateSpec:
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    return LinearStateSpec(conv_dim=2 * key_dim + value_dim, conv_kernel=config.linear_conv_kernel_dim,
+                           num_v_heads=config.linear_num_value_heads, head_k_dim=config.linear_key_head_dim,
+                           head_v_dim=config.linear_value_head_dim)
+
+
+def cache_specs(config) -> tuple[LayerCacheSpec, ...]:
+    """One spec per decoder layer of a supported family's config (a vision-language config: its text
+    model's). ``UnsupportedModelError`` for another family."""
+    adapter = family_of(config)
+    text = text_config(config)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    window = getattr(text, "sliding_window", None)
+    every_layer = adapter.window_on_every_layer and window is not None
+    heads, head_dim = text.num_key_value_heads, _head_dim(text)
+    specs: list[LayerCacheSpec] = []
+    for kind in kinds[:text.num_hidden_layers]:
+        if kind == "linear_attention":
+            specs.append(_linear_state_spec(text))
+        elif kind == "sliding_attention" or every_layer:
+            specs.append(SlidingWindowSpec(heads, head_dim, window=int(window)))
+        else:
+            specs.append(FullAttentionSpec(heads, head_dim))
+    return tuple(specs)
+
+
+def linear_attention_layers(config) -> list[int]:
+    """Indices of the layers that keep a linear-attention state."""
+    return [i for i, spec in enumerate(cache_specs(config)) if isinstance(spec, LinearStateSpec)]
+
+
+def attention_layers(config) -> list[int]:
+    """Indices of the layers that keep K/V (full or windowed)."""
+    return [i for i, spec in enumerate(cache_specs(config)) if isinstance(spec, AttentionSpec)]
+
+
+def is_hybrid(config) -> bool:
+    return bool(linear_attention_layers(config))
