@@ -15,6 +15,7 @@ from transformers.image_processing_base import ImageProcessingMixin
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
+from ..model import families
 from ..model.families import FAMILIES
 from ..model.patch import make_invariant
 from ..model.support import require
@@ -104,9 +105,9 @@ def _causal_lm_family(model_type: str) -> str | None:
 def vision_language_config(config) -> bool:
     """Whether a checkpoint of ``config`` loads as a vision-language model: a family with a vision tower.
     A multimodal config whose language model alone is supported (Qwen3.5's) loads as that causal LM.
-    The one rule: loading, the server and the scoring job (its driver and workers) all ask it."""
-    adapter = FAMILIES.get(getattr(config, "model_type", None))
-    return adapter is not None and adapter.vision is not None
+    The model layer's one rule (``families.is_vision_language``): loading, the server and the scoring job (its
+    driver and workers) all ask it."""
+    return families.is_vision_language(config)
 
 
 def auto_class_for(config):

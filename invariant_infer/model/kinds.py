@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .families import FAMILIES, text_config
+from .cache_specs import SlidingWindowSpec, cache_specs, is_hybrid
+from .families import FAMILIES, is_vision_language, text_config
 from .lora import is_peft_model, unwrap_peft
+
 
 def quantization_kinds(quantization) -> set[str]:
     """The quantized formats of a ``quantization_config`` (a dict or a transformers config object)."""
@@ -36,9 +38,8 @@ def quantization_kinds(quantization) -> set[str]:
 
 
 def _windowed(adapter, config) -> bool:
-    layer_types = getattr(config, "layer_types", None) or ()
-    return ("sliding_attention" in layer_types or adapter.model_type == "gpt_oss"  # gpt-oss: attention sinks too
-            or (adapter.window_on_every_layer and getattr(config, "sliding_window", None) is not None))
+    return (any(isinstance(spec, SlidingWindowSpec) for spec in cache_specs(config))
+            or adapter.model_type == "gpt_oss")  # gpt-oss: attention sinks too
 
 
 def config_kinds(config) -> set[str]:
@@ -48,16 +49,17 @@ def config_kinds(config) -> set[str]:
     adapter = FAMILIES.get(model_type)
     kinds = quantization_kinds(getattr(config, "quantization_config", None))
     if adapter is not None:
-        kinds.add("moe" if adapter.moe else "hybrid" if adapter.linear_attention else "dense")
-        if adapter.moe and adapter.linear_attention:
+        hybrid = is_hybrid(config)
+        kinds.add("moe" if adapter.moe else "hybrid" if hybrid else "dense")
+        if adapter.moe and hybrid:
             kinds.add("hybrid")
-        if adapter.vision is not None:
+        if is_vision_language(config):
             kinds.add("vision_language")
-        if _windowed(adapter, text):
+        if _windowed(adapter, config):
             kinds.add("windowed")
         if adapter.moe and quantization_method_of(config) == "compressed-tensors":
             kinds.add("compressed_tensors_moe")
-    if adapter is not None and adapter.vision is not None and getattr(text, "use_sliding_window", False):
+    if is_vision_language(config) and getattr(text, "use_sliding_window", False):
         kinds.add("vision_language_sliding_window")
     if any(getattr(text, name, None) is not None for name in ("attn_logit_softcapping", "final_logit_softcapping")):
         kinds.add("logit_softcapping")

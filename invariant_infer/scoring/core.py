@@ -24,7 +24,7 @@ import torch
 from ..errors import InvalidArgumentError, RequestError, TensorParallelError, raise_if_device_failure
 from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
 from ..model.lora import unwrap_peft
-from ..model.families import text_config
+from ..model.families import is_vision_language, text_config
 from ..model.image_inputs import PromptImages, expanded_position, prepare_prompt_images, split_multimodal
 from ..model.patch import is_invariant
 from ..model.executor import Executor, RankState, executor_for, worker_command
@@ -180,7 +180,7 @@ def prepare_sequence(config, processor, ids: list[int], prompt_length: int,
     length returned count every image token. Raises ``RequestError`` (a ValueError)."""
     if not images:
         return ids, prompt_length, None
-    if getattr(config, "vision_config", None) is None:
+    if not is_vision_language(config):
         raise RequestError(f"{config.model_type} takes no images", param="multi_modal_data")
     prompt = prepare_prompt_images(getattr(processor, "image_processor", processor), config, ids, images)
     return prompt.token_ids, expanded_position(ids, config.image_token_id, prompt.counts, prompt_length), prompt

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.launch_recording import paused_recording, recorded_launches
-from ..model.families import FAMILIES
+from ..model.families import FAMILIES, is_vision_language
 from ..model.patch import make_invariant
 
 DTYPE = torch.bfloat16
@@ -96,7 +96,7 @@ def uninitialised_model(name: str, **overrides):
     from transformers.initialization import no_init_weights
 
     config = model_config(name, **overrides)
-    auto = AutoModelForImageTextToText if FAMILIES[config.model_type].vision is not None else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with paused_recording(), no_init_weights():
         model = auto.from_config(config, dtype=DTYPE).eval()
     return make_invariant(model)

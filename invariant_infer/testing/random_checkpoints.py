@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
-from ..model.families import FAMILIES
+from ..model.families import FAMILIES, is_vision_language
 from ..errors import InvalidArgumentError
 
 
@@ -34,8 +34,7 @@ def qwen2_config(preset: str = "tiny", **overrides) -> PretrainedConfig:
 def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A randomly initialised causal LM (or vision-language model) for ``config``, in eval mode."""
     torch.manual_seed(seed)
-    vision = FAMILIES[config.model_type].vision is not None if config.model_type in FAMILIES else False
-    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    auto_class = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     model = auto_class.from_config(config).to(dtype).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

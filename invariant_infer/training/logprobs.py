@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidArgumentError, NonInvariantInputError
+from ..model.families import is_vision_language
 from ..model.logits import token_logprobs_from_hidden_autograd
 from ..model.lora import unwrap_peft
 from ..model.padding import positions_from_mask
@@ -50,7 +51,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     derived when absent), with padded rows; its vision tower must be frozen (its backward is not
     supported yet)."""
     model = unwrap_peft(model)  # a PeftModel: the model inside, its LoRA layers unmerged
-    vision = getattr(model.config, "vision_config", None) is not None
+    vision = is_vision_language(model.config)
     unknown = set(image_inputs) - ({"pixel_values", "image_grid_thw", "mm_token_type_ids"} if vision else set())
     if unknown:
         raise InvalidArgumentError(f"token_logprobs got unexpected arguments {sorted(unknown)}"

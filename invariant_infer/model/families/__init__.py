@@ -98,6 +98,9 @@ class FamilyAdapter:
         return self.moe is not None and type(layer.mlp) is self.moe.block
 
     def is_linear_attention(self, layer: nn.Module) -> bool:
+        """Whether a loaded decoder layer holds its projections in ``linear_attn`` (structure). Which
+        layers are linear attention is ``cache_specs.linear_attention_layers(config)``; ``check_model``
+        refuses a model whose layers disagree with it."""
         return self.linear_attention is not None and hasattr(layer, "linear_attn")
 
     def projections(self, layer: nn.Module) -> dict[str, nn.Module]:
@@ -136,9 +139,16 @@ def family_of(config) -> FamilyAdapter:
     return adapter
 
 
+def is_vision_language(config) -> bool:
+    """Whether ``config`` is a vision-language model's: its family has a vision tower. The one answer for
+    every surface (a model type outside the supported families: False; loading refuses it by name)."""
+    adapter = FAMILIES.get(getattr(config, "model_type", None))
+    return adapter is not None and adapter.vision is not None
+
+
 # Each family module registers itself.
 from . import (gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen3,  # noqa: E402,F401
                qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
 
 __all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "VisionLayout", "family_of",
-           "register_family", "text_config"]
+           "is_vision_language", "register_family", "text_config"]
