@@ -98,7 +98,7 @@ def cache_specs(config) -> tuple[LayerCacheSpec, ...]:
     for kind in kinds[:text.num_hidden_layers]:
         if kind == "linear_attention":
             specs.append(_linear_state_spec(text))
-        elif kind == "sliding_attention" or every_layer:
+        elif window is not None and (kind == "sliding_attention" or every_layer):  # no window: full attention
             specs.append(SlidingWindowSpec(heads, head_dim, window=int(window)))
         else:
             specs.append(FullAttentionSpec(heads, head_dim))

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from . import experts as experts_interface
 from ..errors import UnsupportedModelError
+from .cache_specs import linear_attention_layers
 from .families import family_of, text_config
 from .kinds import model_kinds
 from .lora import base_linear, lora_layers
@@ -64,7 +65,9 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
     experts = quantized_experts(model)
     compressed = {f"{name}.{p}" for name, module in model.named_modules() if module in quantized or module in experts
                   for p, _ in module.named_parameters(recurse=False)}
+    linear = set(linear_attention_layers(config))
     for index, layer in enumerate(base.layers):
+        _check_layer_kind(adapter, layer, index, index in linear)
         for name, proj in adapter.projections(layer).items():
             if type(base_linear(proj)) is not nn.Linear and base_linear(proj) not in quantized:
                 raise _not_plain_linear(f"layers.{index}.{name}", proj)
@@ -74,7 +77,7 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
             expected = [cls.__name__ for cls in (adapter.mlp, adapter.moe and adapter.moe.block) if cls]
             raise UnsupportedModelError(f"layers.{index}.mlp is {type(layer.mlp).__name__}, not the "
                                         f"{' or '.join(expected)} the {adapter.model_type} adapter patches")
-        if adapter.is_linear_attention(layer):
+        if index in linear:
             _check_linear_attention(adapter, layer.linear_attn, f"layers.{index}.linear_attn")
             continue
         if adapter.gated_attention is not None and type(layer.self_attn) is not adapter.gated_attention:
@@ -132,6 +135,15 @@ def _check_vision(adapter, model: nn.Module) -> None:
     problem = adapter.vision.refuse_tower(tower)
     if problem:
         raise UnsupportedModelError(f"{adapter.model_type}: {problem}")
+
+
+def _check_layer_kind(adapter, layer: nn.Module, index: int, linear: bool) -> None:
+    """The layer's structure (``adapter.is_linear_attention``: its projections in ``linear_attn``) is the
+    kind its config gives it (``cache_specs``), so the two answers never disagree on a patched model."""
+    if adapter.is_linear_attention(layer) != linear:
+        held = "linear_attn" if adapter.is_linear_attention(layer) else "self_attn"
+        given = "linear_attention" if linear else "an attention layer"
+        raise UnsupportedModelError(f"layers.{index} holds {held} but the config's layer_types make it {given}")
 
 
 def _check_linear_attention(adapter, module, name: str) -> None:

@@ -44,6 +44,7 @@ from ..kernels.linear import combine_partials, linear, linear_partials
 from ..kernels.quantized_linear import quantized_linear_config
 from ..kernels.gelu_tanh_mul import gelu_tanh_mul
 from ..kernels.silu_mul import silu_mul
+from .cache_specs import linear_attention_layers
 from .module_state import module_state, state_of
 
 # The styles a module may carry, by role (the families' ``tp_plan="auto"``); any other is refused.
@@ -132,7 +133,8 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout,
     names = {module: name for name, module in model.named_modules()}
     roles: dict[nn.Module, str] = {}
     row_tree: set[nn.Module] = set()
-    for layer in base.layers:
+    linear = set(linear_attention_layers(model.config))
+    for index, layer in enumerate(base.layers):
         for proj_name, proj in adapter.projections(layer).items():
             if proj_name.startswith("linear_attn."):
                 roles[proj] = "gathered"
@@ -140,7 +142,7 @@ def tp_forwards(model: nn.Module, adapter, base: nn.Module, layout: TPLayout,
                     row_tree.add(proj)
             else:
                 roles[proj] = "rowwise" if proj_name in adapter.row_parallel else "colwise"
-        if adapter.is_linear_attention(layer):
+        if index in linear:
             continue
         for norm in adapter.head_norms:
             roles[getattr(layer.self_attn, norm)] = "head_norm"
