@@ -21,7 +21,8 @@ from pathlib import Path
 
 import triton
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+from .doc_sections import DOC, replace_section
+
 BEGIN, END = "<!-- compile-report:begin -->", "<!-- compile-report:end -->"
 
 
@@ -57,12 +58,7 @@ def markdown(variants: dict, reports: list, archs) -> str:
 
 
 def write_doc(table: str, doc: Path = DOC) -> None:
-    text = doc.read_text()
-    if BEGIN not in text:
-        raise SystemExit(f"{doc} has no {BEGIN} ... {END} section to replace")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    doc.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+    replace_section(table, BEGIN, END, doc)
 
 
 def main(argv=None) -> int:

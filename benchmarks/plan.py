@@ -49,10 +49,10 @@ from pathlib import Path
 
 import torch
 
+from .doc_sections import DOC, replace_section
 from .plan_costs import (Cost, attention_decode_cost, attention_prefill_cost, gated_delta_rule_cost, gemm_cost,
                          elementwise_cost, grouped_gemm_cost, rms_norm_backward_cost, rms_norm_cost)
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- plan-report:begin -->", "<!-- plan-report:end -->"
 DTYPE = torch.bfloat16
 M_VALUES = (1, 16, 64, 4096)
@@ -328,12 +328,7 @@ def below_one_wave(rows: list[Row], gpu: Gpu) -> list[Row]:
 
 
 def write_doc(text: str, doc: Path | None = None) -> None:
-    doc = doc or DOC
-    body = doc.read_text()
-    if BEGIN not in body:
-        raise SystemExit(f"{doc} has no {BEGIN} ... {END} section to replace")
-    head, rest = body.split(BEGIN, 1)
-    doc.write_text(f"{head}{BEGIN}\n{text}{END}{rest.split(END, 1)[1]}")
+    replace_section(text, BEGIN, END, doc or DOC)
 
 
 def main(argv=None) -> int:
