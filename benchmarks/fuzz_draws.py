@@ -118,13 +118,13 @@ def m_dependent_linear(x, weight, bias=None, config=None):
     return linear(x, weight, bias, config=config)
 
 
-def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None):
+def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None, offsets_valid=False):
     """Negative control for the MoE experts: BLOCK_K 16 while no expert has more than
     SMALL_EXPERT_ROWS rows, the shape's own config above, as batch-size-keyed grouped GEMMs do."""
     config = linear_config(x.device.type, x.dtype, *weight.shape[1:])
     if int((expert_offsets[1:] - expert_offsets[:-1]).max()) <= SMALL_EXPERT_ROWS:
         config = replace(config, block_k=16)
-    return grouped_linear(x, weight, expert_offsets, bias, config=config)
+    return grouped_linear(x, weight, expert_offsets, bias, config=config, offsets_valid=offsets_valid)
 
 
 @contextlib.contextmanager

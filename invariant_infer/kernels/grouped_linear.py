@@ -78,7 +78,7 @@ def grid_slots(rows: int, experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) + experts
 
 
-def _check(x, weight, offsets, bias, name):
+def _check(x, weight, offsets, bias, name, offsets_valid=False):
     if weight.dim() != 3:
         raise InvalidArgumentError(f"{name}: weight must be [E, N, K], got {tuple(weight.shape)}")
     experts, n, k = weight.shape
@@ -98,7 +98,7 @@ def _check(x, weight, offsets, bias, name):
         raise UnsupportedOperationError(f"{name} has no backward: call it under torch.no_grad() or "
                                         "torch.inference_mode() (training mixture-of-experts layers is not supported)")
     # Offsets on the host are checked here; on CUDA they are not read (that would sync the host).
-    if not x.is_cuda and experts and (offsets[0] != 0 or offsets[-1] != x.shape[0]
+    if not x.is_cuda and not offsets_valid and experts and (offsets[0] != 0 or offsets[-1] != x.shape[0]
                                       or bool((offsets[1:] < offsets[:-1]).any())):
         raise InvalidArgumentError(f"{name}: expert_offsets must rise from 0 to T = {x.shape[0]}, got "
                                    f"{offsets.tolist()}")
@@ -128,24 +128,27 @@ def launch_grouped_linear(x, up, weight, offsets, bias, prologue, config: Linear
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor,
-                   bias: torch.Tensor | None = None, config: LinearConfig | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, config: LinearConfig | None = None,
+                   offsets_valid: bool = False) -> torch.Tensor:
     """[T, N]: row r of expert e (offsets[e] <= r < offsets[e + 1]) is bitwise
     ``linear(x[r:r+1], weight[e], bias[e])``. x [T, K] sorted by expert, weight [E, N, K],
     bias [E, N] or None, expert_offsets int32/int64 [E + 1]. ``config`` overrides the per-shape
     table (tests only, as for ``linear``). Offsets that do not rise from 0 to T raise on CPU; on
-    CUDA they are not checked (that would sync the host)."""
-    _check(x, weight, expert_offsets, bias, "grouped_linear")
+    CUDA they are not checked (that would sync the host); nor on CPU with ``offsets_valid`` (offsets
+    valid by construction, e.g. searchsorted over sorted expert ids)."""
+    _check(x, weight, expert_offsets, bias, "grouped_linear", offsets_valid)
     return launch_grouped_linear(x, None, weight, expert_offsets, bias, PROLOGUE_NONE, config)
 
 
 def grouped_silu_mul_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                            expert_offsets: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
+                            expert_offsets: torch.Tensor, config: LinearConfig | None = None,
+                            offsets_valid: bool = False) -> torch.Tensor:
     """[T, N]: per row, bitwise ``linear(silu_mul(gate, up), weight[e])``, without writing silu_mul's
     output (the linear kernel's prologue). gate, up [T, K], e.g. the two halves of gate_up_proj's output."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise InvalidArgumentError(f"grouped_silu_mul_linear: gate {tuple(gate.shape)} {gate.dtype} vs up "
                                    f"{tuple(up.shape)} {up.dtype}")
-    _check(gate, weight, expert_offsets, None, "grouped_silu_mul_linear")
+    _check(gate, weight, expert_offsets, None, "grouped_silu_mul_linear", offsets_valid)
     if gate.stride() != up.stride():  # the kernel walks both with one set of strides
         gate, up = gate.contiguous(), up.contiguous()
     return launch_grouped_linear(gate, up, weight, expert_offsets, None, PROLOGUE_SILU_MUL, config)

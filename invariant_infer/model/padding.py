@@ -106,8 +106,8 @@ def resolve_positions(attention_mask: torch.Tensor | None, position_ids: torch.T
         expanded = positions.expand(real.shape[0], -1)
         restarts = real[:, 1:] & real[:, :-1] & (expanded[:, 1:] == 0)  # packed rows, which take no mask
         flags = torch.stack([mask_holes(attention_mask).any(),
-                             (expanded[real] < 0).any() | (expanded[real] >= max_positions).any(),
-                             (expanded[real] != derived[real]).any(), restarts.any()])
+                             (real & ((expanded < 0) | (expanded >= max_positions))).any(),
+                             (real & (expanded != derived)).any(), restarts.any()])  # no value-sized indexing
     else:
         flags = torch.stack([false, (positions < 0).any() | (positions >= max_positions).any(), false, false])
     holes, out_of_range, disagree, packed = flags.tolist()  # one host sync for all checks

@@ -17,7 +17,8 @@ What changes (and nothing process-wide):
     transformers' fp8 format (``FP8Experts``) -> ``model.quantized_experts``; MoE forwards that
     would record autograd are refused (MoE training is not supported);
   * a pre-forward hook on the base model derives ``position_ids`` from the mask
-    (cumsum - 1, pads at 0) and rejects masks that cannot be invariant; for packed rows
+    (cumsum - 1, pads at 0), reading nothing back; a pre-forward hook on the model the caller calls
+    rejects masks that cannot be invariant before the decoder runs (``input_checks.py``); for packed rows
     (no mask, position_ids restarting, ``cu_seq_lens_*``) it checks the layout and hands
     attention the per-sequence regrouping (``invariant_infer.model.packing``);
   * a PEFT ``PeftModel``: the model inside is patched, and each LoRA layer adds its adapters'
@@ -34,7 +35,6 @@ undoes all of it.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +59,9 @@ from .multimodal import multimodal_pre_hook
 from .recomputed_backward import recomputed_backward
 from .rope import mrope_axes, rotary_forward, set_rope_tables
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
-from .padding import cache_length, check_multimodal_positions, is_sequence_bounds, resolve_positions
+from .padding import cache_length, is_sequence_bounds, resolve_positions
+from .input_checks import (bind_forward_arguments, check_inputs, checked_at_entry, generating, install_entry_checks,
+                           max_positions_of)
 from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
 from .quantized_experts import quantized_experts_forward
 from .tensor_parallel import tp_forwards, tp_layout
@@ -155,19 +157,8 @@ def _quantized_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 # ---- input handling ------------------------------------------------------------------------------
 
-_FORWARD_NAMES: dict[type, list[str]] = {}
-
-
-def _base_forward_names(module: nn.Module) -> list[str]:
-    """Parameter names of the base model's forward, to bind positional arguments (once per class)."""
-    cls = type(module)
-    if cls not in _FORWARD_NAMES:
-        _FORWARD_NAMES[cls] = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
-    return _FORWARD_NAMES[cls]
-
-
 def _base_pre_hook(module, args, kwargs):
-    kwargs = {**dict(zip(_base_forward_names(module), args)), **kwargs}
+    kwargs = bind_forward_arguments(module, args, kwargs)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not is_sequence_bounds(mask):
         raise NonInvariantInputError("4-D attention masks are not supported; pass the 2-D padding mask")
@@ -176,25 +167,29 @@ def _base_pre_hook(module, args, kwargs):
         tokens = kwargs.get("inputs_embeds")
     if tokens is None:
         return (), kwargs
-    # Tracing (compiled decode) skips the checks, which sync with the host; generate() checked up front.
-    check = not torch.compiler.is_compiling()
-    if check and module.training:
+    # The checks that read values back ran at the call's entry point (input_checks.py); a decoder called
+    # alone is checked here. Tracing (compiled decode) skips them: generate() checked up front.
+    compiling = torch.compiler.is_compiling()
+    if not compiling and module.training:
         _refuse_dropout(module)
-    max_positions = state_of(module.rotary_emb).rope_tables[0].shape[0]
+    multimodal_rope = state_of(module.rotary_emb).mrope_axes is not None  # its positions are made past the entry
+    if not compiling and (not checked_at_entry(module) or multimodal_rope):
+        check_inputs(module, kwargs)
     position_ids = kwargs.get("position_ids")
     if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:  # multimodal RoPE: per-row, as given
         if any(kwargs.get(name) is not None for name in FLASH_KWARGS):
             raise NonInvariantInputError("packed rows (cu_seq_lens_*) with multimodal positions are not supported; "
                                          "pass padded rows with their attention_mask")
-        if check:
-            check_multimodal_positions(mask, position_ids, max_positions)
         return (), kwargs
-    if check and mask is None:
-        # Packed rows (position_ids restarting, cu_seq_lens_*): attention regroups them per sequence.
+    if not compiling and mask is None:
+        # Packed rows (position_ids restarting, cu_seq_lens_*): attention regroups them per sequence. Their
+        # layout is read back here; generate's rows (checked at its entry) are never packed.
         flash = {name: kwargs.pop(name) for name in FLASH_KWARGS if name in kwargs}
-        positions, packed = resolve_packed(
-            kwargs.get("position_ids"), flash, batch=tokens.shape[0], length=tokens.shape[1],
-            cache_length=cache_length(kwargs), max_positions=max_positions, device=tokens.device)
+        positions, packed = kwargs.get("position_ids"), None
+        if (positions is not None or flash) and not generating(module):
+            positions, packed = resolve_packed(
+                positions, flash, batch=tokens.shape[0], length=tokens.shape[1],
+                cache_length=cache_length(kwargs), max_positions=max_positions_of(module), device=tokens.device)
         if packed is not None:
             kwargs["attention_mask"] = packed.bounds()
             kwargs[PACKED_KWARG] = packed
@@ -202,9 +197,8 @@ def _base_pre_hook(module, args, kwargs):
         if any(kwargs.get(name) is not None for name in FLASH_KWARGS):
             raise NonInvariantInputError("cu_seq_lens_*/max_length_* describe packed rows, which take no "
                                          "attention_mask and run eagerly (not under torch.compile)")
-        positions = resolve_positions(
-            mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
-            cache_length=cache_length(kwargs) if check else 0, max_positions=max_positions, check=check)
+        positions = resolve_positions(mask, kwargs.get("position_ids"), query_length=tokens.shape[1],
+                                      cache_length=0, max_positions=max_positions_of(module), check=False)
     if positions is not None:
         kwargs["position_ids"] = positions
     return (), kwargs
@@ -357,6 +351,8 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
 
     reattach_decompression = detach_decompression(model) if quantized else None
     hooks = [base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True)]
+    if model is not base and state_of(base.rotary_emb).mrope_axes is None:
+        hooks += install_entry_checks(model, base)  # the checks that read values, before the decoder runs
     if adapter.vision is not None:  # the multimodal model around the language model
         hooks.append(multimodal_model(model).register_forward_pre_hook(multimodal_pre_hook, with_kwargs=True))
     previous_attn = model.config._attn_implementation

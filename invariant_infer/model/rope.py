@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import NonInvariantInputError, UnsupportedModelError
+from ..errors import UnsupportedModelError
 from .module_state import module_state, state_of
 
 
@@ -27,11 +27,8 @@ def rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type
         return _mrope(cos_table, x.dtype, position_ids, state.mrope_axes), \
             _mrope(sin_table, x.dtype, position_ids, state.mrope_axes)
     if position_ids.dim() == 3:  # multimodal RoPE sections (Qwen3.5): text positions repeat one section
-        if not torch.compiler.is_compiling() and not bool((position_ids == position_ids[:1]).all()):
-            raise NonInvariantInputError("multimodal rotary positions (images, videos) are not supported yet; "
-                                         "pass text only")
-        position_ids = position_ids[0]
-    idx = position_ids.clamp(0, cos_table.shape[0] - 1)  # range is checked eagerly in the pre-hook
+        position_ids = position_ids[0]  # (sections that differ are refused before the forward: input_checks.py)
+    idx = position_ids.clamp(0, cos_table.shape[0] - 1)  # range is checked before the forward
     return cos_table[idx].to(x.dtype), sin_table[idx].to(x.dtype)
 
 

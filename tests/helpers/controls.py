@@ -17,13 +17,13 @@ def m_dependent_linear(x, weight, bias=None, config=None, small_m: int = 4):
     return linear(x, weight, bias, config=cfg)
 
 
-def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None):
+def m_dependent_grouped_linear(x, weight, expert_offsets, bias=None, offsets_valid=False):
     """Negative control for the grouped expert GEMM: picks BLOCK_K by the largest expert's row
     count, as batch-size-keyed grouped GEMMs do."""
     base = linear_config(x.device.type, x.dtype, *weight.shape[1:])
     most = int((expert_offsets[1:] - expert_offsets[:-1]).max())
     cfg = LinearConfig(base.block_m, base.block_n, 16 if most <= 4 else 64)
-    return grouped_linear(x, weight, expert_offsets, bias, config=cfg)
+    return grouped_linear(x, weight, expert_offsets, bias, config=cfg, offsets_valid=offsets_valid)
 
 
 def per_tensor_scaled_quantized_forward(self, x):
