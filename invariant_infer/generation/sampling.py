@@ -1,8 +1,10 @@
 """Row-local sampling: counter-based noise, exact top-k/top-p filters, seeded Gumbel-max.
 
 Shared by ``generate`` (through ``SeededSampling``) and the serving engine, so that the same
-seed gives the same tokens in both. Every function works on one row alone, so neither the
-batch size nor the other rows can change a bit of it.
+seed gives the same tokens in both. ``seeded_scores`` and ``sample_next_token`` define a row's
+sample on that row alone; ``seeded_scores_rows`` computes it for many rows in a fixed number of
+launches, bitwise what each row gets alone, so neither the batch size nor the other rows can
+change a bit of it.
 """
 from __future__ import annotations
 
@@ -74,6 +76,50 @@ def seeded_scores(scores: torch.Tensor, seed: int, step: int, temperature: float
     logits = filter_logits(scores.float() / temperature, top_k, top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(seed, step, logits.shape[-1], logits.device)))
     return (logits.double() + gumbel).to(scores.dtype)
+
+
+def seeded_scores_rows(scores: torch.Tensor, seeds: Sequence[int], steps: Sequence[int],
+                       temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float]) -> torch.Tensor:
+    """``seeded_scores`` of every row of ``scores`` [R, V] at once: row r with (seeds[r], steps[r],
+    temperatures[r], top_ks[r], top_ps[r]), bitwise what ``seeded_scores`` gives it alone (the same
+    ops, each over a row's own values: a row's scores never depend on the other rows or on R).
+    A fixed number of launches and two small host-to-device copies, whatever R."""
+    rows, vocab = scores.shape
+    device = scores.device
+    keys = [_signed64(_splitmix64_int(_splitmix64_int(seed) ^ step)) for seed, step in zip(seeds, steps)]
+    ints = torch.tensor([keys, list(top_ks)], dtype=torch.int64).to(device)
+    floats = torch.tensor([list(temperatures), list(top_ps)], dtype=torch.float32).to(device)
+    logits = _divide(scores.float(), floats[0, :, None])
+    if any(0 < k < vocab for k in top_ks):  # -inf outside each row's top k (ties at the k-th value kept)
+        active = (ints[1] > 0) & (ints[1] < vocab)
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (ints[1] - 1).clamp(0, vocab - 1)[:, None])
+        logits = logits.masked_fill(logits < torch.where(active[:, None], kth, float("-inf")), float("-inf"))
+    if any(p < 1.0 for p in top_ps):  # -inf outside the smallest set whose probability reaches top_p
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        probs = sorted_logits.softmax(-1)
+        drop_sorted = probs.cumsum(-1) - probs >= floats[1, :, None]
+        drop_sorted[:, 0] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted) & (floats[1] < 1.0)[:, None]
+        logits = logits.masked_fill(drop, float("-inf"))
+    counter = torch.arange(vocab, device=device, dtype=torch.int64)[None, :] * _GOLDEN + ints[0, :, None]
+    noise = (_shift_right(_splitmix64(counter), 11).to(torch.float64) + 0.5) * 2.0 ** -53  # uniform_noise's
+    gumbel = -torch.log(-torch.log(noise))
+    return (logits.double() + gumbel).to(scores.dtype)
+
+
+def _divide(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] / temperatures [R, 1] as a tensor divided by a Python float rounds: a true division
+    on CPU; on CUDA a product with the reciprocal (what CUDA's division by a host scalar computes)."""
+    return logits * temperatures.reciprocal() if logits.is_cuda else logits / temperatures
+
+
+def suppress_tokens(scores: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """scores [..., V] with the logits of ``token_ids`` set to -inf (a copy), so neither greedy nor seeded
+    picking ever takes them (transformers' ``suppress_tokens``); each row alone."""
+    if not token_ids:
+        return scores
+    ids = torch.tensor(list(token_ids), dtype=torch.long).to(scores.device)
+    return scores.index_fill(-1, ids, float("-inf"))
 
 
 def penalize_repetitions(scores: torch.Tensor, tokens: Sequence[int] | torch.Tensor, penalty: float) -> torch.Tensor:

@@ -63,7 +63,7 @@ def test_engine_step_ends_on_a_device_failure_without_retrying_each_request(mode
 def test_engine_sampling_device_failure_is_not_one_requests_error(model, monkeypatch, make_error, kind):
     def sample(*args, **kwargs):
         raise make_error()
-    monkeypatch.setattr(sampler_module, "seeded_scores", sample)
+    monkeypatch.setattr(sampler_module, "seeded_scores_rows", sample)
     engine = Engine(model)
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, temperature=1.0, seed=1))
     with pytest.raises(DeviceError, match=kind):
