@@ -5,9 +5,11 @@ The Hugging Face modules run unchanged (one engine for every family): projection
 MLP see ``T`` packed rows, which is all they need since each row is computed alone; RoPE looks up
 each token's absolute position; attention receives a ``paged_batch`` keyword that the model's
 forward passes through to its attention function (``invariant_infer.model.attention``), which
-writes the step's K/V into the pages and attends over each sequence's own pages. On hybrid models
-the same batch carries the Gated DeltaNet layers' step (``LinearAttentionStep``): each sequence's
-state slot is its block-table row, and only the attention layers hold pages. A vision-language model's
+writes the step's K/V into the pages and attends over each sequence's own pages, through its KV cache
+group's block table (``kv_cache_layout``: one K and one V tensor per position in a group, one block
+table per group). Layers with a linear-attention state (Gated DeltaNet) hold no pages: the same
+batch carries their step (``LinearAttentionStep``) over the engine's state slots, a sequence's slot
+being its block-table row (``linear_state_slots``). A vision-language model's
 image tokens take their requests' image features and multimodal positions (``multimodal.py``).
 
 Under tensor parallelism (a model that ``TensorParallelRanks`` drives), each rank holds its shard of
@@ -36,17 +38,19 @@ from transformers import AttentionInterface
 
 from ..model.attention import PAGED_BATCH_KWARG
 from ..model.checks import base_model
+from ..model.cache_specs import linear_attention_layers
 from ..model.families import text_config
-from ..model.linear_attention import LinearAttentionSlots
 from ..model.logits import head_logits
 from ..kernels import attention_config, token_logprobs
 from ..model.padding import sequence_bounds
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
-from .block_manager import block_table_rows
+from .kv_cache_layout import kv_cache_layout
+from .kv_cache_manager import block_table_rows
+from .linear_state import QueuedStateCopies
+from .linear_state_slots import LinearAttentionSlots
 from .lora_slots import LoraSlots
 from .paged_batch import PagedBatch, paged_stock_attention
-from .prefix_states import SAVE, QueuedStateCopies
 from .scheduler import ScheduledChunk
 from ..errors import InvalidArgumentError
 
@@ -58,26 +62,20 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _attention_layers(config) -> list[int]:
-    """The layers that hold KV pages: all but the linear-attention (Gated DeltaNet) ones."""
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return [i for i in range(config.num_hidden_layers) if kinds[i] != "linear_attention"]
-
-
 @dataclass
 class StepMetadata:
     """One step's packed tokens and pages, as plain lists (what rank 0 sends the other ranks)."""
     ids: list[int]
     positions: list[int]
-    slots: list[int]
+    slots: list[int]               # per KV cache group, each token's page * page_size + offset (group-major)
     query_starts: list[int]
     seq_lens: list[int]
-    table_rows: list[int]          # each sequence's row of the persistent block table
+    table_rows: list[int]          # each sequence's row of the persistent block tables (one per KV cache group)
     table_width: int               # pages of the longest sequence
-    table_writes: list[tuple[int, int, int]]  # (row, column, page) to apply first (block_manager.py)
+    table_writes: list[tuple[int, int, int, int]]  # (group, row, column, page) to apply first (kv_cache_manager.py)
     num_real_tokens: int
     lora_groups: list = field(default_factory=list)  # (slot, packed rows) per LoRA adapter (engine.lora_slots)
-    # The prefix cache's linear-attention state copies to apply first, in order (prefix_states.py).
+    # The prefix cache's linear-attention state copies to apply first, in order (linear_state.py).
     state_copies: list[tuple[str, int, int]] = field(default_factory=list)
     # Vision-language models: positions [3 * T]; per chunk with images (MultimodalPrompt, feature rows, packed rows).
     mrope_positions: list[int] | None = None
@@ -128,13 +126,16 @@ class ModelRunner:
         self.scratch_pages = -(-max_bucket // page_size)
         self.padding_rows = 0  # padding rows run, since start
         shape = (num_pages + self.scratch_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        attention_layers = set(_attention_layers(config))
-
-        def pages(layer: int) -> torch.Tensor:
-            size = shape if layer in attention_layers else (0,)
-            return torch.zeros(size, dtype=self.dtype, device=self.device)
-        self.k_caches = [pages(layer) for layer in range(self.num_layers)]
-        self.v_caches = [pages(layer) for layer in range(self.num_layers)]
+        # One K and one V tensor per position in a KV cache group; layer (group g, position j) uses
+        # tensor j through group g's block table. Layers without pages get None.
+        self.layout = kv_cache_layout(model.config)
+        self.num_groups = len(self.layout.groups)
+        k_tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layout.group_size)]
+        v_tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layout.group_size)]
+        places = [self.layout.place(layer) for layer in range(self.num_layers)]
+        self.k_caches = [k_tensors[p[1]] if p else None for p in places]  # per layer
+        self.v_caches = [v_tensors[p[1]] if p else None for p in places]
+        self.layer_groups = [p[0] if p else None for p in places]
         # Step metadata lives in buffers allocated once (a captured graph reads fixed addresses).
         max_tokens, max_seqs = max(max_num_batched_tokens, max_bucket), max(max_num_seqs, max_bucket)
         max_pages = -(-config.max_position_embeddings // page_size)
@@ -143,23 +144,23 @@ class ModelRunner:
             return torch.zeros(size, dtype=dtype, device=self.device)
         self.input_ids, self.positions = buffer(max_tokens, dtype=torch.long), buffer(max_tokens, dtype=torch.long)
         self.mrope_positions = buffer(3, max_tokens, dtype=torch.long) if self.multimodal else None
-        self.slot_mapping = buffer(max_tokens, dtype=torch.int64)
+        self.slot_mapping = buffer(self.num_groups, max_tokens, dtype=torch.int64)
         self.query_starts, self.seq_lens = buffer(max_seqs + 1, dtype=torch.int32), buffer(max_seqs, dtype=torch.int32)
-        self.block_tables = buffer(max_seqs, max_pages, dtype=torch.int32)
-        # The persistent block table: a row per sequence holding pages (updated by the block
-        # manager's writes), then one per scratch page, which padding rows read.
+        self.block_tables = buffer(self.num_groups, max_seqs, max_pages, dtype=torch.int32)
+        # The persistent block tables, one per group: a row per sequence holding pages (updated by
+        # the cache manager's writes), then one per scratch page, which padding rows read.
         self.num_table_rows = block_table_rows(max_num_seqs)
-        self.table = buffer(self.num_table_rows + self.scratch_pages, max_pages, dtype=torch.int32)
-        self.table[self.num_table_rows:, 0] = torch.arange(num_pages, num_pages + self.scratch_pages, dtype=torch.int32)
+        self.table = buffer(self.num_groups, self.num_table_rows + self.scratch_pages, max_pages, dtype=torch.int32)
+        self.table[:, self.num_table_rows:, 0] = torch.arange(num_pages, num_pages + self.scratch_pages,
+                                                              dtype=torch.int32)
         self.table_row_ids = buffer(max_seqs, dtype=torch.long)
-        # Gated DeltaNet layers (hybrid models): a state slot per block-table row, so a sequence's
-        # slot is its row (held from its first page until it finishes, is aborted or preempted).
-        self.linear_slots = None
-        if len(attention_layers) < self.num_layers:
-            self.linear_slots = LinearAttentionSlots.for_layers(
-                self.base.layers, self.num_table_rows + self.scratch_pages, self.device, self.dtype, saved_states)
+        # Linear-attention layers' state: a slot per block-table row, so a sequence's slot is its row
+        # (held from its first page until it finishes, is aborted or preempted); None without such layers.
+        self.linear_slots = LinearAttentionSlots.for_layers(
+            self.base.layers, self.num_table_rows + self.scratch_pages, self.device, self.dtype,
+            saved_states) if linear_attention_layers(model.config) else None
         # Every step's metadata goes to the device in one copy, from a pinned staging buffer on CUDA.
-        self.max_staged = 3 * max_tokens + 3 * max_seqs + 1
+        self.max_staged = (2 + self.num_groups) * max_tokens + 3 * max_seqs + 1
         self.staged = buffer(self.max_staged, dtype=torch.long)
         self.staging = torch.zeros(self.max_staged, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.staging_copied = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -186,14 +187,6 @@ class ModelRunner:
         config = text_config(config)
         return attention_config(device.type, dtype, _head_dim(config)).block_n
 
-    @staticmethod
-    def page_bytes(config, dtype: torch.dtype, page_size: int, tp_size: int = 1) -> int:
-        """Bytes of one page on one rank (a rank holds 1 / tp_size of the KV heads)."""
-        config = text_config(config)
-        element = torch.empty((), dtype=dtype).element_size()
-        kv_heads = config.num_key_value_heads // tp_size
-        return 2 * len(_attention_layers(config)) * page_size * kv_heads * _head_dim(config) * element
-
     def bucket(self, chunks: list[ScheduledChunk]) -> int:
         """Rows of the step: a decode-only step is padded to the smallest bucket that holds it."""
         if all(chunk.num_tokens == 1 for chunk in chunks):
@@ -202,8 +195,8 @@ class ModelRunner:
                     return size
         return len(chunks)
 
-    def prepare(self, chunks: list[ScheduledChunk], table_writes: list[tuple[int, int, int]]) -> StepInputs:
-        """The step's inputs; ``table_writes``: the block manager's writes since the last step."""
+    def prepare(self, chunks: list[ScheduledChunk], table_writes: list[tuple[int, int, int, int]]) -> StepInputs:
+        """The step's inputs; ``table_writes``: the cache manager's writes since the last step."""
         self.pending_writes += table_writes
         metadata = self.step_metadata(chunks)
         metadata.state_copies, self.state_copies.pending = self.state_copies.pending, []
@@ -219,7 +212,8 @@ class ModelRunner:
         attending to the scratch keys before it) compute alone, like every row, so no real row's
         bits change."""
         page_size = self.page_size
-        ids, positions, slots, starts, lens, rows = [], [], [], [0], [], []
+        ids, positions, starts, lens, rows = [], [], [0], [], []
+        slots = [[] for _ in range(self.num_groups)]
         width = 1
         mrope, pieces = [], []
         for chunk in chunks:
@@ -233,8 +227,8 @@ class ModelRunner:
                         pieces.append((seq.multimodal, first, last, packed))
             ids += chunk.token_ids
             positions += range(start, end)
-            pages = seq.pages
-            slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+            for group, pages in zip(slots, seq.pages):
+                group += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
             starts.append(starts[-1] + chunk.num_tokens)
             lens.append(end)
             rows.append(seq.block_row)
@@ -244,12 +238,14 @@ class ModelRunner:
             page, offset = self.num_pages + i // page_size, i % page_size
             ids.append(0)
             positions.append(offset)
-            slots.append(page * page_size + offset)
+            for group in slots:
+                group.append(page * page_size + offset)
             starts.append(starts[-1] + 1)
             lens.append(offset + 1)
             rows.append(self.num_table_rows + i // page_size)
         self.padding_rows += len(ids) - num_real
-        metadata = StepMetadata(ids, positions, slots, starts, lens, rows, width, list(self.pending_writes), num_real)
+        metadata = StepMetadata(ids, positions, [slot for group in slots for slot in group], starts, lens, rows, width,
+                                list(self.pending_writes), num_real)
         if self.multimodal:
             padding = torch.tensor(positions[num_real:], dtype=torch.long)[None].expand(3, -1)
             metadata.mrope_positions = torch.cat(mrope + [padding], dim=1).flatten().tolist()
@@ -283,32 +279,30 @@ class ModelRunner:
             staged.copy_(host, non_blocking=True)
             if self.staging_copied is not None:
                 self.staging_copied.record()
-        pieces = torch.split(staged, [tokens, tokens, tokens, seqs + 1, seqs, seqs, 3 * len(writes)])
+        groups = self.num_groups
+        pieces = torch.split(staged, [tokens, tokens, groups * tokens, seqs + 1, seqs, seqs, 4 * len(writes)])
         if writes:
-            write = pieces[6].view(-1, 3)
-            self.table[write[:, 0], write[:, 1]] = write[:, 2].to(torch.int32)
+            write = pieces[6].view(-1, 4)
+            self.table[write[:, 0], write[:, 1], write[:, 2]] = write[:, 3].to(torch.int32)
         self.input_ids[:tokens].copy_(pieces[0])
         self.positions[:tokens].copy_(pieces[1])
         position_ids = self.positions[:tokens][None]
         if self.multimodal:
             self.mrope_positions[:, :tokens].copy_(torch.tensor(m.mrope_positions, dtype=torch.long).view(3, tokens))
             position_ids = self.mrope_positions[:, None, :tokens]
-        self.slot_mapping[:tokens].copy_(pieces[2])
+        self.slot_mapping[:, :tokens].copy_(pieces[2].view(groups, tokens))
         self.query_starts[:seqs + 1].copy_(pieces[3])
         self.seq_lens[:seqs].copy_(pieces[4])
         self.table_row_ids[:seqs].copy_(pieces[5])
-        self.block_tables[:seqs, :width].copy_(self.table[:, :width].index_select(0, self.table_row_ids[:seqs]))
+        tables = self.block_tables[:, :seqs, :width]
+        tables.copy_(self.table[:, :, :width].index_select(1, self.table_row_ids[:seqs]))
         starts = m.query_starts
-        batch = PagedBatch(self.k_caches, self.v_caches, self.slot_mapping[:tokens], self.query_starts[:seqs + 1],
-                           self.seq_lens[:seqs], self.block_tables[:seqs, :width],
+        batch = PagedBatch(self.k_caches, self.v_caches, tuple(self.slot_mapping[:, :tokens].unbind(0)),
+                           self.query_starts[:seqs + 1],
+                           self.seq_lens[:seqs], tuple(tables.unbind(0)), self.layer_groups,
                            max(starts[s + 1] - starts[s] for s in range(seqs)), starts, m.seq_lens, self.invariant)
         if self.linear_slots is not None:
-            for kind, source, target in m.state_copies:
-                (self.linear_slots.save if kind == SAVE else self.linear_slots.restore)(source, target)
-            query_lens = [starts[s + 1] - starts[s] for s in range(seqs)]
-            computed = [length - new for length, new in zip(m.seq_lens, query_lens)]
-            fresh = [done == 0 or row >= self.num_table_rows for done, row in zip(computed, m.table_rows)]
-            batch.linear_attention = self.linear_slots.step(m.table_rows, computed, query_lens, fresh, self.device)
+            batch.linear_attention = self.linear_slots.step_of(m, self.num_table_rows, self.device)
         lora_rows = [(slot, torch.tensor(rows, dtype=torch.long, device=self.device))
                      for slot, rows in m.lora_groups]
         return StepInputs(self.input_ids[:tokens][None], position_ids, batch, m.num_real_tokens, m, lora_rows)

@@ -32,12 +32,13 @@ def paged_stock_attention(module, query, key, value, attention_mask, dropout=0.0
 @dataclass
 class PagedBatch:
     """One step's metadata, handed to every attention call of the forward."""
-    k_caches: list[torch.Tensor]   # per layer [num_pages, page_size, Hkv, D]
-    v_caches: list[torch.Tensor]
-    slot_mapping: torch.Tensor     # int64 [T]: page * page_size + offset of each packed token
+    k_caches: list[torch.Tensor | None]  # per layer [num_pages, page_size, Hkv, D] (None: no pages)
+    v_caches: list[torch.Tensor | None]
+    slot_mappings: tuple[torch.Tensor, ...]  # per KV cache group, int64 [T]: page * page_size + offset of each token
     query_starts: torch.Tensor     # int32 [S + 1]
     seq_lens: torch.Tensor         # int32 [S]: context length including this step's tokens
-    block_tables: torch.Tensor     # int32 [S, max_pages]
+    block_tables: tuple[torch.Tensor, ...]  # per KV cache group, int32 [S, max_pages]
+    layer_groups: list[int | None]  # each layer's KV cache group
     max_query_len: int
     host_query_starts: list[int]
     host_seq_lens: list[int]
@@ -57,24 +58,28 @@ class PagedBatch:
         q = query[0].transpose(0, 1)                  # [T, Hq, D]
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        group = self.layer_groups[layer_idx]
+        block_tables = self.block_tables[group]
+        write_kv(k, v, k_cache, v_cache, self.slot_mappings[group])
         if self.invariant:
             out = paged_attention(q.contiguous(), k_cache, v_cache, self.query_starts, self.seq_lens,
-                                  self.block_tables, scale, max_query_len=self.max_query_len, window=window,
+                                  block_tables, scale, max_query_len=self.max_query_len, window=window,
                                   sinks=sinks, max_seq_len=self.max_seq_len)
             return out[None]
-        return self._stock_attend(q, k_cache, v_cache, scale, window, sinks)[None]
+        return self._stock_attend(q, k_cache, v_cache, block_tables, scale, window, sinks)[None]
 
-    def _stock_attend(self, q, k_cache, v_cache, scale, window, sinks):
+    def _stock_attend(self, q, k_cache, v_cache, block_tables, scale, window, sinks):
         page_size = k_cache.shape[1]
         out = torch.empty_like(q)
         for s, seq_len in enumerate(self.host_seq_lens):
             q0, q1 = self.host_query_starts[s], self.host_query_starts[s + 1]
-            pages = self.block_tables[s, :-(-seq_len // page_size)]
-            keys = k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)   # [Hkv, L, D]
-            values = v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1)
+            # From the page of the first query's earliest key: a window's earlier pages may be freed.
+            first = max(0, seq_len - (q1 - q0) - window + 1) // page_size * page_size if window else 0
+            pages = block_tables[s, first // page_size:-(-seq_len // page_size)]
+            keys = k_cache[pages].flatten(0, 1)[:seq_len - first].transpose(0, 1)   # [Hkv, L, D]
+            values = v_cache[pages].flatten(0, 1)[:seq_len - first].transpose(0, 1)
             positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)
-            keys_at = torch.arange(seq_len, device=q.device)[None, :]
+            keys_at = torch.arange(first, seq_len, device=q.device)[None, :]
             visible = (keys_at <= positions[:, None]) & ((keys_at > positions[:, None] - window) | (window == 0))
             queries = q[q0:q1].transpose(0, 1)
             if sinks is None:

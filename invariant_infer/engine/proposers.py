@@ -2,7 +2,7 @@
 accepted, never a token or logprob (``speculative`` verifies each one exactly).
 
 ``NgramProposer``: prompt lookup, no model. ``DraftModelProposer``: a smaller causal LM with the
-target's vocabulary, greedy, over its own KV pages (its own block manager, no prefix cache): each
+target's vocabulary, greedy, over its own KV pages (its own KV cache manager, no prefix cache): each
 sequence keeps a copy there, rolled back to what it shares with the target's tokens before each step.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..model.patch import is_invariant, make_invariant
-from .block_manager import BlockManager, block_table_rows
+from .kv_cache_layout import kv_cache_layout
+from .kv_cache_manager import KVCacheManager, block_table_rows
 from .model_runner import ModelRunner
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
@@ -60,19 +61,22 @@ class DraftModelProposer:
         head = draft.get_output_embeddings().weight
         page_size = ModelRunner.page_size_for(config, head.device, head.dtype)
         self.max_positions = config.max_position_embeddings
+        layout = kv_cache_layout(config)
         if kv_cache_memory is not None:
-            num_pages = kv_cache_memory // ModelRunner.page_bytes(config, head.dtype, page_size)
-        else:  # as many positions as the target's cache holds
-            num_pages = -(-num_positions // page_size)
-        num_pages = min(num_pages, max_num_seqs * -(-self.max_positions // page_size))
+            num_pages = kv_cache_memory // layout.page_bytes(head.dtype, page_size)
+        else:  # as many positions as the target's cache holds, in each KV cache group
+            num_pages = -(-num_positions // page_size) * len(layout.groups)
+        num_pages = min(num_pages, max_num_seqs * sum(layout.pages_for_request(self.max_positions, page_size,
+                                                                               max_num_batched_tokens)))
         if num_pages < 1:
             raise InvalidArgumentError(f"draft_kv_cache_memory={kv_cache_memory} bytes holds no page of the draft "
                                        "model")
         self.budget = max(max_num_batched_tokens, max_num_seqs)
         self.runner = ModelRunner(draft.eval(), num_pages=num_pages, page_size=page_size, invariant=invariant,
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=self.budget)
-        self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching=False,
-                                   num_table_rows=block_table_rows(max_num_seqs))
+        self.blocks = KVCacheManager(num_pages, page_size, enable_prefix_caching=False,
+                                     num_table_rows=block_table_rows(max_num_seqs),
+                                     group_specs=layout.group_specs)
         self.copies: dict[str, Sequence] = {}  # request id -> its tokens and KV pages in the draft's cache
         self.num_forwards = 0
 

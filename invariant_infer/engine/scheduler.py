@@ -2,7 +2,8 @@
 
 First come, first served. Each step has a token budget (``max_num_batched_tokens``) and a
 sequence cap (``max_num_seqs``). Running sequences go first (a decode token, or the next chunk
-of a prefill), then waiting ones are admitted while budget and pages last; a prefill longer than
+of a prefill), then waiting ones are admitted while budget and pages last (counted per KV cache
+group: a windowed group holds only its window's pages, ``kv_cache_manager``); a prefill longer than
 what is left of the budget runs in chunks over several steps, mixed with other sequences' decode
 tokens. When pages run out, the most recently admitted sequence is preempted: its pages are
 freed and it is recomputed later from its tokens, which gives bitwise the same KV.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence, Status
 
 
@@ -37,17 +38,16 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 admission=None, prefill_boundary: int | None = None):
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 admission=None):
         """``admission``: whatever else a waiting sequence needs before it runs, an object whose
         ``can_admit(seq, running)`` says whether it has it (the engine's LoRA slots: a slot for its
-        adapter); None: nothing else. ``prefill_boundary``: a chunk that passes a multiple of it ends
-        at the last one it reaches (hybrid models' prefix caching saves states there only); None:
-        chunks end where the budget does."""
-        self.blocks = block_manager
+        adapter); None: nothing else. A chunk that passes a multiple of the cache's
+        ``prefill_boundary`` ends at the last one it reaches (the linear-attention state manager saves
+        states there only); without one, chunks end where the budget does."""
+        self.blocks = kv_cache
         self.admission = admission
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.prefill_boundary = prefill_boundary
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
@@ -98,8 +98,9 @@ class Scheduler:
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         count = min(seq.num_tokens - seq.num_computed, budget)
-        if self.prefill_boundary:
-            start, boundary = seq.num_computed, self.prefill_boundary
+        boundary = self.blocks.prefill_boundary
+        if boundary:
+            start = seq.num_computed
             last = (start + count) // boundary * boundary  # the last multiple the chunk reaches
             if start < last < start + count:
                 count = last - start

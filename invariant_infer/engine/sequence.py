@@ -24,8 +24,8 @@ class Sequence:
     seed: int
     arrival: int                       # admission order (FCFS)
     status: Status = Status.WAITING
-    pages: list[int] = field(default_factory=list)  # block table: page j holds positions [j*P, (j+1)*P)
-    block_row: int | None = None       # its row of the block table while it holds pages (block_manager.py)
+    pages: list[list[int]] = field(default_factory=list)  # per KV cache group: page j, positions [j*P, (j+1)*P)
+    block_row: int | None = None       # its row of the block tables while it holds pages (kv_cache_manager.py)
     num_computed: int = 0              # tokens whose KV is in the cache
     num_hashed_pages: int = 0          # leading full pages registered for prefix caching
     page_hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full page, computed lazily

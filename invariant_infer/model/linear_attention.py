@@ -14,7 +14,7 @@ chunk or a state. Packed rows (``PACKED_KWARG``) give one segment per sequence, 
 sequences: a cache passed with them is left as it is.
 
 A serving engine's step (``PAGED_BATCH_KWARG`` whose batch carries a ``LinearAttentionStep``) keeps
-the same per-sequence state in ``LinearAttentionSlots``, one slot per sequence, and runs the same
+the same per-sequence state in the engine's slots (``engine.linear_state_slots``), one per sequence, and runs the same
 computation: the convolution over the slot's last K - 1 inputs and the new ones, the scan over the
 unfinished chunk's rows and the new ones from the boundary state.
 """
@@ -42,7 +42,7 @@ class LinearAttentionState:
     state: torch.Tensor     # fp32 [B, Hv, Dk, Dv]: the state at each sequence's last chunk boundary
     rows: torch.Tensor      # [B, HISTORY, conv_dim + 2 Hv]: the unfinished chunk's q|k|v|a|b, right-aligned
     count: torch.Tensor     # long [B]: rows of the unfinished chunk
-    right_padded: bool = False  # a forward ended some row before its last column: it cannot be continued
+    right_padded: torch.Tensor | None = None  # bool []: a forward ended some row before its last column
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer index: LinearAttentionState}
@@ -53,6 +53,26 @@ def _states_of(cache) -> dict[int, LinearAttentionState]:
     if states is None:
         states = _STATES[cache] = {}
     return states
+
+
+def check_cache_continuation(cache, attention_mask: torch.Tensor | None, length: int) -> None:
+    """Raise unless a forward of ``length`` new tokens (2-D ``attention_mask`` over the cached and new
+    columns, or None) may continue ``cache``'s sequences: none ended before its last column, and no
+    row's new tokens start after padding while an unfinished chunk is held. Read at the call's entry
+    point (one host sync), not inside the layers' forward."""
+    states = _STATES.get(cache)
+    if not states:
+        return
+    mask = attention_mask[:, -length:] if attention_mask is not None and length > 1 else None  # as transformers
+    flags = []
+    for layer_state in states.values():
+        start, _ = _row_ranges(mask, layer_state.count.shape[0], length, layer_state.count.device)
+        flags.append(((layer_state.count > 0) & (start > 0)).any())
+        if layer_state.right_padded is not None:
+            flags.append(layer_state.right_padded)
+    if bool(torch.stack(flags).any()):
+        raise NonInvariantInputError("a cached sequence continued after right padding, or with padding before "
+                                     "its new tokens: pad prompts on the left, in the first forward only")
 
 
 def _row_ranges(mask: torch.Tensor | None, batch: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,9 +143,6 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
             layer_state = LinearAttentionState(torch.zeros(batch, hv, dk, dv, device=device),
                                                rows.new_zeros(batch, HISTORY, rows.shape[-1]),
                                                torch.zeros(batch, dtype=torch.long, device=device))
-        elif layer_state.right_padded or bool(((layer_state.count > 0) & (start > 0)).any()):
-            raise NonInvariantInputError("a cached sequence continued after right padding, or with padding before "
-                                         "its new tokens: pad prompts on the left, in the first forward only")
         all_rows = torch.cat([layer_state.rows, rows], dim=1)                  # [B, HISTORY + L, C]
         span = HISTORY + length
         base = torch.arange(batch, device=device, dtype=torch.long) * span
@@ -142,7 +159,7 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
             gathered = all_rows.gather(1, source.clamp(0, span - 1)[..., None].expand(-1, -1, all_rows.shape[-1]))
             layer_state.rows = torch.where(keep[..., None], gathered, torch.zeros((), dtype=rows.dtype, device=device))
             layer_state.count = count
-            layer_state.right_padded = bool((end < length).any())
+            layer_state.right_padded = (end < length).any()  # refused at the next call's entry (input_checks.py)
             _states_of(cache)[self.layer_idx] = layer_state
     normed = rms_norm_gated(core, z.view(batch, length, hv, dv), self.norm.weight, self.norm.variance_epsilon)
     if continued:
@@ -235,89 +252,10 @@ def _packed_segments(packed) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- a serving engine's step ------------------------------------------------------------------------
 
 @dataclass
-class LinearAttentionSlots:
-    """Every Gated DeltaNet layer's per-sequence state for a serving engine, in slots (the engine
-    gives each running sequence one, and a scratch slot to its padding rows): per layer, the last
-    K - 1 inputs of the convolution, the fp32 state at the last chunk boundary and the unfinished
-    chunk's rows, right-aligned (how many: the sequence's computed tokens % CHUNK). Besides, saved
-    states: the convolution's inputs and the state of a sequence at a chunk boundary (no unfinished
-    rows), which ``restore`` puts in another sequence's slot (the engine's prefix caching)."""
-    conv: dict[int, torch.Tensor]    # [slots, K - 1, conv_dim]
-    state: dict[int, torch.Tensor]   # fp32 [slots, Hv, Dk, Dv]
-    rows: dict[int, torch.Tensor]    # [slots, HISTORY, conv_dim + 2 Hv]
-    saved_conv: dict[int, torch.Tensor]   # [saved, K - 1, conv_dim]
-    saved_state: dict[int, torch.Tensor]  # fp32 [saved, Hv, Dk, Dv]
-    kernel: int
-
-    @classmethod
-    def for_layers(cls, layers, num_slots: int, device, dtype, num_saved: int = 0) -> LinearAttentionSlots:
-        """Zeroed slots (and ``num_saved`` saved states) for the ``linear_attn`` modules of ``layers``
-        (the other layers have none)."""
-        conv, state, rows, saved_conv, saved_state = {}, {}, {}, {}, {}
-        kernel = 0
-        for index, layer in enumerate(layers):
-            gdn = getattr(layer, "linear_attn", None)
-            if gdn is None:
-                continue
-            kernel = gdn.conv_kernel_size
-            state_shape = (gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
-            conv[index] = torch.zeros(num_slots, kernel - 1, gdn.conv_dim, device=device, dtype=dtype)
-            state[index] = torch.zeros(num_slots, *state_shape, device=device)
-            rows[index] = torch.zeros(num_slots, HISTORY, gdn.conv_dim + 2 * gdn.num_v_heads, device=device,
-                                      dtype=dtype)
-            saved_conv[index] = torch.zeros(num_saved, kernel - 1, gdn.conv_dim, device=device, dtype=dtype)
-            saved_state[index] = torch.zeros(num_saved, *state_shape, device=device)
-        return cls(conv, state, rows, saved_conv, saved_state, kernel)
-
-    @property
-    def nbytes(self) -> int:
-        tensors = (self.conv, self.state, self.rows, self.saved_conv, self.saved_state)
-        return sum(t.numel() * t.element_size() for d in tensors for t in d.values())
-
-    def save(self, slot: int, index: int) -> None:
-        """Copy the state of the sequence in ``slot`` (at a chunk boundary) to saved state ``index``."""
-        for layer in self.conv:
-            self.saved_conv[layer][index].copy_(self.conv[layer][slot])
-            self.saved_state[layer][index].copy_(self.state[layer][slot])
-
-    def restore(self, index: int, slot: int) -> None:
-        """Put saved state ``index`` in ``slot``: its sequence continues from that chunk boundary."""
-        for layer in self.conv:
-            self.conv[layer][slot].copy_(self.saved_conv[layer][index])
-            self.state[layer][slot].copy_(self.saved_state[layer][index])
-
-    def step(self, slot_ids: list[int], computed: list[int], query_lens: list[int], fresh: list[bool],
-             device) -> LinearAttentionStep:
-        """The layout of one step whose sequence s (slot ``slot_ids[s]``, ``computed[s]`` tokens
-        before this step, ``fresh[s]``: its state starts empty) brings ``query_lens[s]`` tokens,
-        packed in that order. A few small device ops, the same for every layer."""
-        host = torch.tensor([slot_ids, computed, query_lens, fresh], dtype=torch.long).to(device)
-        slots, done, n, new = host.unbind(0)
-        tokens = sum(query_lens)
-        fresh_mask = new.bool()
-        offset = torch.arange(tokens, device=device) - torch.repeat_interleave(n.cumsum(0) - n, n,
-                                                                                output_size=tokens)
-
-        def layout(history: int):
-            width = history + n
-            base = width.cumsum(0) - width
-            span = torch.arange(history, device=device)
-            return dict(total=tokens + history * len(slot_ids), history_at=(base[:, None] + span).flatten(),
-                        new_at=torch.repeat_interleave(base + history, n, output_size=tokens) + offset,
-                        tail_at=(base + width - history)[:, None] + span, start=base, end=base + width,
-                        out_from=base + history)
-        count = torch.where(fresh_mask, 0, done % CHUNK)
-        scan = layout(HISTORY)
-        scan["start"] = scan["out_from"] - count
-        keep = torch.arange(HISTORY, device=device)[None, :] >= HISTORY - ((count + n) % CHUNK)[:, None]
-        return LinearAttentionStep(self, slots, fresh_mask, layout(self.kernel - 1), scan, keep, {})
-
-
-@dataclass
 class LinearAttentionStep:
     """One engine step's layout: where each sequence's cached and new rows sit in the packed
-    convolution and scan inputs (``LinearAttentionSlots.step``)."""
-    slots: LinearAttentionSlots
+    convolution and scan inputs (the engine's ``LinearAttentionSlots.step``)."""
+    slots: object            # the engine's LinearAttentionSlots: conv, state, rows per layer
     slot_ids: torch.Tensor   # long [S]
     fresh: torch.Tensor      # bool [S]: the sequence's state starts empty
     conv: dict               # total, history_at, new_at, tail_at, start, end, out_from

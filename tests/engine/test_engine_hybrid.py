@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import invariant_infer.engine.linear_state_slots as linear_state_slots
 import invariant_infer.model.linear_attention as linear_attention
 from helpers.engine_runs import run_schedule
 from helpers.models import load_model
@@ -59,7 +60,7 @@ def mixed_run(model, budget: int) -> dict:
     engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=budget, decode_buckets=(4,))
     outputs = run_schedule(engine, prompts_for(model.config.vocab_size), params_for, arrivals=(0, 0, 2),
                            preempt_at=(1,))
-    assert engine.scheduler.num_preemptions > 0 and engine.runner.padding_rows > 0
+    assert engine.core.scheduler.num_preemptions > 0 and engine.core.runner.padding_rows > 0
     return outputs
 
 
@@ -106,13 +107,13 @@ def test_negative_control_a_step_that_forgets_the_unfinished_chunk(hybrid_models
     """Each step's scan starting at its own first token (the unfinished chunk's rows dropped, the
     boundary state kept): chunked prefill and decode no longer equal one forward."""
     model = hybrid_models("qwen3_5_text")
-    step = linear_attention.LinearAttentionSlots.step
+    step = linear_state_slots.LinearAttentionSlots.step
 
     def forgetful(self, slot_ids, computed, query_lens, fresh, device):
         layout = step(self, slot_ids, computed, query_lens, fresh, device)
         layout.scan["start"] = layout.scan["out_from"]
         return layout
-    monkeypatch.setattr(linear_attention.LinearAttentionSlots, "step", forgetful)
+    monkeypatch.setattr(linear_state_slots.LinearAttentionSlots, "step", forgetful)
     prompts = prompts_for(model.config.vocab_size)
     outputs = Engine(model, max_num_batched_tokens=7).generate(prompts, [params_for(i) for i in range(3)])
     scored = score_sequences(model, [prompt + outputs[i].token_ids for i, prompt in enumerate(prompts)])
@@ -142,16 +143,16 @@ def prefix_run(model, budget: int):
 @pytest.mark.parametrize("family, budget", [("qwen3_5_text", 7), ("qwen3_5_text", 2048)], ids=lambda v: str(v))
 def test_a_prefix_hit_restores_the_state_a_miss_computes(hybrid_models, family, budget):
     engine, cached, uncached = prefix_run(hybrid_models(family), budget)
-    assert engine.blocks.prefix_states.restored >= 3 and engine.blocks.prefix_hits >= 3 * 128
+    assert engine.core.blocks.prefix_states.restored >= 3 and engine.core.blocks.prefix_hits >= 3 * 128
     for a, b in zip(cached, uncached):
         assert same(a, b)
 
 
 def test_negative_control_a_hit_without_its_state(hybrid_models, monkeypatch):
     """Pages hit but the slot's state not restored (left as the slot's last owner had it): other bits."""
-    monkeypatch.setattr(linear_attention.LinearAttentionSlots, "restore", lambda self, index, slot: None)
+    monkeypatch.setattr(linear_state_slots.LinearAttentionSlots, "restore", lambda self, index, slot: None)
     engine, cached, uncached = prefix_run(hybrid_models("qwen3_5_text"), 2048)
-    assert engine.blocks.prefix_states.restored >= 3
+    assert engine.core.blocks.prefix_states.restored >= 3
     assert not all(same(a, b) for a, b in zip(cached, uncached))
 
 

@@ -1,4 +1,4 @@
-"""The scheduler and the block manager on their own: pure Python, no model. A step is simulated as
+"""The scheduler and the KV cache manager on their own: pure Python, no model. A step is simulated as
 the engine runs it: each chunk's positions become computed, full pages are registered for prefix
 caching, and a chunk that reaches its sequence's last token appends one output token."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from invariant_infer.engine.block_manager import BlockManager
-from invariant_infer.engine.prefix_states import PrefixStates
+from invariant_infer.engine.kv_cache_manager import KVCacheManager
+from invariant_infer.engine.linear_state import PrefixStates
 from invariant_infer.engine.sampling_params import SamplingParams
 from invariant_infer.engine.scheduler import Scheduler
 from invariant_infer.engine.sequence import Sequence, Status
@@ -40,22 +40,22 @@ def run_step(scheduler: Scheduler, next_token: int = 7) -> list[tuple[str, int, 
     return [(chunk.seq.request_id, chunk.start, chunk.num_tokens) for chunk in chunks]
 
 
-def computed(blocks: BlockManager, seq: Sequence) -> None:
+def computed(blocks: KVCacheManager, seq: Sequence) -> None:
     """Mark every token of ``seq`` computed, on pages allocated for them."""
     blocks.allocate(seq, seq.num_tokens)
     seq.num_computed = seq.num_tokens
     blocks.register_full_pages(seq)
 
 
-# -- block manager ---------------------------------------------------------------------------------
+# -- KV cache manager (one full-attention group) ---------------------------------------------------------------------------------
 
 def test_allocation_counts_pages_and_release_returns_them():
-    blocks = BlockManager(num_pages=8, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=8, page_size=PAGE)
     seq = sequence(9)
     assert blocks.pages_for(9) == 3 and blocks.pages_missing(seq, 9) == 3
     blocks.allocate(seq, 9)
-    assert len(seq.pages) == 3 and blocks.num_used == 3 and blocks.num_free == 5
-    assert all(blocks.ref_counts[page] == 1 for page in seq.pages)
+    assert len(seq.pages[0]) == 3 and blocks.num_used == 3 and blocks.num_free == 5
+    assert all(blocks.pool.ref_counts[page] == 1 for page in seq.pages[0])
     seq.num_computed = 9
     assert blocks.pages_missing(seq, 3) == 0 and blocks.pages_missing(seq, 4) == 1  # 12 fits, 13 does not
     blocks.release(seq)
@@ -63,30 +63,30 @@ def test_allocation_counts_pages_and_release_returns_them():
 
 
 def test_shared_prefix_pages_are_reference_counted():
-    blocks = BlockManager(num_pages=8, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=8, page_size=PAGE)
     first = sequence(10)
     computed(blocks, first)  # pages 0 and 1 full, page 2 partial
     second = sequence(10)    # the same 10 tokens
     blocks.match_prefix(second)
-    assert second.pages == first.pages[:2] and second.num_computed == 2 * PAGE
-    assert [blocks.ref_counts[page] for page in first.pages] == [2, 2, 1]
+    assert second.pages[0] == first.pages[0][:2] and second.num_computed == 2 * PAGE
+    assert [blocks.pool.ref_counts[page] for page in first.pages[0]] == [2, 2, 1]
     assert blocks.prefix_hits == 2 * PAGE
     blocks.release(first)
-    assert [blocks.ref_counts[page] for page in second.pages] == [1, 1] and blocks.num_used == 2
+    assert [blocks.pool.ref_counts[page] for page in second.pages[0]] == [1, 1] and blocks.num_used == 2
     blocks.release(second)
     assert blocks.num_used == 0
 
 
 def test_a_prefix_hit_leaves_the_last_token_to_compute():
-    blocks = BlockManager(num_pages=8, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=8, page_size=PAGE)
     computed(blocks, sequence(2 * PAGE))
     again = sequence(2 * PAGE)  # every page cached: the last token must still run, for its logits
     blocks.match_prefix(again)
-    assert again.num_computed == PAGE and len(again.pages) == 1
+    assert again.num_computed == PAGE and len(again.pages[0]) == 1
 
 
 def test_no_hit_across_hash_seeds_with_prompt_logprobs_or_with_caching_off():
-    blocks = BlockManager(num_pages=16, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=16, page_size=PAGE)
     computed(blocks, sequence(9))
     other_adapter = sequence(9)
     other_adapter.hash_seed = b"adapter digest"
@@ -95,7 +95,7 @@ def test_no_hit_across_hash_seeds_with_prompt_logprobs_or_with_caching_off():
     wants_logprobs = sequence(9, prompt_logprobs=1)
     blocks.match_prefix(wants_logprobs)
     assert wants_logprobs.num_computed == 0
-    off = BlockManager(num_pages=8, page_size=PAGE, enable_prefix_caching=False)
+    off = KVCacheManager(num_pages=8, page_size=PAGE, enable_prefix_caching=False)
     computed(off, sequence(9))
     assert off.page_of_hash == {}
     later = sequence(9)
@@ -104,7 +104,7 @@ def test_no_hit_across_hash_seeds_with_prompt_logprobs_or_with_caching_off():
 
 
 def test_a_different_token_breaks_the_chain_at_its_page():
-    blocks = BlockManager(num_pages=16, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=16, page_size=PAGE)
     computed(blocks, sequence(13))
     diverges = sequence(13, changed={PAGE + 1: 999})  # inside page 1
     blocks.match_prefix(diverges)
@@ -112,7 +112,7 @@ def test_a_different_token_breaks_the_chain_at_its_page():
 
 
 def test_freed_pages_stay_findable_until_reused_least_recently_freed_first():
-    blocks = BlockManager(num_pages=4, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=4, page_size=PAGE)
     old = sequence(2 * PAGE + 1, first_token=100)
     computed(blocks, old)  # pages 0, 1 full and cached, page 2 partial
     blocks.release(old)
@@ -123,12 +123,12 @@ def test_freed_pages_stay_findable_until_reused_least_recently_freed_first():
     blocks.release(found)
     # A new sequence takes free pages least recently freed first; the cached ones go last,
     # and a cached page that is taken loses its hash.
-    order = list(blocks.free)
+    order = list(blocks.pool.free)
     newcomer = sequence(3 * PAGE, first_token=500)
     blocks.allocate(newcomer, 3 * PAGE)
-    assert newcomer.pages == order[:3]
-    evicted = [page for page in newcomer.pages if page in (0, 1)]
-    assert evicted and all(blocks.hash_of[page] is None for page in evicted)
+    assert newcomer.pages[0] == order[:3]
+    evicted = [page for page in newcomer.pages[0] if page in (0, 1)]
+    assert evicted and all(blocks.pool.hash_of[page] is None for page in evicted)
     assert len(blocks.page_of_hash) == 2 - len(evicted)
     probe = sequence(2 * PAGE + 1, first_token=100)
     blocks.match_prefix(probe)
@@ -136,17 +136,17 @@ def test_freed_pages_stay_findable_until_reused_least_recently_freed_first():
 
 
 def test_trim_frees_the_pages_past_the_computed_positions():
-    blocks = BlockManager(num_pages=8, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=8, page_size=PAGE)
     seq = sequence(5)
     blocks.allocate(seq, 5 + 6)  # room for 6 proposals
-    assert len(seq.pages) == 3
+    assert len(seq.pages[0]) == 3
     seq.num_computed = 6         # two proposals accepted
     blocks.trim(seq)
-    assert len(seq.pages) == 2 and blocks.num_used == 2
+    assert len(seq.pages[0]) == 2 and blocks.num_used == 2
 
 
 def test_a_full_cache_refuses_allocation_and_a_reset_needs_every_page_free():
-    blocks = BlockManager(num_pages=2, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=2, page_size=PAGE)
     first = sequence(2 * PAGE)
     computed(blocks, first)
     assert blocks.num_free == 0 and not blocks.can_allocate(sequence(1), 1)
@@ -162,7 +162,7 @@ def test_a_full_cache_refuses_allocation_and_a_reset_needs_every_page_free():
 # -- scheduler -------------------------------------------------------------------------------------
 
 def test_first_come_first_served_within_the_sequence_cap():
-    scheduler = Scheduler(BlockManager(num_pages=32, page_size=PAGE), max_num_seqs=2, max_num_batched_tokens=64)
+    scheduler = Scheduler(KVCacheManager(num_pages=32, page_size=PAGE), max_num_seqs=2, max_num_batched_tokens=64)
     a, b, c = sequence(3), sequence(3), sequence(3)
     for seq in (a, b, c):
         scheduler.add(seq)
@@ -175,7 +175,7 @@ def test_first_come_first_served_within_the_sequence_cap():
 
 
 def test_a_long_prefill_runs_in_chunks_beside_decode_tokens():
-    scheduler = Scheduler(BlockManager(num_pages=32, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler = Scheduler(KVCacheManager(num_pages=32, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=8)
     short = sequence(2)
     scheduler.add(short)
     run_step(scheduler)
@@ -189,7 +189,7 @@ def test_a_long_prefill_runs_in_chunks_beside_decode_tokens():
 
 
 def test_preemption_frees_the_latest_admitted_and_recomputes_it_first():
-    blocks = BlockManager(num_pages=3, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=3, page_size=PAGE)
     scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
     early, late = sequence(PAGE), sequence(PAGE + 1, first_token=100)  # no shared prefix
     scheduler.add(early)
@@ -209,7 +209,7 @@ def test_preemption_frees_the_latest_admitted_and_recomputes_it_first():
 
 
 def test_a_waiting_sequence_without_pages_waits_and_gives_back_its_prefix_pages():
-    blocks = BlockManager(num_pages=3, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=3, page_size=PAGE)
     scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
     cached = sequence(2 * PAGE + 1, first_token=50)
     computed(blocks, cached)
@@ -236,7 +236,7 @@ class Allowed:
 
 def test_admission_waits_for_can_admit():
     allowed = Allowed("yes")
-    scheduler = Scheduler(BlockManager(num_pages=8, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=64,
+    scheduler = Scheduler(KVCacheManager(num_pages=8, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=64,
                           admission=allowed)
     blocked, after = sequence(2, request_id="no"), sequence(2, request_id="yes")
     scheduler.add(blocked)
@@ -247,7 +247,7 @@ def test_admission_waits_for_can_admit():
 
 
 def test_proposals_extend_decode_chunks_only_within_budget_and_pages():
-    blocks = BlockManager(num_pages=4, page_size=PAGE)
+    blocks = KVCacheManager(num_pages=4, page_size=PAGE)
     scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=4)
     seq = sequence(PAGE - 1)
     scheduler.add(seq)
@@ -257,7 +257,7 @@ def test_proposals_extend_decode_chunks_only_within_budget_and_pages():
     assert len(chunks) == 1 and chunks[0].num_tokens == 4 and chunks[0].draft == [1, 2, 3]  # the budget
     assert chunks[0].token_ids == [7, 1, 2, 3]
     blocks.trim(seq)  # none verified
-    assert len(seq.pages) == 1
+    assert len(seq.pages[0]) == 1
     other = sequence(2 * PAGE - 1)
     blocks.allocate(other, 2 * PAGE - 1)  # one free page left
     scheduler.max_num_batched_tokens = 64
@@ -279,13 +279,14 @@ class Store:
 
 
 def test_prefill_chunks_end_at_the_last_boundary_they_pass():
-    scheduler = Scheduler(BlockManager(num_pages=64, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=10,
-                          prefill_boundary=2 * PAGE)
+    states = PrefixStates(Store(), capacity=1, interval=2 * PAGE)  # the linear-state manager's boundary
+    scheduler = Scheduler(KVCacheManager(num_pages=64, page_size=PAGE, prefix_states=states), max_num_seqs=4,
+                          max_num_batched_tokens=10)
     seq = sequence(23)
     scheduler.add(seq)
     sizes = [run_step(scheduler)[0][2] for _ in range(5)]
     assert sizes == [8, 8, 7, 1, 1]  # 0-8, 8-16 (each budget of 10 cut at 8), 16-23 (no boundary), decode
-    plain = Scheduler(BlockManager(num_pages=64, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=10)
+    plain = Scheduler(KVCacheManager(num_pages=64, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=10)
     plain.add(sequence(23))
     assert [run_step(plain)[0][2] for _ in range(3)] == [10, 10, 3]
 
@@ -293,7 +294,7 @@ def test_prefill_chunks_end_at_the_last_boundary_they_pass():
 def test_a_hybrid_hit_ends_where_a_state_is_saved_and_restores_it_into_the_slot():
     store = Store()
     states = PrefixStates(store, capacity=2, interval=2 * PAGE)
-    blocks = BlockManager(num_pages=32, page_size=PAGE, prefix_states=states)
+    blocks = KVCacheManager(num_pages=32, page_size=PAGE, prefix_states=states)
     first = sequence(4 * PAGE + 1)
     blocks.allocate(first, first.num_tokens)
     for done in (PAGE, 2 * PAGE, 3 * PAGE, first.num_tokens):  # states saved at 8 only (16 is never reached)
@@ -302,7 +303,7 @@ def test_a_hybrid_hit_ends_where_a_state_is_saved_and_restores_it_into_the_slot(
     assert store.copies == [("save", first.block_row, 0)] and len(states) == 1
     later = sequence(4 * PAGE + 3)  # four cached pages, but a state at 8 only
     blocks.match_prefix(later)
-    assert later.num_computed == 2 * PAGE and len(later.pages) == 2
+    assert later.num_computed == 2 * PAGE and len(later.pages[0]) == 2
     assert store.copies[-1] == ("restore", 0, later.block_row) and states.restored == 1
     short = sequence(2 * PAGE)  # its last token must run: no hit at 8, and none before (no state at 4)
     blocks.match_prefix(short)
@@ -318,6 +319,6 @@ def test_saved_states_are_evicted_least_recently_used_and_cleared_with_the_cache
     states.save(b"c", slot=2)     # evicts b
     assert b"a" in states and b"c" in states and b"b" not in states
     assert store.copies[-1] == ("save", 2, store.copies[1][2])  # c took b's index
-    blocks = BlockManager(num_pages=4, page_size=PAGE, prefix_states=states)
+    blocks = KVCacheManager(num_pages=4, page_size=PAGE, prefix_states=states)
     blocks.reset_prefix_cache()
     assert len(states) == 0 and sorted(states.free) == [0, 1]

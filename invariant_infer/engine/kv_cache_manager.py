@@ -1,0 +1,227 @@
+"""The KV cache manager: one manager per KV cache group (``kv_cache_managers``) over one page pool
+(``page_pool``), and the linear-attention state manager (``linear_state``), combined.
+
+A page holds ``page_size`` consecutive positions of one sequence for every layer of one group, and
+page_size is the attention kernel's KV block, so a page never splits a block. A full page is
+identified by a hash chained over the token ids of its sequence up to its end: the KV of a token
+depends only on the tokens before it (and blocks are aligned to the sequence start), so two
+sequences with the same prefix may share those pages and get bitwise the same attention (with
+images, the chain also takes the digests of the images a page holds tokens of).
+
+Combined: a prefix hit is the longest every manager agrees on (full attention: all its pages
+cached; a window: the pages its next chunk reads; linear attention: a saved state there);
+``can_allocate`` / ``allocate`` count the pages every group misses against the one free list, so
+admission and preemption count memory per spec; after each step a window's group frees the pages
+its next chunk no longer reads.
+
+The block table: each sequence holding pages owns a row of it in every group (``seq.block_row``,
+also its linear-attention state slot), and every page added to a sequence is logged as a write
+``(group, row, column, page)`` in ``table_writes``, which the model runner applies to its persistent
+copy on the device; no step rebuilds a sequence's row.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ..errors import EngineBusyError, InternalError
+from ..model.cache_specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from .kv_cache_layout import pages_held
+from .kv_cache_managers import FullAttentionManager, SlidingWindowManager, pages_for
+from .linear_state import LinearStateManager, PrefixStates
+from .page_pool import PagePool
+from .sequence import Sequence
+
+ONE_GROUP = (FullAttentionSpec(num_kv_heads=1, head_dim=1),)  # the bytes do not matter to the manager
+
+
+def block_table_rows(max_num_seqs: int) -> int:
+    """Rows of the block table: one per running sequence, and one for the waiting sequence that
+    holds prefix pages while its admission is tried."""
+    return max_num_seqs + 1
+
+
+def page_hash(previous: bytes, tokens: list[int]) -> bytes:
+    return hashlib.sha256(previous + np.asarray(tokens, dtype="<i8").tobytes()).digest()
+
+
+def _manager(spec: AttentionSpec, group: int, pool: PagePool, page_size: int) -> FullAttentionManager:
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager(group, pool, page_size, spec.window)
+    return FullAttentionManager(group, pool, page_size)
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 num_table_rows: int | None = None, group_specs: tuple[AttentionSpec, ...] = ONE_GROUP,
+                 prefix_states: PrefixStates | None = None):
+        """``group_specs``: each KV cache group's spec (``KVCacheLayout.group_specs``); ``prefix_states``:
+        hybrid models' saved linear-attention states (a hit then ends where one is saved)."""
+        self.num_pages, self.page_size = num_pages, page_size
+        self.pool = PagePool(num_pages)
+        self.group_specs = tuple(group_specs)
+        self.managers = [_manager(spec, g, self.pool, page_size) for g, spec in enumerate(self.group_specs)]
+        self.linear = LinearStateManager(prefix_states)
+        # A sequence holding pages holds at least one, so num_pages rows always suffice.
+        self.num_table_rows = num_pages if num_table_rows is None else num_table_rows
+        self.free_rows = list(range(self.num_table_rows - 1, -1, -1))
+        self.table_writes: list[tuple[int, int, int, int]] = []  # (group, row, column, page), until taken
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_hits = 0   # tokens served from the cache, since start
+
+    # ---- what the rest of the engine reads -----------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def page_of_hash(self) -> dict:
+        """The findable pages by (group, prefix hash)."""
+        return self.pool.page_of_hash
+
+    @property
+    def prefix_states(self) -> PrefixStates | None:
+        return self.linear.states
+
+    @property
+    def prefill_boundary(self) -> int | None:
+        """Prefill chunks end at the multiples of it they pass (None: where the budget does)."""
+        return self.linear.prefill_boundary
+
+    def pages_for(self, num_tokens: int) -> int:
+        return pages_for(num_tokens, self.page_size)
+
+    def pages_needed(self, num_tokens: int, chunk: int) -> int:
+        """The most pages one sequence of ``num_tokens`` tokens holds at once, in all groups, its
+        steps bringing at most ``chunk`` tokens each."""
+        return sum(pages_held(spec, num_tokens, self.page_size, chunk) for spec in self.group_specs)
+
+    def take_table_writes(self) -> list[tuple[int, int, int, int]]:
+        """The block-table writes since the last call (the runner applies them in order)."""
+        writes, self.table_writes = self.table_writes, []
+        return writes
+
+    # ---- one sequence's pages ----------------------------------------------------------------------
+
+    def _hold(self, seq: Sequence) -> None:
+        """Give the sequence its block-table row (and state slot), and a page list per group."""
+        if seq.block_row is None:
+            if not self.free_rows:
+                raise InternalError(f"more than {self.num_table_rows} sequences hold KV pages")
+            seq.block_row = self.free_rows.pop()
+        if not seq.pages:
+            seq.pages = [[] for _ in self.managers]
+
+    def _add_page(self, seq: Sequence, group: int, page: int) -> None:
+        pages = seq.pages[group]
+        self.table_writes.append((group, seq.block_row, len(pages), page))
+        pages.append(page)
+
+    def _hash(self, seq: Sequence, j: int) -> bytes:
+        """The hash of the sequence's page j (full), extending its chain as far as needed."""
+        while len(seq.page_hashes) <= j:
+            k = len(seq.page_hashes)
+            previous = seq.page_hashes[-1] if k else seq.hash_seed
+            first, end = k * self.page_size, (k + 1) * self.page_size
+            if seq.multimodal is not None:  # the digests of the images this page holds tokens of
+                previous += seq.multimodal.page_key(first, end)
+            seq.page_hashes.append(page_hash(previous, seq.token_ids[first:end]))
+        return seq.page_hashes[j]
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """For a sequence with nothing in the cache yet: take the cached pages of its longest cached
+        prefix that every manager agrees on. At least one token is left to compute, so that the
+        step yields its logits."""
+        assert not seq.pages and seq.num_computed == 0
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+            return
+        limit = (seq.num_tokens - 1) // self.page_size
+        full = [m for m in self.managers if type(m) is FullAttentionManager]
+        if full:  # full attention needs every page: its hit is the contiguous run of cached ones
+            run = 0
+            while run < limit and all(self.pool.cached((m.group, self._hash(seq, run))) is not None for m in full):
+                run += 1
+            limit = run
+        matched = limit
+        while matched and not self._agreed(seq, matched):
+            matched -= 1
+        if not matched:
+            return
+        self._hold(seq)
+        for m in self.managers:
+            m.take_hit(seq, matched, lambda j, g=m.group: (g, self._hash(seq, j)), self._add_page)
+        seq.num_computed = seq.num_hashed_pages = matched
+        seq.num_computed *= self.page_size
+        self.prefix_hits += seq.num_computed
+        self.linear.take_hit(seq.num_computed, lambda: self._hash(seq, matched - 1), seq.block_row)
+
+    def _agreed(self, seq: Sequence, matched: int) -> bool:
+        if not self.linear.hit_at(matched * self.page_size, lambda: self._hash(seq, matched - 1)):
+            return False
+        return all(m.hit_at(seq, matched, lambda j, g=m.group: (g, self._hash(seq, j))) for m in self.managers)
+
+    def pages_missing(self, seq: Sequence, num_new_tokens: int) -> int:
+        return sum(m.missing(seq, num_new_tokens) for m in self.managers)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.pages_missing(seq, num_new_tokens) <= self.num_free
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Pages for the sequence's next ``num_new_tokens`` tokens (call ``can_allocate`` first)."""
+        for m in self.managers:
+            missing = m.missing(seq, num_new_tokens)
+            if missing:  # none, most decode steps
+                self._hold(seq)
+                for _ in range(missing):
+                    self._add_page(seq, m.group, self.pool.take_free())
+
+    def register_full_pages(self, seq: Sequence) -> None:
+        """After a step: make the sequence's newly completed pages findable by their prefix, save
+        its linear-attention state where one is saved, and free the pages its windows left."""
+        if not seq.pages:
+            return
+        if self.enable_prefix_caching:
+            full = seq.num_computed // self.page_size
+            if seq.num_computed:
+                self.linear.after_step(seq, lambda: self._hash(seq, full - 1), seq.block_row)
+            for j in range(seq.num_hashed_pages, full):
+                key = self._hash(seq, j)
+                for g, pages in enumerate(seq.pages):
+                    if pages[j] >= 0:
+                        self.pool.register(pages[j], (g, key))
+            seq.num_hashed_pages = max(seq.num_hashed_pages, full)
+        for m in self.managers:
+            m.free_unneeded(seq)
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the sequence's pages past its computed positions (those of rejected proposals: never
+        registered, since only pages its computed positions fill are). A sequence rolled back past
+        pages its window freed is released whole, to be recomputed from its first token."""
+        if not seq.pages:
+            return
+        if not all([m.trim(seq) for m in self.managers]):
+            self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Give back the sequence's pages (finished, aborted or preempted)."""
+        if seq.pages:
+            for m in self.managers:
+                m.release(seq)
+        seq.pages = []
+        seq.num_computed = seq.num_hashed_pages = 0
+        if seq.block_row is not None:  # its row's entries are never read again: a new owner writes its own
+            self.free_rows.append(seq.block_row)
+            seq.block_row = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (all must be free); returns how many were findable."""
+        if self.num_used:
+            raise EngineBusyError(f"{self.num_used} KV pages are in use")
+        self.linear.clear()
+        return self.pool.forget_cached()
