@@ -1,5 +1,6 @@
 """python -m benchmarks [--quick] [--out DIR] [--only matmul,e2e,...] [--budget-s S] [--model-preset FAMILY:PRESET]
-[--items all|headline|rest]; python -m benchmarks plan [--write-doc] [--gpu h100|h200] (benchmarks.plan)"""
+[--items all|headline|rest]; python -m benchmarks plan [--write-doc] [--gpu h100|h200] (benchmarks.plan);
+python -m benchmarks kv [--write-doc] (benchmarks.kv)"""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +81,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["plan"]:  # the plan report: python -m benchmarks plan --help
         from .plan import main as plan_main
         return plan_main(argv[1:])
+    if argv[:1] == ["kv"]:  # the KV memory report: python -m benchmarks kv --help
+        from .kv import main as kv_main
+        return kv_main(argv[1:])
     args = parse(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
     family, preset = args.model_preset
