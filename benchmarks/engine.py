@@ -31,6 +31,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from invariant_infer import restore
 from invariant_infer.engine import Engine, SamplingParams
+from invariant_infer.engine.kv_cache_layout import kv_cache_layout
 from invariant_infer.engine.model_runner import ModelRunner
 from invariant_infer.model.padding import left_pad
 
@@ -66,8 +67,9 @@ def kv_cache_bytes(config, device: torch.device, dtype: torch.dtype, concurrency
     """Twice the pages ``concurrency`` sequences of ``tokens`` tokens need (no preemption, small
     allocation; the engine's default would take half the free GPU memory)."""
     page_size = ModelRunner.page_size_for(config, device, dtype)
-    pages = concurrency * -(-tokens // page_size) + 1
-    return 2 * pages * ModelRunner.page_bytes(config, dtype, page_size)
+    layout = kv_cache_layout(config)  # a page holds one KV cache group's layers: a sequence needs pages in each
+    pages = concurrency * -(-tokens // page_size) * len(layout.groups) + 1
+    return 2 * pages * layout.page_bytes(dtype, page_size)
 
 
 class _Stamps(BaseStreamer):
@@ -205,7 +207,7 @@ def run(ctx: Run, config=None, concurrency=None, requests=None, prompt_lens=None
                         engine = _engine(model, kernels, conc, kv_bytes, batched_tokens)
                         outputs, summary = run_engine(engine, prompts, params, conc, ctx.device)
                         row.update(summary, max_num_batched_tokens=batched_tokens,
-                                   preemptions=engine.scheduler.num_preemptions)
+                                   preemptions=engine.core.scheduler.num_preemptions)
                         if kernels == "invariant" and conc == 1:  # one in flight: each request ran alone
                             for i, out in enumerate(outputs):
                                 alone.setdefault(i, out)

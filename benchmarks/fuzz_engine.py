@@ -37,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from invariant_infer.engine import Engine, SamplingParams
+from invariant_infer.engine.kv_cache_layout import kv_cache_layout
 from invariant_infer.engine.model_runner import ModelRunner
 from invariant_infer.model.families import FAMILIES
 from invariant_infer.checkpoints.loading import DTYPES
@@ -170,8 +171,10 @@ class Runner:
     def _pages(self, family: str, dtype: str, requests) -> tuple[int, int]:
         config = self.models.configs[family]
         page_size = ModelRunner.page_size_for(config, torch.device(self.device), DTYPES[dtype])
+        layout = kv_cache_layout(config)  # a page holds one KV cache group's layers: a request needs pages in each
         need = max(-(-(len(r.prompt) + dict(r.params)["max_tokens"]) // page_size) for r in requests)
-        return need, ModelRunner.page_bytes(config, DTYPES[dtype], page_size)
+        need *= len(layout.groups)
+        return need, layout.page_bytes(DTYPES[dtype], page_size)
 
     def together(self, s: Schedule):
         """(outputs in request order, engine) of the whole schedule through one engine."""
@@ -210,14 +213,14 @@ def _coverage(s: Schedule, engine) -> list[str]:
     keys += ["sampled" if p.get("temperature") else "greedy" for p in params]
     keys += [f"logprobs={p['logprobs']}" for p in params if p["logprobs"] is not None]
     keys += ["prompt_logprobs" for p in params if p["prompt_logprobs"] is not None]
-    if engine.scheduler.num_preemptions:
+    if engine.core.scheduler.num_preemptions:
         keys.append("preempted")
-    if engine.blocks.prefix_hits:
+    if engine.core.blocks.prefix_hits:
         keys.append("prefix_hit")
     if any(len(r.prompt) > s.max_num_batched_tokens for r in s.requests):
         keys.append("chunked_prefill")
-    if engine.speculative is not None:
-        stats = engine.speculative.stats
+    if engine.core.speculative is not None:
+        stats = engine.core.speculative.stats
         keys.append(f"speculative={dict(s.speculative)['method']}")
         keys += ["spec_accepted"] * bool(stats.num_accepted_tokens)
         keys += ["spec_rejected"] * (stats.num_draft_tokens > stats.num_accepted_tokens)
@@ -264,8 +267,8 @@ def check(runner: Runner, s: Schedule) -> dict:
                 "prefix_hit_tokens": 0, "coverage": [],
                 "mismatches": [{"request": None, "fields": [f"raised {type(exc).__name__}: {exc}"]}]}
     return {"schedule": s, "requests": len(s.requests), "mismatches": mismatches, "steps": steps,
-            "tokens": sum(len(o.token_ids) for o in together), "preemptions": engine.scheduler.num_preemptions,
-            "prefix_hit_tokens": engine.blocks.prefix_hits, "coverage": _coverage(s, engine)}
+            "tokens": sum(len(o.token_ids) for o in together), "preemptions": engine.core.scheduler.num_preemptions,
+            "prefix_hit_tokens": engine.core.blocks.prefix_hits, "coverage": _coverage(s, engine)}
 
 
 def run(args) -> dict:

@@ -82,7 +82,7 @@ def measure(model, kernels: str, running: int, context: int, steps: int, warmup:
                     kv_cache_memory=kv_cache_bytes(config, device, model.dtype, running, context + max_tokens),
                     kernels=kernels)
     if forward == "stand-in":
-        engine.runner.forward = stand_in_forward(engine.runner, config.hidden_size)
+        engine.core.runner.forward = stand_in_forward(engine.core.runner, config.hidden_size)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for prompt in random_prompts(running, (context, context), config.vocab_size, PROMPT_SEED):
         engine.add_request(prompt, params)
@@ -92,12 +92,12 @@ def measure(model, kernels: str, running: int, context: int, steps: int, warmup:
     for _ in range(warmup):
         if len(engine.step()) != running:
             raise RuntimeError(f"expected all {running} sequences to advance together")
-    engine.timer = timer = StepTimer(device)
+    engine.core.timer = timer = StepTimer(device)
     for _ in range(steps):
         outputs = engine.step()
         if len(outputs) != running or any(len(o.token_ids) != 1 for o in outputs):
             raise RuntimeError(f"a timed step advanced {len(outputs)} of {running} sequences")
-    engine.timer = None
+    engine.core.timer = None
     per_step = timer.per_step_us()
     host = sum(per_step[p] for p in HOST_PHASES)  # medians per phase, summed
     device_us = sum(per_step[p] for p in DEVICE_PHASES)

@@ -61,12 +61,12 @@ def layer_skip_draft(target, config, device, dtype):
 
 
 def count_forwards(engine: Engine) -> list[int]:
-    count, forward = [0], engine.runner.forward
+    count, forward = [0], engine.core.runner.forward
 
     def counted(inputs):
         count[0] += 1
         return forward(inputs)
-    engine.runner.forward = counted
+    engine.core.runner.forward = counted
     return count
 
 
@@ -80,7 +80,7 @@ def generate(model, prompts, params, kv_bytes: int, speculative, device) -> tupl
     _sync(device)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    spec = engine.speculative
+    spec = engine.core.speculative
     row = {"output_tokens": tokens, "target_forwards": forwards[0], "forwards_per_token": forwards[0] / tokens,
            "elapsed_s": elapsed, "tokens_per_s": tokens / max(elapsed, 1e-9),
            "acceptance_length": spec.stats.mean_acceptance_length if spec else None,

@@ -1,8 +1,9 @@
 """asyncio front for the engine: one background thread runs the core's steps while requests are
 in flight; each request is an async iterator of its outputs, of its ``output_kind``.
 
-The engine's lock holds only the core: tokenizing a prompt, decoding the text, stop strings and
-building outputs run outside it (the frontend: each request's ``OutputProcessor``, in its own
+It drives its engine's core (``engine.core``) through the engine's frontend (``engine.frontend``, the
+one ``Engine`` uses). The engine's lock holds only the core: tokenizing a prompt, decoding the text,
+stop strings and building outputs run outside it (each request's ``OutputProcessor``, in its own
 iterator), so one long prompt or a slow client never stalls a step. The core hands each request
 its deltas; a stop string found by the frontend aborts the request in the core.
 
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from .engine import Engine, RequestOutput
-from .output import OutputProcessor, end_delta
+from .output import end_delta
 from .sampling_params import SamplingParams
 from ..errors import EngineBusyError, UnsupportedOperationError
 
@@ -28,7 +29,7 @@ T = TypeVar("T")
 
 class AsyncEngine:
     def __init__(self, engine: Engine):
-        self.engine = engine
+        self.engine, self.core, self.frontend = engine, engine.core, engine.frontend
         self._lock = threading.Lock()          # the engine is not thread-safe: one caller at a time
         self._encode_lock = threading.Lock()   # prompts are encoded one at a time, off the event loop
         self._wake = threading.Event()
@@ -44,15 +45,15 @@ class AsyncEngine:
             self._wake.wait()
             with self._lock:
                 self._apply_aborts()
-                if not self.engine.has_unfinished():
+                if not self.core.has_unfinished():
                     self._wake.clear()
                     continue
                 try:
-                    deltas = self.engine.step_deltas()
+                    deltas = self.core.step_deltas()
                 except Exception as exc:  # noqa: BLE001  (the loop must survive; fail what is in flight)
                     deltas = []
                     for rid in list(self._streams):
-                        self.engine.abort(rid)
+                        self.core.abort(rid)
                         deltas.append(end_delta(rid, "error", f"{type(exc).__name__}: {exc}"))
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)
@@ -64,7 +65,7 @@ class AsyncEngine:
         with self._aborts_lock:
             aborts, self._aborts = self._aborts, []
         for request_id in aborts:
-            self.engine.abort(request_id)
+            self.core.abort(request_id)
 
     def _abort_later(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -80,21 +81,21 @@ class AsyncEngine:
         images = None
         if isinstance(prompt, (str, dict)):
             with self._encode_lock:
-                prompt_ids, images = self.engine.split_prompt(prompt)
+                prompt_ids, images = self.frontend.split_prompt(prompt)
         else:
-            prompt_ids = self.engine.encode(prompt)
+            prompt_ids = self.frontend.encode(prompt)
         with self._lock:
             if images:
-                prompt_ids, multimodal = self.engine.prepare_images(prompt_ids, images)
-            request_id, seed = self.engine.add_token_request(prompt_ids, params, request_id, lora=lora,
-                                                             multimodal=multimodal)
+                prompt_ids, multimodal = self.frontend.prepare_images(prompt_ids, images)
+            request_id, seed = self.core.add_token_request(prompt_ids, params, request_id, lora=lora,
+                                                           multimodal=multimodal)
             self._streams[request_id] = (loop, queue)
         return request_id, seed, prompt_ids
 
     def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
         """``Engine.prepare_images`` under the engine's lock (the vision tower is the model's), from any thread."""
         with self._lock:
-            return self.engine.prepare_images(prompt_ids, images)
+            return self.frontend.prepare_images(prompt_ids, images)
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        lora: str | None = None, multimodal=None) -> AsyncIterator[RequestOutput]:
@@ -112,7 +113,7 @@ class AsyncEngine:
             adding.add_done_callback(lambda f: f.cancelled() or f.exception() or self._abort_later(f.result()[0]))
             raise
         self._wake.set()
-        processor = OutputProcessor(request_id, prompt_ids, params, seed, self.engine.tokenizer)
+        processor = self.frontend.output_processor(request_id, prompt_ids, params, seed)
         finished = False
         try:
             while not finished:
@@ -139,33 +140,33 @@ class AsyncEngine:
         """``Engine.reset_prefix_cache`` between steps (``EngineBusyError`` while requests are in flight)."""
         with self._lock:
             self._apply_aborts()
-            return self.engine.reset_prefix_cache()
+            return self.core.reset_prefix_cache()
 
     def update_weights(self, update: Callable[[object], T]) -> T:
         """Run ``update(model)`` (in-place changes of its weights) while no step runs, then reset
         the prefix cache, also if ``update`` raises (its copy may have stopped halfway). With
         requests in flight, raises ``EngineBusyError`` and runs nothing. Blocks up to one step:
         call it off the event loop."""
-        if self.engine.tensor_parallel_size > 1:
+        if self.core.tensor_parallel_size > 1:
             raise UnsupportedOperationError("weight updates are not supported under tensor parallelism (the other "
                                             "ranks hold their own shards)")
         with self._lock:
             self._apply_aborts()
-            if self.engine.has_unfinished():
-                raise EngineBusyError(f"cannot update the weights with {len(self.engine.sequences)} requests in the "
+            if self.core.has_unfinished():
+                raise EngineBusyError(f"cannot update the weights with {len(self.core.sequences)} requests in the "
                                       "engine")
             try:
-                return update(self.engine.model)
+                return update(self.core.model)
             finally:
-                self.engine.reset_prefix_cache()
+                self.core.reset_prefix_cache()
 
     def stats(self) -> dict:
         with self._lock:
-            scheduler, blocks = self.engine.scheduler, self.engine.blocks
+            scheduler, blocks = self.core.scheduler, self.core.blocks
             stats = {"waiting": len(scheduler.waiting), "running": len(scheduler.running),
                      "kv_pages_used": blocks.num_used, "kv_pages_total": blocks.num_pages}
-            if self.engine.speculative is not None:
-                spec = self.engine.speculative.stats
+            if self.core.speculative is not None:
+                spec = self.core.speculative.stats
                 stats.update(spec_decode_num_drafts=spec.num_drafts,
                              spec_decode_num_draft_tokens=spec.num_draft_tokens,
                              spec_decode_num_accepted_tokens=spec.num_accepted_tokens)

@@ -3,9 +3,10 @@ function of the request alone.
 
 ``add_token_request`` queues a request, ``step_deltas`` runs one step (schedule, one packed forward,
 prompt logprobs, sampling, stop tokens) and returns what it added to every request that advanced,
-O(new tokens) per request whatever its length; ``abort`` stops one. The core neither encodes nor
-decodes: ``Engine`` (``engine.py``) adds text prompts, the outputs built from the deltas (text, stop
-strings, output kinds) and the offline jobs.
+O(new tokens) per request whatever its length; ``abort`` stops one, ``finish`` ends one its caller found
+finished (a stop string). The core neither encodes nor decodes: ``Engine`` (``engine.py``) holds a core
+and the frontend (``frontend.py``: text prompts and images in, the outputs built from the deltas out:
+text, stop strings, output kinds), which ``AsyncEngine`` shares, and adds the offline jobs.
 
 On ``TensorParallelRanks`` (``invariant_infer.parallel``), the core runs in rank 0's process: it
 schedules, samples and keeps the requests; every step's forward and logits run on all ranks in
@@ -23,13 +24,14 @@ from ..errors import (DeviceError, EngineBusyError, InvalidArgumentError, LoraAd
 from ..model.executor import Executor, executor_for
 from ..model.lora import is_peft_model
 from ..model.families import text_config
+from ..model.image_inputs import placeholder_token_ids
 from ..model.patch import is_invariant, make_invariant
-from .block_manager import BlockManager, block_table_rows
-from .hybrid import is_hybrid
+from .kv_cache_layout import kv_cache_layout
+from .kv_cache_manager import KVCacheManager, block_table_rows
+from .linear_state import PrefixStates, saved_state_interval
 from .model_support import check_engine_support
 from .lora_slots import LoraAdapter, LoraSlots
 from .model_runner import ModelRunner
-from .prefix_states import PrefixStates, saved_state_interval
 from .logprob_rows import record_prompt_logprobs, record_top_logprobs, row_logprobs
 from .output import SequenceDelta
 from .sampler import pick_alone, pick_rows, picks_alone
@@ -46,12 +48,17 @@ DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5   # of the free memory at start
 class EngineCore:
     """Continuous batching over one causal LM, on token ids (see the module's docstring).
 
+    ``suppressed_token_ids``: token ids no request ever samples (the sampler sets their logits to
+    -inf before picking, each row alone; reported logprobs are unchanged).
+
     Weight updates: the engine keeps no copy of any weight, nor anything derived from one but the
     KV cache. Each step reads the parameters of the model's own modules, so an in-place update (an
     optimizer step, ``param.data.copy_``, ``load_state_dict``, ``weight_update.load_weights_from_disk``)
     reaches the next step. Cached prefix pages hold KV computed under the weights of their time:
     call ``reset_prefix_cache()`` after an update, with no request in the engine, and every later
     result equals that of an engine freshly built on the updated model, bitwise."""
+
+    suppressed_token_ids: tuple[int, ...] = ()
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
@@ -70,46 +77,52 @@ class EngineCore:
                                        "first)")
         if model.get_output_embeddings() is None or not hasattr(model, "model"):
             raise InvalidArgumentError("the engine runs causal LMs (AutoModelForCausalLM), not base models")
-        hybrid = is_hybrid(model.config)
         self.model, self.tokenizer = model.eval(), tokenizer
         config = text_config(model.config)
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
         dtype, device = model.get_output_embeddings().weight.dtype, model.get_output_embeddings().weight.device
         page_size = ModelRunner.page_size_for(config, device, dtype)
         self.tensor_parallel_size = executor.tensor_parallel_size
-        # kv_cache_memory is per rank; a rank holds 1 / tensor_parallel_size of the KV heads.
-        self.page_bytes = page_bytes = ModelRunner.page_bytes(config, dtype, page_size, self.tensor_parallel_size)
+        # kv_cache_memory is per rank; a rank holds 1 / tensor_parallel_size of the KV heads. A page
+        # holds page_size tokens of one KV cache group's layers (kv_cache_layout.py).
+        layout = kv_cache_layout(model.config)
+        self.page_bytes = page_bytes = layout.page_bytes(dtype, page_size, self.tensor_parallel_size)
         if kv_cache_memory is None:
             kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY if device.type != "cuda" else \
                 int(torch.cuda.mem_get_info(device)[0] * DEFAULT_CUDA_KV_CACHE_FRACTION)
         # No more pages than max_num_seqs sequences of max_position_embeddings tokens can use.
-        num_pages = min(kv_cache_memory // page_bytes, max_num_seqs * -(-self.max_positions // page_size))
+        most = sum(layout.pages_for_request(self.max_positions, page_size, max_num_batched_tokens))
+        num_pages = min(kv_cache_memory // page_bytes, max_num_seqs * most)
         if num_pages < 1:
             raise InvalidArgumentError(f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes "
                                        "each)")
         if is_peft_model(model):
             raise InvalidArgumentError("the engine runs a base model: pass the PeftModel's base and "
                                        "engine.add_lora(name, peft_model) with max_loras >= 1")
+        # Linear-attention layers' prefix caching: their state saved where prefill chunks end at a
+        # multiple of the chunk and page sizes (linear_state.py), room for max_num_seqs states.
+        saved_states = max_num_seqs if enable_prefix_caching else 0
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   decode_buckets=decode_buckets, executor=executor, max_loras=max_loras,
-                                  max_lora_rank=max_lora_rank,
-                                  saved_states=max_num_seqs if hybrid and enable_prefix_caching else 0)
+                                  max_lora_rank=max_lora_rank, saved_states=saved_states)
         self.loras: LoraSlots | None = self.runner.loras  # LoRA adapter slots (lora_slots.py); None serves none
-        # Hybrid models' prefix caching: the linear-attention state saved where prefill chunks end at a
-        # multiple of the chunk and page sizes (prefix_states.py).
         prefix_states = None
-        if hybrid and enable_prefix_caching:
-            prefix_states = PrefixStates(self.runner.state_copies, max_num_seqs, saved_state_interval(page_size))
-        self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching,
-                                   num_table_rows=block_table_rows(max_num_seqs), prefix_states=prefix_states)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission=self.loras,
-                                   prefill_boundary=prefix_states.interval if prefix_states is not None else None)
+        if self.runner.linear_slots is not None and saved_states:
+            prefix_states = PrefixStates(self.runner.state_copies, saved_states, saved_state_interval(page_size))
+        # One manager per KV cache group over one page pool (kv_cache_manager.py): the "blocks" the
+        # server's stats, the scheduler and the tests read.
+        self.blocks = KVCacheManager(num_pages, page_size, enable_prefix_caching,
+                                     num_table_rows=block_table_rows(max_num_seqs),
+                                     group_specs=self.runner.layout.group_specs, prefix_states=prefix_states)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, admission=self.loras)
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         eos = tokenizer.eos_token_id if eos is None and tokenizer is not None else eos
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        # Never sampled by any request (a vision-language model's image and video placeholders).
+        self.suppressed_token_ids: tuple[int, ...] = placeholder_token_ids(model.config)
         self.timer = None  # off (the null timer); set a StepTimer to time each step's phases (benchmarks)
         self.speculative = speculative_decoder(self, speculative, kernels)  # None: off (see speculative.py)
 
@@ -135,8 +148,10 @@ class EngineCore:
         if total > self.max_positions:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} is "
                                f"more than the model's {self.max_positions} positions", param="max_tokens")
-        if self.blocks.pages_for(total) > self.blocks.num_pages:
-            raise RequestError(f"prompt + max_tokens needs {self.blocks.pages_for(total)} KV pages; the cache has "
+        # Per KV cache group: full attention holds the whole context, a window its pages and a chunk's.
+        need = self.blocks.pages_needed(total, self.scheduler.max_num_batched_tokens)
+        if need > self.blocks.num_pages:
+            raise RequestError(f"prompt + max_tokens needs {need} KV pages; the cache has "
                                f"{self.blocks.num_pages} in all (raise kv_cache_memory)", param="max_tokens")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)", param="stop")
@@ -172,6 +187,13 @@ class EngineCore:
         if not seq.finished:
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
         return self._delta(seq)
+
+    def finish(self, request_id: str, reason: str) -> None:
+        """End a request the caller found finished (a stop string: ``reason`` "stop") and free its pages;
+        its deltas so far were returned, so none is made. Nothing for an unknown or finished request."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self._finish(seq, reason)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -300,7 +322,8 @@ class EngineCore:
         # Every row whose pick depends on its own logits alone, in one pass (sampler.py).
         try:
             known = pick_rows(logits, [(r + i, seq, seq.num_output_tokens + i) for r, seq, draft in sample_rows
-                                       if not picks_alone(seq) for i in range(len(draft) + 1)])
+                                       if not picks_alone(seq) for i in range(len(draft) + 1)],
+                              self.suppressed_token_ids)
         except Exception as exc:  # noqa: BLE001  (each row again alone: a failure stays its request's)
             raise_if_device_failure(exc, "the engine's sampling")
             known = {}
@@ -346,7 +369,7 @@ class EngineCore:
                 return None
             if row + i in known:
                 return known[row + i]
-            return pick_alone(seq, logits[row + i], seq.num_output_tokens + i, before)
+            return pick_alone(seq, logits[row + i], seq.num_output_tokens + i, before, self.suppressed_token_ids)
         return verify(draft, pick)
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
@@ -388,6 +411,10 @@ class EngineCore:
 
     def list_loras(self) -> list[LoraAdapter]:
         return list(self.loras.adapters.values()) if self.loras is not None else []
+
+    def check_lora(self, name: str | None) -> None:
+        """Raise ``RequestError`` unless requests can name adapter ``name`` (None: the base model)."""
+        self._lora_fields(name)
 
     def _lora_fields(self, name: str | None) -> dict:
         """The Sequence fields of a request for adapter ``name`` (None: the base model)."""

@@ -8,15 +8,20 @@
 ``generate`` and ``score`` run until their requests finish. Each request's outputs are of its
 ``SamplingParams.output_kind``: cumulative (the default), deltas, or the final one only.
 
-``Engine`` is the core (``core.py``: token ids in, ``SequenceDelta``s out) plus a frontend: it
-encodes text prompts, and an ``OutputProcessor`` per request decodes the text, applies stop strings
-and builds its outputs. ``AsyncEngine`` runs the core on its engine thread and the processors
-outside the engine's lock.
+``Engine`` holds a core (``engine.core``, ``core.py``: token ids in, ``SequenceDelta``s out) and a
+frontend (``engine.frontend``, ``frontend.py``): the frontend encodes text prompts and images, and an
+``OutputProcessor`` per request decodes the text, applies stop strings and builds its outputs.
+``AsyncEngine`` drives the same core through the same frontend, on its engine thread.
+
+Besides its methods, an engine shows these of its core, read-only: ``model``, ``tokenizer``,
+``vocab_size``, ``max_positions``, ``tensor_parallel_size`` and ``page_bytes`` (the bytes of one KV
+page, to size ``kv_cache_memory``). The core's state (``engine.core.scheduler``, ``.blocks`` with the
+KV pages and prefix-cache counters, ``.runner``, ``.sequences``, ``.speculative`` with its stats,
+``.loras``, ``.timer``) is the core's.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence as SequenceABC
 
 import torch
 from tqdm import tqdm
@@ -24,13 +29,18 @@ from tqdm import tqdm
 from ..errors import InvalidArgumentError, RequestError, RequestFailedError
 from ..scoring.core import ScoreResult
 from .core import EngineCore
-from .multimodal import ImageInputs
-from ..model.image_inputs import expanded_position, split_multimodal
+from .frontend import Frontend
+from ..model.image_inputs import expanded_position
 from .output import OutputProcessor, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 
 
-class Engine(EngineCore):
+def _core_value(name: str) -> property:
+    """The engine's read-only view of its core's attribute ``name``."""
+    return property(lambda engine: getattr(engine.core, name), doc=f"``EngineCore.{name}`` (read-only).")
+
+
+class Engine:
     """Continuous batching over one causal LM, with text (see the module's docstring); ``options``
     are ``EngineCore``'s: max_num_seqs, max_num_batched_tokens, kv_cache_memory,
     enable_prefix_caching, kernels, decode_buckets, executor, speculative, max_loras, max_lora_rank."""
@@ -39,39 +49,38 @@ class Engine(EngineCore):
         """``tokenizer``: the model's tokenizer, or a vision-language model's processor (its ``image_processor``
         and ``tokenizer``), through which requests with images go (``multimodal.py``)."""
         processor = tokenizer if hasattr(tokenizer, "image_processor") else None
-        super().__init__(model, getattr(tokenizer, "tokenizer", None) if processor is not None else tokenizer,
-                         **options)
-        self.images = ImageInputs(model, processor) if getattr(model.config, "vision_config", None) else None
+        self.core = EngineCore(model, getattr(tokenizer, "tokenizer", None) if processor is not None else tokenizer,
+                               **options)
+        self.frontend = Frontend(self.core, processor)
         self.processors: dict[str, OutputProcessor] = {}  # of the requests add_request queued
+
+    # ---- the core's, read-only (see the module's docstring) ----------------------------------------
+
+    model = _core_value("model")
+    tokenizer = _core_value("tokenizer")
+    vocab_size = _core_value("vocab_size")
+    max_positions = _core_value("max_positions")
+    tensor_parallel_size = _core_value("tensor_parallel_size")
+    page_bytes = _core_value("page_bytes")
 
     # ---- requests ---------------------------------------------------------------------------------
 
     def encode(self, prompt) -> list[int]:
-        """A prompt's token ids (a string needs the tokenizer; a list of ids is checked and copied)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("a text prompt needs a tokenizer: Engine(model, tokenizer)")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        prompt = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt
-        if not isinstance(prompt, SequenceABC) or not all(type(t) is int for t in prompt):
-            raise RequestError("a prompt is a string or a list of token ids")
-        return list(prompt)
+        """A prompt's token ids (``Frontend.encode``)."""
+        return self.frontend.encode(prompt)
 
     def split_prompt(self, prompt) -> tuple[list[int], list | None]:
         """(token ids, images or None) of a prompt: a string, token ids, or vLLM's multimodal form
         ``{"prompt_token_ids": ids (or "prompt": text), "multi_modal_data": {"image": image or [images]}}``."""
-        if not isinstance(prompt, dict):
-            return self.encode(prompt), None
-        content, images = split_multimodal(prompt)
-        return self.encode(content), images
+        return self.frontend.split_prompt(prompt)
 
     def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
         """(the prompt with its image tokens expanded, its MultimodalPrompt); (prompt_ids, None) without images."""
-        if not images:
-            return prompt_ids, None
-        if self.images is None:
-            raise RequestError("this model takes no images", param="multi_modal_data")
-        return self.images.prepare(prompt_ids, images)
+        return self.frontend.prepare_images(prompt_ids, images)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``RequestError`` if the request cannot run (``EngineCore.check_request``)."""
+        self.core.check_request(prompt_ids, params)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, lora=None) -> str:
         """Queue a request on adapter ``lora`` (None: the base model); returns its id, or raises ``RequestError``.
@@ -81,18 +90,23 @@ class Engine(EngineCore):
                            lora)
 
     def _queue(self, prompt_ids: list[int], multimodal, params: SamplingParams, request_id, lora) -> str:
-        seq = self._add(prompt_ids, params, request_id, lora, multimodal)
-        self.processors[seq.request_id] = OutputProcessor(seq.request_id, seq.prompt_ids, params, seq.seed,
-                                                          self.tokenizer)
-        return seq.request_id
+        request_id, seed = self.core.add_token_request(prompt_ids, params, request_id, lora=lora, multimodal=multimodal)
+        self.processors[request_id] = self.frontend.output_processor(request_id, prompt_ids, params, seed)
+        return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its pages; returns its output (of its output kind: for DELTA,
-        what the last output did not hold; None for an unknown request or one ``add_token_request``
-        queued)."""
-        delta = super().abort(request_id)
+        what the last output did not hold; None for an unknown request or one queued on the core alone)."""
+        delta = self.core.abort(request_id)
         processor = self.processors.pop(request_id, None)
         return processor.process(delta)[0] if processor is not None and delta is not None else None
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def reset_prefix_cache(self) -> int:
+        """``EngineCore.reset_prefix_cache``: drop every cached prefix page (after a weight update)."""
+        return self.core.reset_prefix_cache()
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -101,23 +115,31 @@ class Engine(EngineCore):
         (of each one's output kind: FINAL_ONLY requests only when they finish). Out of memory or a
         device error raises ``DeviceError`` (no request's fault: none is retried)."""
         outputs = []
-        for delta in self.step_deltas():
+        for delta in self.core.step_deltas():
             processor = self.processors.get(delta.request_id)
             if processor is None:
                 continue
             out, stopped = processor.process(delta)
             if stopped:  # a stop string: the core stops it now
-                self._stop(delta.request_id)
+                self.core.finish(delta.request_id, "stop")
             if processor.finished:
                 del self.processors[delta.request_id]
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _stop(self, request_id: str) -> None:
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None and not seq.finished:
-            self._finish(seq, "stop")
+    # ---- LoRA adapters (``EngineCore``'s) -------------------------------------------------------------
+
+    def add_lora(self, name: str, source):
+        """``EngineCore.add_lora``: load an adapter under ``name``."""
+        return self.core.add_lora(name, source)
+
+    def remove_lora(self, name: str) -> None:
+        """``EngineCore.remove_lora``: unload an adapter; refused while unfinished requests use it."""
+        self.core.remove_lora(name)
+
+    def list_loras(self) -> list:
+        return self.core.list_loras()
 
     def _loras_for(self, lora, count: int) -> list:
         """One adapter name (or None) per prompt, checked before any request is added."""
@@ -125,7 +147,7 @@ class Engine(EngineCore):
         if len(names) != count:
             raise InvalidArgumentError(f"{len(names)} adapter names for {count} prompts")
         for name in names:
-            self._lora_fields(name)
+            self.core.check_lora(name)
         return names
 
     # ---- offline jobs --------------------------------------------------------------------------------
@@ -149,7 +171,7 @@ class Engine(EngineCore):
         loras = self._loras_for(lora, len(prepared))
         for i, ((prompt_ids, _), p) in enumerate(zip(prepared, params_list)):
             try:
-                self.check_request(prompt_ids, p)
+                self.core.check_request(prompt_ids, p)
             except RequestError as exc:
                 raise RequestError(f"request {i}: {exc}", param=exc.param) from None
         # One output per request, when it finishes: no step copies a request's output so far.
@@ -178,7 +200,7 @@ class Engine(EngineCore):
             raise RequestError("each sequence needs 1 <= prompt_length < its length")
         prepared = [self.prepare_images(ids, images) for ids, images in split]
         prompt_lengths = [start if mm is None else expanded_position(
-            ids, self.images.image_token, [end - first for first, end, _ in mm.image_spans], start)
+            ids, self.frontend.images.image_token, [end - first for first, end, _ in mm.image_spans], start)
             for (ids, _), (_, mm), start in zip(split, prepared, prompt_lengths)]
         outputs = self._run(prepared, [SamplingParams(max_tokens=0, prompt_logprobs=0)] * len(prepared), False,
                             lora)

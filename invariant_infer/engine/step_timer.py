@@ -1,6 +1,6 @@
 """Wall time per phase of engine steps, for the host-overhead benchmark.
 
-Off by default (``Engine.timer`` is ``NULL_TIMER``, whose marks do nothing). On, each phase
+Off by default (``EngineCore.timer`` is ``NULL_TIMER``, whose marks do nothing). On, each phase
 boundary reads ``time.perf_counter`` and, on CUDA, first waits for the device, so that queued
 kernels are charged to the phase that launched them (this serializes the step; timed steps run
 slower than untimed ones). Host phases: schedule, metadata, sampling, output;

@@ -28,9 +28,13 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 
 from ..errors import InvalidArgumentError, NonInvariantInputError
+from ..model.checks import base_model
+from ..model.input_checks import checked_call
+from ..model.linear_attention import check_cache_continuation
+from ..model.image_inputs import placeholder_token_ids
 from ..model.padding import check_left_padded, left_pad
 from ..model.patch import make_invariant, register_instance_extension
-from .sampling import _MASK64, penalize_repetitions, seeded_scores
+from .sampling import _MASK64, penalize_repetitions, seeded_scores_rows
 
 _SEEDED_SAMPLING_HINT = ("use invariant_infer.generation.generate.seeded_sampling(seeds=[...], temperature=, top_k=, top_p=) "
                          "as generate(do_sample=False, logits_processor=...)")
@@ -42,9 +46,9 @@ class SeededSampling(LogitsProcessor):
     """Temperature / top-k / top-p sampling as Gumbel-max, with one seed per row.
 
     Row ``i`` of the batch uses ``seeds[i]``; at generation step ``s`` its noise depends only on
-    ``(seeds[i], s)``. Every operation runs on that row alone (a 1-D tensor), so neither the batch
-    size nor the other rows can change a bit of it. Use with ``do_sample=False``: the greedy argmax
-    of the returned scores is the sample. Steps count from this processor's first call in a
+    ``(seeds[i], s)``. Every operation reduces over that row's values alone (``seeded_scores_rows``),
+    so neither the batch size nor the other rows can change a bit of it. Use with ``do_sample=False``:
+    the greedy argmax of the returned scores is the sample. Steps count from this processor's first call in a
     ``generate``; the wrapped ``generate`` resets it, so the same list can be reused."""
 
     def __init__(self, seeds: Sequence[int], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
@@ -69,10 +73,9 @@ class SeededSampling(LogitsProcessor):
         if self._first_length is None or input_ids.shape[1] < self._first_length:
             self._first_length = input_ids.shape[1]
         step = input_ids.shape[1] - self._first_length
-        out = torch.empty_like(scores)
-        for row, seed in enumerate(self.seeds):
-            out[row] = seeded_scores(scores[row], seed, step, self.temperature, self.top_k, self.top_p)
-        return out
+        rows = len(self.seeds)  # every row at once, each as it is alone (the engine's sampler shares this)
+        return seeded_scores_rows(scores, self.seeds, [step] * rows, [self.temperature] * rows, [self.top_k] * rows,
+                                  [self.top_p] * rows)
 
 
 class RowRepetitionPenalty(LogitsProcessor):
@@ -207,6 +210,10 @@ def check_generate_options(model, options: dict) -> dict:
             and isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
         # Without them transformers gives image tokens text positions: derived as the model's forward does.
         options["mm_token_type_ids"] = (inputs == image_token).to(torch.int32)
+    placeholders = placeholder_token_ids(model.config)
+    if placeholders:  # a vision-language model never samples its image or video placeholders
+        given = _option(options, generation_config, "suppress_tokens") or []
+        options["suppress_tokens"] = list(dict.fromkeys([*given, *placeholders]))
     rows = inputs.shape[0] * (_option(options, generation_config, "num_return_sequences") or 1) \
         if isinstance(inputs, torch.Tensor) else None
     penalty = _option(options, generation_config, "repetition_penalty")
@@ -227,6 +234,8 @@ def check_generate_options(model, options: dict) -> dict:
                                          "pass one seed per sequence")
 
     cache = options.get("past_key_values", options.get("cache"))
+    if cache is not None:  # a continued Gated DeltaNet state must not end in right padding
+        check_cache_continuation(cache, None, 1)
     compiles = _option(options, generation_config, "cache_implementation") == "static" \
         or getattr(cache, "is_compileable", False)
     if compiles and model.device.type == "cuda" and "compile_config" not in options \
@@ -258,7 +267,9 @@ def _invariant_generate(model, *args, **kwargs):
     options = dict(bound.arguments)
     options.pop(next(iter(inspect.signature(generate).parameters)))  # self
     options.update(options.pop("kwargs", {}))
-    return generate(model, **check_generate_options(model, options))
+    options = check_generate_options(model, options)
+    with checked_call(base_model(model)):  # checked here, once: no decode step reads values back to check them
+        return generate(model, **options)
 
 
 def install_generate_checks(model) -> None:

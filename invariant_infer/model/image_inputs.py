@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, RequestError
+from .families import is_vision_language
 from .support import require
 
 PARAM = "multi_modal_data"
@@ -53,6 +54,18 @@ def decode_data_url(url: str) -> np.ndarray:
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
         except Exception as exc:  # noqa: BLE001  (a truncated payload fails here)
             raise InvalidArgumentError(f"not a decodable image ({_describe(exc)})") from None
+
+
+def placeholder_token_ids(config) -> tuple[int, ...]:
+    """The tokens a vision-language model's prompt holds in place of its images' and videos' features
+    (``image_token_id``, ``video_token_id``); empty for a text model. A completion never holds one: the
+    next forward over it would find more placeholders than features (transformers refuses that, as in
+    TRL's training step), so the engine and ``generate`` never sample them (as TRL's own sampler
+    suppresses the image token)."""
+    if not is_vision_language(config):
+        return ()
+    ids = (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+    return tuple(dict.fromkeys(int(t) for t in ids if t is not None))
 
 
 def image_token_count(image_processor, config, height: int, width: int) -> int | None:

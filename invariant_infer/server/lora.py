@@ -31,7 +31,7 @@ lora_api = APIRouter(dependencies=[Depends(authorized)])
 
 
 def _serving_adapters(server: ServerState) -> None:
-    if server.engine.loras is None:
+    if server.engine.core.loras is None:
         raise APIError(400, "this server serves no LoRA adapters: start it with --enable-lora (or --lora-modules)",
                        code="lora_not_enabled")
 

@@ -54,7 +54,7 @@ class ServerState:
         self.metrics = Metrics(async_engine)
         self.tokens = Tokens(tokenizer)
         self.runner = ChoiceRunner(async_engine, self.metrics, options.model_name,
-                                   capacity=self.engine.scheduler.max_num_seqs + options.max_waiting,
+                                   capacity=self.engine.core.scheduler.max_num_seqs + options.max_waiting,
                                    stream_write_timeout=options.stream_write_timeout)
         self.weights = WeightUpdater(async_engine, self.runner, self.metrics)
 

@@ -53,7 +53,7 @@ def _audit_on_rank(rank: RankState, payload) -> None:
 
 
 def _audit_on_ranks(engine) -> tuple:
-    executor = engine.runner.executor
+    executor = engine.core.runner.executor
     found = executor.collective_rpc(_audit_on_rank, None, lambda: audit(executor.model))
     return found.ok, None, [f"stray op {op} in {module or '<model>'}" for module, op in found.stray]
 

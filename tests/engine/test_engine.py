@@ -64,7 +64,7 @@ def test_any_schedule_equals_alone_generate_and_score(family_models, family):
     # padded to 4 rows (as CUDA-graph buckets would be).
     engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=5, decode_buckets=(4,))
     mixed = run_schedule(engine, prompts, request_params, arrivals=(0, 0, 3), preempt_at=(4,))
-    assert engine.runner.padding_rows > 0 and engine.scheduler.num_preemptions > 0
+    assert engine.core.runner.padding_rows > 0 and engine.core.scheduler.num_preemptions > 0
     alone_engine = Engine(model)
     for i, prompt in enumerate(prompts):
         assert_same(mixed[i], alone_engine.generate([prompt], request_params(i))[0])
@@ -92,9 +92,9 @@ def _decode_step(model, prompts, bucket: int):
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()
-    chunks = engine.scheduler.schedule()
+    chunks = engine.core.scheduler.schedule()
     assert [chunk.num_tokens for chunk in chunks] == [1] * len(prompts)
-    return engine.runner, chunks
+    return engine.core.runner, chunks
 
 
 def padded_and_plain(model, prompts, bucket: int):
@@ -135,14 +135,14 @@ def test_engine_score_equals_score_sequences(family_models):
 def test_prefix_cache_hit_equals_miss(family_models):
     model = family_models("llama")
     engine = Engine(model, max_num_batched_tokens=64)
-    page = engine.blocks.page_size
+    page = engine.core.blocks.page_size
     shared = prompts_for(model.config.vocab_size, (2 * page + 5,), seed=3)[0]
     prompts = [shared + [7, 8, 9], shared + [10], shared[:page + 1]]
     params = SamplingParams(max_tokens=3, logprobs=1, ignore_eos=True)
     first = engine.generate(prompts[:1], params)[0]
-    hits_before = engine.blocks.prefix_hits
+    hits_before = engine.core.blocks.prefix_hits
     cached = engine.generate(prompts, params)
-    assert engine.blocks.prefix_hits - hits_before >= 2 * page + 2 * page + page  # full pages of each prompt
+    assert engine.core.blocks.prefix_hits - hits_before >= 2 * page + 2 * page + page  # full pages of each prompt
     no_cache = Engine(model, enable_prefix_caching=False).generate(prompts, params)
     assert_same(cached[0], first)
     for a, b in zip(cached, no_cache):
@@ -157,7 +157,7 @@ def test_more_requests_than_pages_all_finish(family_models):
     prompts = prompts_for(model.config.vocab_size, (60, 50, 40, 30, 20), seed=4)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outputs = engine.generate(prompts, params)
-    assert engine.scheduler.num_preemptions > 0 and engine.blocks.num_used == 0
+    assert engine.core.scheduler.num_preemptions > 0 and engine.core.blocks.num_used == 0
     alone = Engine(model).generate(prompts, params)
     for a, b in zip(outputs, alone):
         assert_same(a, b)
@@ -192,7 +192,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(family_models):
     for prompt, params, match in BAD_REQUESTS:
         with pytest.raises(RequestError, match=match):
             engine.add_request(prompt, params)
-    assert list(engine.sequences) == [running]  # nothing of the refused requests stayed behind
+    assert list(engine.core.sequences) == [running]  # nothing of the refused requests stayed behind
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
@@ -209,13 +209,13 @@ def test_request_that_can_never_fit_is_refused_at_admission(family_models):
 
 def test_an_exception_in_one_request_fails_only_that_request(family_models, monkeypatch):
     model = family_models("qwen2")
-    real = sampler_module.seeded_scores
+    real = sampler_module.seeded_scores_rows
 
-    def failing(scores, seed, *args, **kwargs):
-        if seed == 666:
+    def failing(scores, seeds, *args, **kwargs):
+        if 666 in seeds:
             raise RuntimeError("boom")
-        return real(scores, seed, *args, **kwargs)
-    monkeypatch.setattr(sampler_module, "seeded_scores", failing)
+        return real(scores, seeds, *args, **kwargs)
+    monkeypatch.setattr(sampler_module, "seeded_scores_rows", failing)
     prompts = prompts_for(model.config.vocab_size, (5, 6), seed=6)
     outputs = Engine(model).generate(prompts, [SamplingParams(max_tokens=3, temperature=1.0, seed=666),
                                                SamplingParams(max_tokens=3, ignore_eos=True)])
@@ -227,9 +227,9 @@ def test_abort_frees_pages(family_models):
     engine = Engine(family_models("qwen2"))
     rid = engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert engine.blocks.num_used > 0
+    assert engine.core.blocks.num_used > 0
     assert engine.abort(rid).finish_reason == "abort"
-    assert engine.blocks.num_used == 0 and not engine.has_unfinished()
+    assert engine.core.blocks.num_used == 0 and not engine.has_unfinished()
 
 
 def test_negative_control_m_dependent_linear_changes_a_request_with_its_batch(family_models, monkeypatch):

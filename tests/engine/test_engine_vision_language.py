@@ -132,11 +132,11 @@ def test_prefix_cache_keys_pages_by_image(setups, family):
     alone = {name: run(Engine(model, processor), [p])[0] for name, p in (("first", first), ("swapped", swapped))}
     engine = Engine(model, processor)
     assert run(engine, [first]) == [alone["first"]]
-    hits = engine.blocks.prefix_hits
+    hits = engine.core.blocks.prefix_hits
     assert run(engine, [swapped]) == [alone["swapped"]]
-    assert engine.blocks.prefix_hits == hits  # another image: no page of the first request matches
+    assert engine.core.blocks.prefix_hits == hits  # another image: no page of the first request matches
     assert run(engine, [first]) == [alone["first"]]
-    assert engine.blocks.prefix_hits > hits  # the same image: its pages hit
+    assert engine.core.blocks.prefix_hits > hits  # the same image: its pages hit
     with pytest.raises(RequestError, match="runs of image tokens|image tokens"):
         engine.generate([{**other, "multi_modal_data": {"image": [images[2], images[0]]}}], GREEDY)
 

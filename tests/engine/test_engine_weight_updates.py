@@ -80,38 +80,38 @@ def test_in_place_update_reaches_the_engine(checkpoint, update):
 def test_reset_prefix_cache_drops_kv_of_the_old_weights(checkpoint):
     model = fp32(checkpoint)
     engine = Engine(model, max_num_batched_tokens=256)
-    page = engine.blocks.page_size
+    page = engine.core.blocks.page_size
     long = prompt(2 * page + 5, seed=3)
     old = engine.generate([long], PARAMS)[0]
     add_delta(model)
     truth = reference(checkpoint, model.state_dict(), [long])[0]
     assert old.logprobs != truth.logprobs
 
-    hits = engine.blocks.prefix_hits
+    hits = engine.core.blocks.prefix_hits
     stale = engine.generate([long], PARAMS)[0]        # without the reset: two pages of old KV
-    assert engine.blocks.prefix_hits - hits == 2 * page and not same(stale, truth)
+    assert engine.core.blocks.prefix_hits - hits == 2 * page and not same(stale, truth)
 
     assert engine.reset_prefix_cache() >= 2
-    hits = engine.blocks.prefix_hits
+    hits = engine.core.blocks.prefix_hits
     fresh = engine.generate([long], PARAMS)[0]
-    assert engine.blocks.prefix_hits == hits and same(fresh, truth)
+    assert engine.core.blocks.prefix_hits == hits and same(fresh, truth)
     cached = engine.generate([long], PARAMS)[0]      # the cache fills again, under the new weights
-    assert engine.blocks.prefix_hits - hits == 2 * page and same(cached, truth)
+    assert engine.core.blocks.prefix_hits - hits == 2 * page and same(cached, truth)
 
 
 def test_reset_prefix_cache_refuses_a_busy_engine(checkpoint):
     engine = Engine(fp32(checkpoint))
-    engine.generate([prompt(2 * engine.blocks.page_size + 1)], PARAMS)
-    cached = dict(engine.blocks.page_of_hash)
+    engine.generate([prompt(2 * engine.core.blocks.page_size + 1)], PARAMS)
+    cached = dict(engine.core.blocks.page_of_hash)
     rid = engine.add_request(prompt(5), PARAMS)
     with pytest.raises(EngineBusyError, match="idle engine; 0 requests are running and 1 waiting"):
         engine.reset_prefix_cache()
     engine.step()
     with pytest.raises(EngineBusyError, match="1 requests are running"):
         engine.reset_prefix_cache()
-    assert engine.blocks.page_of_hash == cached  # nothing dropped
+    assert engine.core.blocks.page_of_hash == cached  # nothing dropped
     engine.abort(rid)
-    assert engine.reset_prefix_cache() == 2 and not engine.blocks.page_of_hash
+    assert engine.reset_prefix_cache() == 2 and not engine.core.blocks.page_of_hash
 
 
 def test_async_engine_update_weights_runs_between_steps_and_resets(checkpoint):
@@ -126,8 +126,8 @@ def test_async_engine_update_weights_runs_between_steps_and_resets(checkpoint):
         assert engine.has_unfinished()
         with async_engine._lock:
             engine.abort(rid)
-        engine.generate([prompt(engine.blocks.page_size + 1)], PARAMS)
-        assert engine.blocks.page_of_hash
+        engine.generate([prompt(engine.core.blocks.page_size + 1)], PARAMS)
+        assert engine.core.blocks.page_of_hash
         snapshot = {k: v.clone() for k, v in model.state_dict().items()}
 
         def failing(model):
@@ -135,7 +135,7 @@ def test_async_engine_update_weights_runs_between_steps_and_resets(checkpoint):
             raise RuntimeError("stopped halfway")
         with pytest.raises(RuntimeError, match="halfway"):
             async_engine.update_weights(failing)
-        assert not engine.blocks.page_of_hash  # reset also after a failed update
+        assert not engine.core.blocks.page_of_hash  # reset also after a failed update
         assert any(not torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
     finally:
         async_engine.shutdown()

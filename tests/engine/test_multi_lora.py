@@ -122,7 +122,7 @@ def test_speculative_decoding_with_adapters_changes_no_bit(adapter_dirs, alone):
     engine = lora_engine(adapter_dirs, speculative={"method": "ngram", "num_speculative_tokens": 2,
                                                      "prompt_lookup_max": 2})
     outs = engine.generate(prompts(len(MIXED)), [mixed_params(i) for i in range(len(MIXED))], lora=MIXED)
-    stats = engine.speculative.stats
+    stats = engine.core.speculative.stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert [outcome(o) for o in outs] == alone
 
@@ -160,16 +160,16 @@ def test_negative_control_rows_dependent_shrink_split_is_caught(adapter_dirs, al
 
 def test_prefix_cache_hits_never_cross_adapters(adapter_dirs):
     engine = lora_engine(adapter_dirs, max_loras=2)
-    page = engine.blocks.page_size
+    page = engine.core.blocks.page_size
     prompt = prompts(1, length=page + 3, seed=2)[0]
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     first = outcome(engine.generate([prompt], params, lora="a")[0])
-    assert engine.blocks.prefix_hits == 0
+    assert engine.core.blocks.prefix_hits == 0
     other = outcome(engine.generate([prompt], params, lora="b")[0])
     base = outcome(engine.generate([prompt], params)[0])
-    assert engine.blocks.prefix_hits == 0  # the same tokens under another adapter (or none): no hit
+    assert engine.core.blocks.prefix_hits == 0  # the same tokens under another adapter (or none): no hit
     again = outcome(engine.generate([prompt], params, lora="a")[0])
-    assert engine.blocks.prefix_hits == page and again == first
+    assert engine.core.blocks.prefix_hits == page and again == first
     assert other != first and base != first
 
 

@@ -67,7 +67,7 @@ def run_busy(engine: Engine, prompts, params, arrivals=(0, 0, 1, 4)):
                 outputs[ids[out.request_id]] = out
         step += 1
         assert step < 300, "the engine stopped making progress"
-    assert engine.blocks.num_used == 0
+    assert engine.core.blocks.num_used == 0
     return [outputs[i] for i in range(len(prompts))]
 
 
@@ -78,12 +78,12 @@ def assert_same(a, b):
 
 
 def counting_forwards(engine: Engine) -> list[int]:
-    count, forward = [0], engine.runner.forward
+    count, forward = [0], engine.core.runner.forward
 
     def counted(inputs):
         count[0] += 1
         return forward(inputs)
-    engine.runner.forward = counted
+    engine.core.runner.forward = counted
     return count
 
 
@@ -99,7 +99,7 @@ def busy_engine(model, speculative=None) -> Engine:
 def plain_busy(models):
     model = models()
     engine = busy_engine(model)
-    prompts, params = busy_requests(model.config.vocab_size, engine.blocks.page_size)
+    prompts, params = busy_requests(model.config.vocab_size, engine.core.blocks.page_size)
     return prompts, params, run_busy(engine, prompts, params)
 
 
@@ -117,9 +117,9 @@ def test_speculation_in_a_busy_engine_equals_plain_decoding(models, plain_busy, 
     outputs = run_busy(engine, prompts, params)
     for a, b in zip(outputs, plain):
         assert_same(a, b)
-    stats = engine.speculative.stats
+    stats = engine.core.speculative.stats
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens  # both kinds
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.num_preemptions > 0
 
 
 # Every family in bf16, and qwen2 in fp32 (heavy tier). In the fast tier the busy-engine test above
@@ -145,7 +145,7 @@ def test_families_speculate_bitwise(family_checkpoints, family, dtype):
                     speculative={"method": "draft_model", "model": model, "num_speculative_tokens": 3})
     for a, b in zip(engine.generate(prompts, params), plain):
         assert_same(a, b)
-    stats = engine.speculative.stats
+    stats = engine.core.speculative.stats
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
 
 
@@ -158,10 +158,10 @@ def test_draft_equal_to_the_target_accepts_every_greedy_proposal(models):
     forwards = counting_forwards(engine)
     out = engine.generate([prompt], params)[0]
     assert_same(out, plain)
-    stats = engine.speculative.stats
+    stats = engine.core.speculative.stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens == n - 1 - stats.num_drafts
     assert forwards[0] == 1 + math.ceil((n - 1) / (k + 1))  # the prefill, then k + 1 tokens a forward
-    assert engine.speculative.proposer.blocks.num_used == 0  # its copy's pages freed once it finished
+    assert engine.core.speculative.proposer.blocks.num_used == 0  # its copy's pages freed once it finished
 
 
 def test_prefix_pages_written_while_speculating_serve_later_requests_bitwise(models):
@@ -170,16 +170,16 @@ def test_prefix_pages_written_while_speculating_serve_later_requests_bitwise(mod
     model = models()
     engine = Engine(model, speculative={"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
                                         "prompt_lookup_max": 2})
-    page = engine.blocks.page_size
+    page = engine.core.blocks.page_size
     prompt = prompts_for(model.config.vocab_size, (14,), seed=13)[0] * 4  # proposals the model rejects
     assert len(prompt) < page
     first = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
-    assert engine.speculative.stats.num_draft_tokens > engine.speculative.stats.num_accepted_tokens > 0
+    assert engine.core.speculative.stats.num_draft_tokens > engine.core.speculative.stats.num_accepted_tokens > 0
     follow = prompt + first.token_ids[:-1]
     params = SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True)
-    hits = engine.blocks.prefix_hits
+    hits = engine.core.blocks.prefix_hits
     cached = engine.generate([follow], params)[0]
-    assert engine.blocks.prefix_hits - hits == page
+    assert engine.core.blocks.prefix_hits - hits == page
     assert_same(cached, Engine(model, enable_prefix_caching=False).generate([follow], params)[0])
 
 
@@ -190,9 +190,9 @@ def test_abort_mid_speculation_frees_every_page(models):
                              SamplingParams(max_tokens=30, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.speculative.stats.num_drafts > 0 and engine.speculative.proposer.blocks.num_used > 0
+    assert engine.core.speculative.stats.num_drafts > 0 and engine.core.speculative.proposer.blocks.num_used > 0
     assert engine.abort(rid).finish_reason == "abort"
-    assert engine.blocks.num_used == 0 and engine.speculative.proposer.blocks.num_used == 0  # at once
+    assert engine.core.blocks.num_used == 0 and engine.core.speculative.proposer.blocks.num_used == 0  # at once
     assert engine.step() == []
 
 
@@ -209,7 +209,7 @@ def test_negative_control_a_row_count_dependent_verify_changes_the_output(monkey
         plain = Engine(model, kv_cache_memory=1 << 20).generate(prompts, params)
         engine = Engine(model, kv_cache_memory=1 << 20, speculative=speculative)
         spec = engine.generate(prompts, params)
-        assert engine.speculative.stats.num_accepted_tokens > 0
+        assert engine.core.speculative.stats.num_accepted_tokens > 0
         return any(a.logprobs != b.logprobs or a.top_logprobs != b.top_logprobs for a, b in zip(plain, spec))
     assert not differ()
     monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)

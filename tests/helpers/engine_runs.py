@@ -15,7 +15,7 @@ def run_schedule(engine, prompts, params_for, arrivals, preempt_at=()) -> dict[i
             if arrival == step:
                 ids[engine.add_request(prompts[i], params_for(i))] = i
         if step in preempt_at:
-            engine.scheduler.preempt_latest()
+            engine.core.scheduler.preempt_latest()
         for out in engine.step():
             if out.finished:
                 outputs[ids[out.request_id]] = out

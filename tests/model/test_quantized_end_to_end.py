@@ -63,11 +63,11 @@ def _schedule_vs_alone(model) -> list[bool]:
     """Prompts sharing a cached prefix, chunked by a 5-token budget with decodes mixed in, against
     each alone on an engine without a prefix cache."""
     engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=5)
-    prompts = _prompts(model.config.vocab_size, engine.blocks.page_size)
+    prompts = _prompts(model.config.vocab_size, engine.core.blocks.page_size)
     engine.generate(prompts[:1], PARAMS)  # fills the prefix cache
-    hits = engine.blocks.prefix_hits
+    hits = engine.core.blocks.prefix_hits
     mixed = engine.generate(prompts, PARAMS)
-    assert engine.blocks.prefix_hits - hits >= 2 * engine.blocks.page_size
+    assert engine.core.blocks.prefix_hits - hits >= 2 * engine.core.blocks.page_size
     alone = Engine(model, enable_prefix_caching=False)
     return [_same(out, alone.generate([prompt], PARAMS)[0]) for out, prompt in zip(mixed, prompts)]
 

@@ -122,7 +122,7 @@ def assert_engine_requests_equal_alone_with_prefix_hits(model, new_tokens: int, 
     alone = [Engine(model).generate([prompt], alone_params)[0] for prompt in prompts]
     engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=13)
     mixed = engine.generate(prompts, params)
-    assert engine.blocks.prefix_hits > 0 and all(len(o.token_ids) == new_tokens for o in mixed)
+    assert engine.core.blocks.prefix_hits > 0 and all(len(o.token_ids) == new_tokens for o in mixed)
     assert [(o.token_ids, o.logprobs) for o in mixed] == [(o.token_ids, o.logprobs) for o in alone]
 
 

@@ -155,7 +155,7 @@ def test_hybrid_engine_and_scores_at_tp2_are_those_of_one_process(tmp_path):
         engine = Engine(model, **ENGINE_OPTIONS, executor=executor)
         first = [(o.token_ids, o.logprobs, o.top_logprobs, o.prompt_logprobs) for o in engine.generate(prompts, params)]
         again = engine.generate(prompts[:1], params[:1])[0]  # the saved state at token 64: a prefix hit
-        assert engine.blocks.prefix_hits > 0
+        assert engine.core.blocks.prefix_hits > 0
         scores = score_sequences(model, prompts, prompt_lengths=[1, 1, 4], max_batch_tokens=40, executor=executor)
         return first, (again.token_ids, again.logprobs), [s.token_logprobs for s in scores]
     single = run(load_model(str(path), dtype="bf16", device="cpu"))
@@ -183,8 +183,8 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
         before = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]
         speculated = [(o.token_ids, o.logprobs) for o in second.generate(other, params)]
         after = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]  # prefix hits
-        assert first.blocks.prefix_hits > 0  # the second run of the prompts read cached pages
-        stats = second.speculative.stats
+        assert first.core.blocks.prefix_hits > 0  # the second run of the prompts read cached pages
+        stats = second.core.speculative.stats
         assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
         return before, after, speculated
     model = load_model(checkpoint, dtype="fp32", device="cpu")
@@ -198,7 +198,7 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
         drafted = Engine(ranks.model, executor=ranks,
                          speculative={"method": "draft_model", "model": checkpoint, "num_speculative_tokens": 3})
         assert [(o.token_ids, o.logprobs) for o in drafted.generate(other, draft_params)] == plain
-        stats = drafted.speculative.stats
+        stats = drafted.core.speculative.stats
         assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
 
 

@@ -286,7 +286,7 @@ def test_random_mutations_of_valid_bodies_never_get_a_5xx(app):
     while app.engine.has_unfinished():
         assert time.monotonic() < deadline, "requests still in the engine"
         time.sleep(0.05)
-    assert app.engine.blocks.num_used == 0
+    assert app.engine.core.blocks.num_used == 0
 
 
 def test_the_real_server_and_the_openai_client_refuse_bad_input(server, client):

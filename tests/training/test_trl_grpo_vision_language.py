@@ -1,8 +1,9 @@
 """TRL GRPO on Qwen2.5-VL (Qwen3-VL in the heavy tier): prompts with images of several sizes sampled by the
 invariant engine, trained on ``token_logprobs`` in micro-batches of another size, and TRL's own
 ``sampling/sampling_logp_difference/max`` is exactly 0.0 at every step; the vision tower stays frozen
-(training it is refused by name at construction). Negative control: the same run whose rollout
-logprobs come from an M-dependent GEMM logs a nonzero difference."""
+(training it is refused by name at construction). The model favours its image placeholder, which the
+engine never samples. Negative controls: the same run whose rollout logprobs come from an M-dependent
+GEMM logs a nonzero difference; with nothing suppressed the training step fails on sampled placeholders."""
 from __future__ import annotations
 
 import functools
@@ -42,15 +43,16 @@ def token_sum_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 13) for ids in completion_ids]
 
 
-def trainer_for(path, images, tmp_path, *, freeze: bool = True, **overrides):
+def trainer_for(path, images, tmp_path, *, freeze: bool = True, favoured: float = 5.0, **overrides):
     processor = image_processor_only(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     if freeze:
         model.model.visual.requires_grad_(False)
-    # A trained model does not sample its vision tokens; this random one must not either (TRL would drop
-    # the images of a batch whose completions hold an image token), so their logits are pushed to -inf.
+    # The image placeholder is favoured (``favoured`` added to its logit): the engine never samples it. The
+    # vision start and end tokens, which a trained model does not sample either, are pushed to -inf.
+    start, image, end = processor.tokenizer.convert_tokens_to_ids(VISION_TOKENS)
     bias = torch.zeros(model.lm_head.out_features)
-    bias[processor.tokenizer.convert_tokens_to_ids(VISION_TOKENS)] = -1e4
+    bias[[start, end]], bias[image] = -1e4, favoured
     model.lm_head.bias = torch.nn.Parameter(bias, requires_grad=False)
     model.generation_config.eos_token_id = [processor.tokenizer.eos_token_id, *STOP_IDS]
     options = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=2,
@@ -71,7 +73,18 @@ def test_sampler_and_trainer_logprobs_are_bitwise_equal_with_images(checkpoint, 
     tower = {name for name in before if name.startswith("model.visual.")}
     assert tower and not changed & tower  # frozen
     assert changed == {name for name, p in model.named_parameters() if p.requires_grad}
-    assert trainer.engine.images is not None  # the engine took the processor: rollouts saw the images
+    assert trainer.engine.frontend.images is not None  # the engine took the processor: rollouts saw the images
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)
+def test_negative_control_sampled_placeholders(checkpoint, tmp_path):
+    """With nothing suppressed the rollouts sample the favoured image placeholder, and TRL's training step
+    fails on it as the issue reports."""
+    trainer = trainer_for(*checkpoint, tmp_path, max_steps=1)
+    trainer.engine.core.suppressed_token_ids = ()
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        trainer.train()
 
 
 @pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)  # one family is enough here
