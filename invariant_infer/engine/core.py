@@ -148,8 +148,9 @@ class EngineCore:
         if total > self.max_positions:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} is "
                                f"more than the model's {self.max_positions} positions", param="max_tokens")
-        # Per KV cache group: full attention holds the whole context, a window its pages and a chunk's.
-        need = self.blocks.pages_needed(total, self.scheduler.max_num_batched_tokens)
+        # Per KV cache group: full attention holds the whole context, a window its pages and a chunk's
+        # (chunks under windows shrink to the free pages: one token's).
+        need = self.blocks.pages_to_run(total, self.scheduler.max_num_batched_tokens)
         if need > self.blocks.num_pages:
             raise RequestError(f"prompt + max_tokens needs {need} KV pages; the cache has "
                                f"{self.blocks.num_pages} in all (raise kv_cache_memory)", param="max_tokens")

@@ -17,7 +17,8 @@ layers hold no pages (their state is per sequence: ``linear_state``).
 
 ``pages_held`` is a request's page need per spec, the engine's own accounting (admission refusal,
 benchmarks): full attention holds every page of its context; a window holds the pages its next
-chunk's queries see, and a step's chunk besides.
+chunk's queries see, and a step's chunk besides (the engine shortens chunks under windows to the
+free pages, so a request needs only its windows and one token's pages to run).
 """
 from __future__ import annotations
 

@@ -8,11 +8,15 @@ depends only on the tokens before it (and blocks are aligned to the sequence sta
 sequences with the same prefix may share those pages and get bitwise the same attention (with
 images, the chain also takes the digests of the images a page holds tokens of).
 
-Combined: a prefix hit is the longest every manager agrees on (full attention: all its pages
-cached; a window: the pages its next chunk reads; linear attention: a saved state there);
-``can_allocate`` / ``allocate`` count the pages every group misses against the one free list, so
-admission and preemption count memory per spec; after each step a window's group frees the pages
-its next chunk no longer reads.
+Combined: a prefix hit is the longest every manager agrees on, each asked for its longest hit up
+to the others' until none shortens it (full attention: all its pages cached; a window: the pages
+its next chunk reads; linear attention: a saved state there); ``can_allocate`` / ``allocate``
+count the pages every group misses against the one free list, so admission and preemption count
+memory per spec; after each step a window's group frees the pages its next chunk no longer reads.
+Where a group frees pages behind the sequence, a chunk's pages grow with its length, so a chunk is
+shortened to what the free pages hold (``chunk_that_fits``): a long prompt runs in chunks within
+its windows' pages, and a request needs only its windows and one token's pages to run
+(``pages_to_run``).
 
 The block table: each sequence holding pages owns a row of it in every group (``seq.block_row``,
 also its linear-attention state slot), and every page added to a sequence is logged as a write
@@ -62,7 +66,9 @@ class KVCacheManager:
         self.pool = PagePool(num_pages)
         self.group_specs = tuple(group_specs)
         self.managers = [_manager(spec, g, self.pool, page_size) for g, spec in enumerate(self.group_specs)]
-        self.linear = LinearStateManager(prefix_states)
+        self.linear = LinearStateManager(prefix_states, page_size)
+        # A window's pages at once grow with its chunk: chunks are then shortened to the free pages.
+        self.chunks_shrink = any(m.frees_behind for m in self.managers)
         # A sequence holding pages holds at least one, so num_pages rows always suffice.
         self.num_table_rows = num_pages if num_table_rows is None else num_table_rows
         self.free_rows = list(range(self.num_table_rows - 1, -1, -1))
@@ -101,6 +107,12 @@ class KVCacheManager:
         """The most pages one sequence of ``num_tokens`` tokens holds at once, in all groups, its
         steps bringing at most ``chunk`` tokens each."""
         return sum(pages_held(spec, num_tokens, self.page_size, chunk) for spec in self.group_specs)
+
+    def pages_to_run(self, num_tokens: int, max_chunk: int) -> int:
+        """The fewest pages a request of ``num_tokens`` tokens needs to run alone: its windows' and one
+        token's where chunks shrink to the free pages, else those of chunks of ``max_chunk`` tokens
+        (full attention: its whole context either way)."""
+        return self.pages_needed(num_tokens, 1 if self.chunks_shrink else max_chunk)
 
     def take_table_writes(self) -> list[tuple[int, int, int, int]]:
         """The block-table writes since the last call (the runner applies them in order)."""
@@ -141,36 +153,44 @@ class KVCacheManager:
         assert not seq.pages and seq.num_computed == 0
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return
-        limit = (seq.num_tokens - 1) // self.page_size
-        full = [m for m in self.managers if type(m) is FullAttentionManager]
-        if full:  # full attention needs every page: its hit is the contiguous run of cached ones
-            run = 0
-            while run < limit and all(self.pool.cached((m.group, self._hash(seq, run))) is not None for m in full):
-                run += 1
-            limit = run
-        matched = limit
-        while matched and not self._agreed(seq, matched):
-            matched -= 1
+
+        def hash_of(j: int) -> bytes:
+            return self._hash(seq, j)
+        matched, agreed = (seq.num_tokens - 1) // self.page_size, None
+        while matched != agreed:  # a hit no manager shortens is one every manager takes
+            agreed = matched
+            for m in (*self.managers, self.linear):
+                matched = m.longest_hit(matched, hash_of)
         if not matched:
             return
         self._hold(seq)
         for m in self.managers:
-            m.take_hit(seq, matched, lambda j, g=m.group: (g, self._hash(seq, j)), self._add_page)
+            m.take_hit(seq, matched, hash_of, self._add_page)
         seq.num_computed = seq.num_hashed_pages = matched
         seq.num_computed *= self.page_size
         self.prefix_hits += seq.num_computed
-        self.linear.take_hit(seq.num_computed, lambda: self._hash(seq, matched - 1), seq.block_row)
-
-    def _agreed(self, seq: Sequence, matched: int) -> bool:
-        if not self.linear.hit_at(matched * self.page_size, lambda: self._hash(seq, matched - 1)):
-            return False
-        return all(m.hit_at(seq, matched, lambda j, g=m.group: (g, self._hash(seq, j))) for m in self.managers)
+        self.linear.take_hit(matched, hash_of, seq.block_row)
 
     def pages_missing(self, seq: Sequence, num_new_tokens: int) -> int:
         return sum(m.missing(seq, num_new_tokens) for m in self.managers)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.pages_missing(seq, num_new_tokens) <= self.num_free
+
+    def chunk_that_fits(self, seq: Sequence, count: int) -> int:
+        """The sequence's next chunk of at most ``count`` tokens: all of them if their pages fit the
+        free ones; else, where chunks shrink, the longest that fits, or one token if none does (the
+        scheduler then preempts or waits, as for a chunk that does not shrink)."""
+        if not self.chunks_shrink or self.can_allocate(seq, count):
+            return count
+        low, high = 1, count - 1  # the pages missing never decrease with the chunk
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.can_allocate(seq, middle):
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Pages for the sequence's next ``num_new_tokens`` tokens (call ``can_allocate`` first)."""

@@ -88,22 +88,29 @@ class LinearStateManager:
     restores states at multiples of ``states.interval`` (None: a model without such layers, or
     prefix caching off, whose hits are then never tried)."""
 
-    def __init__(self, states: PrefixStates | None):
-        self.states = states
+    def __init__(self, states: PrefixStates | None, page_size: int):
+        self.states, self.page_size = states, page_size
 
     @property
     def prefill_boundary(self) -> int | None:
         return self.states.interval if self.states is not None else None
 
-    def hit_at(self, matched_tokens: int, last_key) -> bool:
-        """Whether a hit of ``matched_tokens`` has a saved state (``last_key()``: its last page's hash);
-        always, without linear-attention layers."""
+    def longest_hit(self, limit: int, hash_of) -> int:
+        """The most pages, at most ``limit``, a prefix hit may take: it ends where a state is saved
+        (``hash_of(j)``: the prefix hash of the sequence's page j); any, without linear-attention layers."""
         states = self.states
-        return states is None or matched_tokens == 0 or (matched_tokens % states.interval == 0 and last_key() in states)
+        if states is None:
+            return limit
+        step = states.interval // self.page_size  # the interval is a multiple of the page size
+        matched = limit // step * step
+        while matched and hash_of(matched - 1) not in states:
+            matched -= step
+        return matched
 
-    def take_hit(self, matched_tokens: int, last_key, slot: int) -> None:
-        if matched_tokens and self.states is not None:
-            self.states.restore(last_key(), slot)
+    def take_hit(self, matched: int, hash_of, slot: int) -> None:
+        """Restore the state saved where a hit of ``matched`` pages ends into the sequence's slot."""
+        if matched and self.states is not None:
+            self.states.restore(hash_of(matched - 1), slot)
 
     def after_step(self, seq: Sequence, last_key, slot: int) -> None:
         """Save the sequence's state if its computed tokens end at a multiple of the interval."""

@@ -5,7 +5,9 @@ sequence cap (``max_num_seqs``). Running sequences go first (a decode token, or 
 of a prefill), then waiting ones are admitted while budget and pages last (counted per KV cache
 group: a windowed group holds only its window's pages, ``kv_cache_manager``); a prefill longer than
 what is left of the budget runs in chunks over several steps, mixed with other sequences' decode
-tokens. When pages run out, the most recently admitted sequence is preempted: its pages are
+tokens. Under windows a chunk is also shortened to what the free pages hold, and the window frees
+its pages between chunks, so a long prompt runs within its windows' pages whatever the budget.
+When pages run out, the most recently admitted sequence is preempted: its pages are
 freed and it is recomputed later from its tokens, which gives bitwise the same KV.
 None of this can change a bit of any result: every kernel computes a token from its own
 sequence alone.
@@ -42,9 +44,10 @@ class Scheduler:
                  admission=None):
         """``admission``: whatever else a waiting sequence needs before it runs, an object whose
         ``can_admit(seq, running)`` says whether it has it (the engine's LoRA slots: a slot for its
-        adapter); None: nothing else. A chunk that passes a multiple of the cache's
-        ``prefill_boundary`` ends at the last one it reaches (the linear-attention state manager saves
-        states there only); without one, chunks end where the budget does."""
+        adapter); None: nothing else. A chunk ends where the budget does, or under windows where the
+        free pages do (``KVCacheManager.chunk_that_fits``); one that passes a multiple of the cache's
+        ``prefill_boundary`` then ends at the last one it reaches (the linear-attention state manager
+        saves states there only)."""
         self.blocks = kv_cache
         self.admission = admission
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -97,7 +100,7 @@ class Scheduler:
         return budget
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
-        count = min(seq.num_tokens - seq.num_computed, budget)
+        count = self.blocks.chunk_that_fits(seq, min(seq.num_tokens - seq.num_computed, budget))
         boundary = self.blocks.prefill_boundary
         if boundary:
             start = seq.num_computed
@@ -118,6 +121,7 @@ class Scheduler:
             while not self.blocks.can_allocate(seq, count):
                 if self.preempt_latest() is seq:
                     break
+                count = self._chunk_size(seq, budget)  # the victim's pages may hold a longer chunk
             if seq.status is not Status.RUNNING:
                 continue
             self.blocks.allocate(seq, count)

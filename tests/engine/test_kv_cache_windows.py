@@ -1,11 +1,12 @@
 """Sliding-window layers in the engine hold only their window's pages: a model whose layers are all
-windowed runs ten windows of context in about three windows of KV pages, four such requests share
-four times that, and Gemma 3 / gpt-oss run in their full layers' whole context plus their sliding
-layers' windows. Every result is bitwise the request alone in a large cache (and ``model.generate``):
-freed pages overwritten with NaN, or reused by other requests, never change a bit; prefix hits
-under windows take only pages still held. Negative controls: without freeing, the same budget never
-runs the request; one page less is refused; a page freed while its window still reads it poisons
-the request's logprobs with the NaN written over it."""
+windowed runs ten windows of context in about three windows of KV pages whatever the token budget
+(its prefill chunks shortened to the free pages), four such requests share four times that, and
+Gemma 3 / gpt-oss run in their full layers' whole context plus their sliding layers' windows.
+Every result is bitwise the request alone in a large cache (and ``model.generate``): freed pages
+overwritten with NaN, or reused by other requests, never change a bit; prefix hits under windows
+take only pages still held. Negative controls: chunks that do not shrink are refused the same
+budget; without freeing, the same budget never runs the request; one page less is refused; a page
+freed while its window still reads it poisons the request's logprobs with the NaN written over it."""
 from __future__ import annotations
 
 import pytest
@@ -49,8 +50,10 @@ def results(outputs) -> list:
 
 @pytest.mark.heavy
 def test_an_all_windowed_model_runs_ten_windows_in_three_windows_of_pages(windowed):
+    """The default budget of 2048 tokens: the prompt's chunks shrink to the pages the window leaves
+    free (the request alone runs in chunks of 64)."""
     prompt = prompt_of(windowed.config.vocab_size, CONTEXT - PARAMS.max_tokens, seed=0)
-    engine = Engine(windowed, max_num_batched_tokens=CHUNK, kv_cache_memory=3 * page_bytes(windowed))
+    engine = Engine(windowed, kv_cache_memory=3 * page_bytes(windowed))
     assert engine.core.blocks.num_pages == 3
     out = engine.generate([prompt], PARAMS)[0]
     assert results([out]) == results(alone(windowed, [prompt]))
@@ -58,6 +61,17 @@ def test_an_all_windowed_model_runs_ten_windows_in_three_windows_of_pages(window
                                   pad_token_id=0)
     assert out.token_ids == generated[0, len(prompt):].tolist()
     assert engine.core.scheduler.num_preemptions == 0 and engine.core.blocks.num_used == 0
+
+
+def test_negative_control_chunks_that_do_not_shrink_are_refused_the_same_budget(windowed):
+    """Chunks shrinking to the free pages, the request is taken; a chunk of the whole 2048-token
+    budget would hold the ten pages of the prompt at once, and the same budget refuses it."""
+    prompt = prompt_of(windowed.config.vocab_size, CONTEXT - PARAMS.max_tokens, seed=0)
+    engine = Engine(windowed, kv_cache_memory=3 * page_bytes(windowed))
+    engine.abort(engine.add_request(prompt, PARAMS))
+    engine.core.blocks.chunks_shrink = False
+    with pytest.raises(RequestError, match="needs 10 KV pages; the cache has 3 in all"):
+        engine.add_request(prompt, PARAMS)
 
 
 @pytest.mark.heavy
@@ -122,14 +136,16 @@ def poisoned(engine):
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
 def test_sliding_and_full_layers_run_in_the_whole_context_plus_the_windows(family_checkpoints, family):
     """Tiny configs: one sliding and one full layer, window 24: a page group each. 300 tokens take 5
-    full-attention pages and at most 3 windowed ones (a chunk of 64 and the window before it)."""
+    full-attention pages and 2 windowed ones (the window and one token: chunks shrink to the free
+    pages), where chunks of 64 tokens would hold 3."""
     model = make_invariant(load_model(family_checkpoints(family), torch.float32))
     prompt = prompt_of(model.config.vocab_size, 300 - PARAMS.max_tokens, seed=5)
-    engine = Engine(model, max_num_batched_tokens=CHUNK, kv_cache_memory=8 * page_bytes(model))
-    assert engine.core.blocks.num_pages == 8 and engine.core.blocks.pages_needed(300, CHUNK) == 8
+    engine = Engine(model, max_num_batched_tokens=CHUNK, kv_cache_memory=7 * page_bytes(model))
+    blocks = engine.core.blocks
+    assert blocks.num_pages == 7 and blocks.pages_to_run(300, CHUNK) == 7 and blocks.pages_needed(300, CHUNK) == 8
     assert results(engine.generate([prompt], PARAMS)) == results(alone(model, [prompt]))
-    smaller = Engine(model, max_num_batched_tokens=CHUNK, kv_cache_memory=7 * page_bytes(model))
-    with pytest.raises(RequestError, match="needs 8 KV pages"):
+    smaller = Engine(model, max_num_batched_tokens=CHUNK, kv_cache_memory=6 * page_bytes(model))
+    with pytest.raises(RequestError, match="needs 7 KV pages"):
         smaller.generate([prompt], PARAMS)
 
 
