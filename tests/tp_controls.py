@@ -32,10 +32,11 @@ def fail_on_other_ranks() -> None:
 def sharded_lora_shrink_apply(self, out, x):
     """Stock row-parallel LoRA: each rank shrinks its own K shard with its columns of A, and the
     ranks all-reduce the [M, r] sums (an order of additions that depends on the TP size)."""
-    if self.layout is None or self.columns_sharded or not self.rows.groups:
+    groups = self.step_groups()
+    if self.layout is None or self.columns_sharded or not groups:
         return ORIGINAL_LORA_APPLY(self, out, x)
     x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
-    for slot, rows in self.rows.groups:
+    for slot, rows in groups:
         rank = self.ranks[slot]
         if rank:
             a = self.a[slot, :rank].chunk(self.layout.size, dim=1)[self.layout.rank].contiguous()

@@ -2,7 +2,8 @@
 linear-attention state manager (``linear_state``) gives each sequence holding pages its block-table
 row as slot, and padding rows a scratch slot. The model's step forward
 (``invariant_infer.model.linear_attention``) reads and writes them through the step's
-``LinearAttentionStep``, which ``step`` lays out.
+``LinearAttentionStep`` (in the step context), which ``step`` lays out before the forward, on the
+device, from the step's metadata already copied there.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.gated_delta_rule import CHUNK
-from ..model.linear_attention import HISTORY, LinearAttentionStep
+from ..model.linear_attention import HISTORY
+from ..model.step_context import LinearAttentionStep
 from .linear_state import SAVE
 
 
@@ -67,27 +69,28 @@ class LinearAttentionSlots:
             self.conv[layer][slot].copy_(self.saved_conv[layer][index])
             self.state[layer][slot].copy_(self.saved_state[layer][index])
 
-    def step_of(self, metadata, num_table_rows: int, device) -> LinearAttentionStep:
-        """Apply the step's queued state copies (``linear_state``), then lay out its step: each
-        sequence's slot is its block-table row; padding rows (rows past ``num_table_rows``) and
-        sequences with nothing computed start from an empty state."""
-        for kind, source, target in metadata.state_copies:
+    def step_of(self, state_copies, table_rows: torch.Tensor, query_starts: torch.Tensor, seq_lens: torch.Tensor,
+                tokens: int, num_table_rows: int) -> LinearAttentionStep:
+        """Apply the step's queued state copies (``linear_state``), then lay out its step from its
+        metadata on the device (long: each sequence's block-table row [S], query starts [S + 1],
+        context lengths [S]; ``tokens`` packed in all): each sequence's slot is its block-table row;
+        padding rows (rows past ``num_table_rows``) and sequences with nothing computed start from
+        an empty state."""
+        for kind, source, target in state_copies:
             (self.save if kind == SAVE else self.restore)(source, target)
-        starts, rows = metadata.query_starts, metadata.table_rows
-        query_lens = [starts[s + 1] - starts[s] for s in range(len(rows))]
-        computed = [length - new for length, new in zip(metadata.seq_lens, query_lens)]
-        fresh = [done == 0 or row >= num_table_rows for done, row in zip(computed, rows)]
-        return self.step(rows, computed, query_lens, fresh, device)
+        query_lens = query_starts[1:] - query_starts[:-1]
+        computed = seq_lens - query_lens
+        fresh = (computed == 0) | (table_rows >= num_table_rows)
+        return self.step(table_rows, computed, query_lens, fresh, tokens)
 
-    def step(self, slot_ids: list[int], computed: list[int], query_lens: list[int], fresh: list[bool],
-             device) -> LinearAttentionStep:
+    def step(self, slot_ids: torch.Tensor, computed: torch.Tensor, query_lens: torch.Tensor, fresh: torch.Tensor,
+             tokens: int) -> LinearAttentionStep:
         """The layout of one step whose sequence s (slot ``slot_ids[s]``, ``computed[s]`` tokens
         before this step, ``fresh[s]``: its state starts empty) brings ``query_lens[s]`` tokens,
-        packed in that order. A few small device ops, the same for every layer."""
-        host = torch.tensor([slot_ids, computed, query_lens, fresh], dtype=torch.long).to(device)
-        slots, done, n, new = host.unbind(0)
-        tokens = sum(query_lens)
-        fresh_mask = new.bool()
+        packed in that order (``tokens`` in all; long and bool [S] device tensors). A few small
+        device ops, the same for every layer."""
+        slots, done, n, fresh_mask = slot_ids, computed, query_lens, fresh
+        device = slots.device
         offset = torch.arange(tokens, device=device) - torch.repeat_interleave(n.cumsum(0) - n, n,
                                                                                 output_size=tokens)
 

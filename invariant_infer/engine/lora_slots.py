@@ -18,7 +18,6 @@ The prefix cache is keyed by the adapter's sha256 (weights and scaling), so no h
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import itertools
@@ -30,7 +29,7 @@ import torch
 
 from ..model.executor import RankState, worker_command
 from ..model.families import family_of
-from ..model.lora import REFUSED_OPTIONS, LoraRows, attach_slots, is_peft_model
+from ..model.lora import REFUSED_OPTIONS, attach_slots, is_peft_model
 from ..errors import InvalidArgumentError, LoraAdapterError, RequestError
 
 
@@ -204,19 +203,15 @@ class LoraSlots:
             offset += chunk.num_tokens
         return sorted(rows.items())
 
-    def selecting(self, groups):
-        return self.slots.selecting(groups)
-
 
 class ModelSlots:
-    """A model's adapter slots (on every rank): one ``SlotWeights`` per projection, and the rows of
-    the next forward that run each slot."""
+    """A model's adapter slots (on every rank): one ``SlotWeights`` per projection. Which rows run
+    which slot is each step's (``StepContext.lora_groups``, which the model runner builds)."""
 
     def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype):
-        self.rows = LoraRows()
         family = family_of(model.config)
         projections = {proj for layer in model.model.layers for proj in family.projections(layer).values()}
-        self.layers = {name: attach_slots(module, self.rows, max_loras, max_lora_rank, dtype)
+        self.layers = {name: attach_slots(module, max_loras, max_lora_rank, dtype)
                        for name, module in model.named_modules() if module in projections}
 
     def load(self, slot: int, weights: dict) -> None:
@@ -225,14 +220,6 @@ class ModelSlots:
         for module, layer in self.layers.items():
             a, b, scaling = weights.get(module, (None, None, 0.0))
             layer.load(slot, a, b, scaling)
-
-    @contextlib.contextmanager
-    def selecting(self, groups):
-        self.rows.groups = groups
-        try:
-            yield
-        finally:
-            self.rows.groups = []
 
 
 @worker_command

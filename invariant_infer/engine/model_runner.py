@@ -3,13 +3,15 @@ over them with attention on the paged KV cache, and turns the rows that need the
 
 The Hugging Face modules run unchanged (one engine for every family): projections, norms and
 MLP see ``T`` packed rows, which is all they need since each row is computed alone; RoPE looks up
-each token's absolute position; attention receives a ``paged_batch`` keyword that the model's
-forward passes through to its attention function (``invariant_infer.model.attention``), which
-writes the step's K/V into the pages and attends over each sequence's own pages, through its KV cache
-group's block table (``kv_cache_layout``: one K and one V tensor per position in a group, one block
-table per group). Layers with a linear-attention state (Gated DeltaNet) hold no pages: the same
-batch carries their step (``LinearAttentionStep``) over the engine's state slots, a sequence's slot
-being its block-table row (``linear_state_slots``). A vision-language model's
+each token's absolute position. The step reaches the layers as one ``StepContext``
+(``invariant_infer.model.step_context``), built by ``load`` before the forward and active during
+it: its ``attention`` (``PagedBatch``) lets each attention call write the step's K/V into the pages
+and attend over each sequence's own pages, through its KV cache group's block table
+(``kv_cache_layout``: one K and one V tensor per position in a group, one block table per group);
+layers with a linear-attention state (Gated DeltaNet) hold no pages and read its
+``linear_attention`` step over the engine's state slots, a sequence's slot being its block-table
+row (``linear_state_slots``); projections with adapter slots read its ``lora_groups``
+(``lora_slots``). A vision-language model's
 image tokens take their requests' image features and multimodal positions (``multimodal.py``).
 
 Under tensor parallelism (a model that ``TensorParallelRanks`` drives), each rank holds its shard of
@@ -28,7 +30,6 @@ attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kern
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -36,13 +37,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
-from ..model.attention import PAGED_BATCH_KWARG
 from ..model.checks import base_model
 from ..model.cache_specs import linear_attention_layers
-from ..model.families import text_config
+from ..model.families import is_vision_language, text_config
 from ..model.logits import head_logits
 from ..kernels import attention_config, token_logprobs
 from ..model.padding import sequence_bounds
+from ..model.step_context import StepContext
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
 from .kv_cache_layout import kv_cache_layout
@@ -87,10 +88,9 @@ class StepInputs:
     """What one forward reads: views of the runner's persistent buffers."""
     input_ids: torch.Tensor        # long [1, T]
     position_ids: torch.Tensor     # long [1, T]
-    batch: PagedBatch
+    context: StepContext           # what the layers read during the forward
     num_real_tokens: int           # the first rows; padding rows follow
     metadata: StepMetadata | None = field(default=None, repr=False)
-    lora_rows: list = field(default_factory=list)  # metadata.lora_groups' rows as long tensors
 
 
 class ModelRunner:
@@ -103,7 +103,7 @@ class ModelRunner:
         self.executor = executor_for(model, executor)
         config = text_config(model.config)
         self.base = base_model(model)  # the decoder (a vision-language model's language model)
-        self.multimodal = getattr(model.config, "vision_config", None) is not None
+        self.multimodal = is_vision_language(model.config)
         self.lm_head = model.get_output_embeddings()
         self.device, self.dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
         self.num_layers = config.num_hidden_layers
@@ -159,8 +159,9 @@ class ModelRunner:
         self.linear_slots = LinearAttentionSlots.for_layers(
             self.base.layers, self.num_table_rows + self.scratch_pages, self.device, self.dtype,
             saved_states) if linear_attention_layers(model.config) else None
-        # Every step's metadata goes to the device in one copy, from a pinned staging buffer on CUDA.
-        self.max_staged = (2 + self.num_groups) * max_tokens + 3 * max_seqs + 1
+        # Every step's metadata goes to the device in one copy, from a pinned staging buffer on CUDA:
+        # ids, positions, slots per group, query starts, lengths, block-table rows, LoRA rows.
+        self.max_staged = (3 + self.num_groups) * max_tokens + 3 * max_seqs + 1
         self.staged = buffer(self.max_staged, dtype=torch.long)
         self.staging = torch.zeros(self.max_staged, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.staging_copied = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -260,12 +261,14 @@ class ModelRunner:
         return torch.arange(start, end)[None].expand(3, -1)
 
     def load(self, metadata: StepMetadata) -> StepInputs:
-        """Apply the block-table writes and copy the step's metadata into the persistent buffers:
-        one host-to-device copy, then copies on the device."""
+        """Apply the block-table writes, copy the step's metadata into the persistent buffers (one
+        host-to-device copy, then copies on the device) and build the step's context."""
         m = metadata
         tokens, seqs, width = len(m.ids), len(m.seq_lens), m.table_width
         writes = m.table_writes
+        lora_sizes = [len(rows) for _, rows in m.lora_groups]
         flat = m.ids + m.positions + m.slots + m.query_starts + m.seq_lens + m.table_rows
+        flat += [row for _, rows in m.lora_groups for row in rows]
         flat += [value for write in writes for value in write]
         if len(flat) > self.max_staged:  # many writes at once (a long prefix hit): a larger staging copy
             staged = torch.tensor(flat, dtype=torch.long).to(self.device)
@@ -280,9 +283,10 @@ class ModelRunner:
             if self.staging_copied is not None:
                 self.staging_copied.record()
         groups = self.num_groups
-        pieces = torch.split(staged, [tokens, tokens, groups * tokens, seqs + 1, seqs, seqs, 4 * len(writes)])
+        pieces = torch.split(staged, [tokens, tokens, groups * tokens, seqs + 1, seqs, seqs, sum(lora_sizes),
+                                      4 * len(writes)])
         if writes:
-            write = pieces[6].view(-1, 4)
+            write = pieces[7].view(-1, 4)
             self.table[write[:, 0], write[:, 1], write[:, 2]] = write[:, 3].to(torch.int32)
         self.input_ids[:tokens].copy_(pieces[0])
         self.positions[:tokens].copy_(pieces[1])
@@ -297,15 +301,15 @@ class ModelRunner:
         tables = self.block_tables[:, :seqs, :width]
         tables.copy_(self.table[:, :, :width].index_select(1, self.table_row_ids[:seqs]))
         starts = m.query_starts
-        batch = PagedBatch(self.k_caches, self.v_caches, tuple(self.slot_mapping[:, :tokens].unbind(0)),
-                           self.query_starts[:seqs + 1],
-                           self.seq_lens[:seqs], tuple(tables.unbind(0)), self.layer_groups,
-                           max(starts[s + 1] - starts[s] for s in range(seqs)), starts, m.seq_lens, self.invariant)
-        if self.linear_slots is not None:
-            batch.linear_attention = self.linear_slots.step_of(m, self.num_table_rows, self.device)
-        lora_rows = [(slot, torch.tensor(rows, dtype=torch.long, device=self.device))
-                     for slot, rows in m.lora_groups]
-        return StepInputs(self.input_ids[:tokens][None], position_ids, batch, m.num_real_tokens, m, lora_rows)
+        attention = PagedBatch(self.k_caches, self.v_caches, tuple(self.slot_mapping[:, :tokens].unbind(0)),
+                               self.query_starts[:seqs + 1], self.seq_lens[:seqs], tuple(tables.unbind(0)),
+                               self.layer_groups, max(starts[s + 1] - starts[s] for s in range(seqs)),
+                               max(m.seq_lens, default=0), starts, m.seq_lens, self.invariant)
+        linear = None if self.linear_slots is None else self.linear_slots.step_of(
+            m.state_copies, pieces[5], pieces[3], pieces[4], tokens, self.num_table_rows)
+        lora_groups = tuple(zip((slot for slot, _ in m.lora_groups), torch.split(pieces[6], lora_sizes)))
+        context = StepContext(attention, linear, lora_groups)
+        return StepInputs(self.input_ids[:tokens][None], position_ids, context, m.num_real_tokens, m)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states [T, H] of the step's real packed tokens (on every rank, in step)."""
@@ -317,11 +321,10 @@ class ModelRunner:
         # A prepared 4-D mask: transformers passes it through untouched (attention ignores it here).
         mask = sequence_bounds(None, 1, inputs.input_ids.shape[1], 0, self.device)
         tokens = self._multimodal_inputs(inputs) if self.multimodal else dict(input_ids=inputs.input_ids)
-        with self.loras.selecting(inputs.lora_rows) if self.loras is not None else contextlib.nullcontext():
-            out = self.base(**tokens, position_ids=inputs.position_ids, attention_mask=mask, use_cache=False,
-                            **{PAGED_BATCH_KWARG: inputs.batch})
-        if inputs.batch.linear_attention is not None:
-            inputs.batch.linear_attention.commit()
+        with inputs.context.active():
+            out = self.base(**tokens, position_ids=inputs.position_ids, attention_mask=mask, use_cache=False)
+        if inputs.context.linear_attention is not None:
+            inputs.context.linear_attention.commit()
         return out.last_hidden_state[0, :inputs.num_real_tokens]
 
     def _multimodal_inputs(self, inputs: StepInputs) -> dict:

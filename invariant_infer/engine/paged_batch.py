@@ -1,5 +1,6 @@
-"""One engine step's paged-attention batch: what every attention call of the step's forward gets
-(the ``paged_batch`` keyword), and the attention it runs over the paged KV cache.
+"""One engine step's paged-attention batch: what every attention call of the step's forward reads
+(the step context's ``attention``, ``invariant_infer.model.step_context``), and the attention it runs
+over the paged KV cache.
 
 ``invariant`` (a model wrapped by ``make_invariant``): the paged Triton kernel, bitwise equal to
 the padded kernel ``model(...)`` uses, with the layer's sliding window and attention sinks.
@@ -9,29 +10,29 @@ has sinks (SDPA has no sink term); a window or a sink is honoured on both paths,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels import paged_attention, write_kv
-from ..model.attention import PAGED_BATCH_KWARG, refuse_softcapping
-from ..model.linear_attention import LinearAttentionStep
+from ..model.attention import refuse_softcapping
+from ..model.step_context import current_step
 
 
 def paged_stock_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                           sliding_window=None, **kwargs):
     """The attention function an unwrapped model runs in the engine (registered by the model runner)."""
     refuse_softcapping(kwargs, "engine")
-    paged_batch = kwargs[PAGED_BATCH_KWARG]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return paged_batch.attend(module.layer_idx, query, key, value, scale, sliding_window or 0,
-                              kwargs.get("s_aux")), None
+    return current_step().attention.attend(module.layer_idx, query, key, value, scale, sliding_window or 0,
+                                           kwargs.get("s_aux")), None
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class PagedBatch:
-    """One step's metadata, handed to every attention call of the forward."""
+    """One step's paged-attention metadata, read by every attention call of the forward: device
+    tensors (views of the model runner's persistent buffers) and the host ints the kernel's grid
+    needs, all set before the forward."""
     k_caches: list[torch.Tensor | None]  # per layer [num_pages, page_size, Hkv, D] (None: no pages)
     v_caches: list[torch.Tensor | None]
     slot_mappings: tuple[torch.Tensor, ...]  # per KV cache group, int64 [T]: page * page_size + offset of each token
@@ -40,16 +41,10 @@ class PagedBatch:
     block_tables: tuple[torch.Tensor, ...]  # per KV cache group, int32 [S, max_pages]
     layer_groups: list[int | None]  # each layer's KV cache group
     max_query_len: int
+    max_seq_len: int               # the longest context: it lets a GPU run the KV chunks in parallel
     host_query_starts: list[int]
     host_seq_lens: list[int]
     invariant: bool
-    linear_attention: LinearAttentionStep | None = None  # hybrid models: the Gated DeltaNet layers' step
-
-    @cached_property
-    def max_seq_len(self) -> int:
-        """The step's longest context, from the host's copy (no sync), once per step: it lets a GPU
-        run the KV chunks in parallel."""
-        return max(self.host_seq_lens, default=0)
 
     def attend(self, layer_idx: int, query, key, value, scale: float, window: int = 0,
                sinks: torch.Tensor | None = None) -> torch.Tensor:

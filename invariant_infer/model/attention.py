@@ -14,12 +14,10 @@ from ..errors import NonInvariantInputError
 from ..kernels import attention, attention_autograd
 from .packing import PACKED_KWARG
 from .padding import is_sequence_bounds, sequence_bounds
+from .step_context import current_step
 from .support import require
 
 ATTN_IMPLEMENTATION = "invariant"
-# The keyword a serving engine passes through the model's forward to its attention calls: an object
-# with ``attend(layer_idx, query, key, value, scale, window, sinks) -> [1, T, Hq, D]`` over its paged KV cache.
-PAGED_BATCH_KWARG = "paged_batch"
 
 
 def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
@@ -47,18 +45,18 @@ def invariant_attention(module, query, key, value, attention_mask, dropout=0.0, 
     """transformers attention function: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> ([B, Lq, Hq, D], None);
     ``sliding_window`` and attention sinks (``s_aux``, gpt-oss) as the kernels take them.
 
-    With a ``paged_batch`` keyword (a serving engine's packed step, B = 1), K/V are written to
-    the engine's paged cache and attention runs over each sequence's pages instead. With a
+    Inside a serving engine's step (``step_context.current_step()``: its packed tokens, B = 1), K/V
+    are written to the engine's paged cache and attention runs over each sequence's pages instead. With a
     ``packed_sequences`` keyword (packed rows, set by the model's pre-hook), q/k/v are regrouped
     one sequence per row and ``attention_mask`` holds that regrouped batch's bounds."""
     refuse_softcapping(kwargs)
     window, sinks = sliding_window or 0, kwargs.get("s_aux")
-    paged_batch = kwargs.get(PAGED_BATCH_KWARG)
-    if paged_batch is not None:
+    step = current_step()
+    if step is not None:
         if dropout:
             raise NonInvariantInputError("attention dropout is not batch-invariant; call model.eval()")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return paged_batch.attend(module.layer_idx, query, key, value, scale, window, sinks), None
+        return step.attention.attend(module.layer_idx, query, key, value, scale, window, sinks), None
     if not is_sequence_bounds(attention_mask):
         raise NonInvariantInputError(
             "invariant attention needs the 2-D padding mask (or none); a prepared 4-D mask or a paged cache "

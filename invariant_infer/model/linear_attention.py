@@ -6,21 +6,22 @@ forward over the whole prefix give every token the same bits.
 The layer's cache state, per sequence: the last K inputs of the short convolution (kept in the
 transformers cache's own conv state, which also counts the tokens), the fp32 state at the last
 chunk boundary and the inputs (q, k, v, a, b after the convolution) of the chunk not yet complete,
-right-aligned in a [B, CHUNK - 1] buffer. Both live beside the transformers cache object, one
-``LinearAttentionState`` per layer.
+right-aligned in a [B, CHUNK - 1] buffer. Both live on the layer's own entry in the transformers
+cache (``cache.layers[layer_idx]``, a ``LinearAttentionLayer`` in transformers 5.17 and 5.25, which
+the cache never replaces), as one ``LinearAttentionState``: they live and die with the cache, and a
+copy of the cache copies them.
 
 Rows: a padded batch's real tokens are one run per row (left or right padding); pads never enter a
 chunk or a state. Packed rows (``PACKED_KWARG``) give one segment per sequence, and are whole
 sequences: a cache passed with them is left as it is.
 
-A serving engine's step (``PAGED_BATCH_KWARG`` whose batch carries a ``LinearAttentionStep``) keeps
+A serving engine's step (``step_context.current_step()`` with a ``LinearAttentionStep``) keeps
 the same per-sequence state in the engine's slots (``engine.linear_state_slots``), one per sequence, and runs the same
 computation: the convolution over the slot's last K - 1 inputs and the new ones, the scan over the
 unfinished chunk's rows and the new ones from the boundary state.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +29,10 @@ import torch
 from ..errors import NonInvariantInputError
 from ..kernels import causal_conv1d_silu, chunk_gated_delta_rule, rms_norm_gated
 from ..kernels.gated_delta_rule import CHUNK
-from .attention import PAGED_BATCH_KWARG
 from .no_backward import without_backward
 from .recomputed_backward import recomputed_backward
 from .packing import PACKED_KWARG
+from .step_context import LinearAttentionStep, current_step
 
 HISTORY = CHUNK - 1  # the most rows of an unfinished chunk
 
@@ -45,14 +46,17 @@ class LinearAttentionState:
     right_padded: torch.Tensor | None = None  # bool []: a forward ended some row before its last column
 
 
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {layer index: LinearAttentionState}
+_STATE_ATTRIBUTE = "invariant_linear_attention_state"  # on a transformers cache's linear-attention layer
 
 
-def _states_of(cache) -> dict[int, LinearAttentionState]:
-    states = _STATES.get(cache)
-    if states is None:
-        states = _STATES[cache] = {}
-    return states
+def _state_of(cache, layer_idx: int) -> LinearAttentionState | None:
+    return getattr(cache.layers[layer_idx], _STATE_ATTRIBUTE, None)
+
+
+def _states_of(cache) -> list[LinearAttentionState]:
+    """The states of every layer of ``cache`` that holds one."""
+    layers = getattr(cache, "layers", None) or []
+    return [state for layer in layers if (state := getattr(layer, _STATE_ATTRIBUTE, None)) is not None]
 
 
 def check_cache_continuation(cache, attention_mask: torch.Tensor | None, length: int) -> None:
@@ -60,12 +64,12 @@ def check_cache_continuation(cache, attention_mask: torch.Tensor | None, length:
     columns, or None) may continue ``cache``'s sequences: none ended before its last column, and no
     row's new tokens start after padding while an unfinished chunk is held. Read at the call's entry
     point (one host sync), not inside the layers' forward."""
-    states = _STATES.get(cache)
+    states = _states_of(cache)
     if not states:
         return
     mask = attention_mask[:, -length:] if attention_mask is not None and length > 1 else None  # as transformers
     flags = []
-    for layer_state in states.values():
+    for layer_state in states:
         start, _ = _row_ranges(mask, layer_state.count.shape[0], length, layer_state.count.device)
         flags.append(((layer_state.count > 0) & (start > 0)).any())
         if layer_state.right_padded is not None:
@@ -95,7 +99,8 @@ def _update_conv_state(cache, layer_idx: int, x: torch.Tensor, kernel: int) -> t
 def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, cache_params=None,
                             **kwargs) -> torch.Tensor:
     """The invariant forward of a ``Qwen3_5GatedDeltaNet`` / ``Qwen3NextGatedDeltaNet`` layer."""
-    step = getattr(kwargs.get(PAGED_BATCH_KWARG), "linear_attention", None)
+    context = current_step()
+    step = context.linear_attention if context is not None else None
     if step is not None:
         return _engine_step_forward(self, hidden_states, step)
     packed = kwargs.get(PACKED_KWARG)
@@ -137,7 +142,7 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
         core = _scan(self, rows.reshape(batch * length, -1), seg_start, seg_end, seg_start, state)
         core = core.view(batch, length, hv, dv)
     else:
-        layer_state = _states_of(cache).get(self.layer_idx) if cache is not None else None
+        layer_state = _state_of(cache, self.layer_idx) if cache is not None else None
         continued = layer_state is not None
         if layer_state is None:
             layer_state = LinearAttentionState(torch.zeros(batch, hv, dk, dv, device=device),
@@ -160,7 +165,7 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
             layer_state.rows = torch.where(keep[..., None], gathered, torch.zeros((), dtype=rows.dtype, device=device))
             layer_state.count = count
             layer_state.right_padded = (end < length).any()  # refused at the next call's entry (input_checks.py)
-            _states_of(cache)[self.layer_idx] = layer_state
+            setattr(cache.layers[self.layer_idx], _STATE_ATTRIBUTE, layer_state)
     normed = rms_norm_gated(core, z.view(batch, length, hv, dv), self.norm.weight, self.norm.variance_epsilon)
     if continued:
         normed = without_backward(normed, [hidden_states, *self.parameters()],
@@ -250,29 +255,6 @@ def _packed_segments(packed) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- a serving engine's step ------------------------------------------------------------------------
-
-@dataclass
-class LinearAttentionStep:
-    """One engine step's layout: where each sequence's cached and new rows sit in the packed
-    convolution and scan inputs (the engine's ``LinearAttentionSlots.step``)."""
-    slots: object            # the engine's LinearAttentionSlots: conv, state, rows per layer
-    slot_ids: torch.Tensor   # long [S]
-    fresh: torch.Tensor      # bool [S]: the sequence's state starts empty
-    conv: dict               # total, history_at, new_at, tail_at, start, end, out_from
-    scan: dict
-    keep: torch.Tensor       # bool [S, HISTORY]: rows of the new unfinished chunk
-    updates: dict            # layer -> its new (conv, state, rows) of the step's slots, until ``commit``
-
-    def commit(self) -> None:
-        """Write the step's new state into the slots, once the whole forward has run (a forward that
-        fails leaves every slot as it was, so its sequences can run again)."""
-        ids = self.slot_ids
-        for layer, (conv, state, rows) in self.updates.items():
-            self.slots.conv[layer].index_copy_(0, ids, conv)
-            self.slots.state[layer].index_copy_(0, ids, state)
-            self.slots.rows[layer].index_copy_(0, ids, rows)
-        self.updates.clear()
-
 
 def _engine_step_forward(self, hidden_states: torch.Tensor, step: LinearAttentionStep) -> torch.Tensor:
     """``hidden_states`` [1, T, H]: the step's packed tokens."""

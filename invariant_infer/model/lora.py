@@ -36,6 +36,7 @@ from ..errors import NonInvariantInputError, UnsupportedModelError
 from ..kernels import linear, linear_autograd
 from ..kernels.configs import linear_config
 from .module_state import module_state, state_of
+from .step_context import current_step
 from .support import require
 from .tensor_parallel import gather_columns, lora_layout
 
@@ -196,14 +197,6 @@ def peft_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 # ---- adapter slots (the multi-LoRA engine) ------------------------------------------------------------
 
-class LoraRows:
-    """Which rows of the next forward run which slot: ``groups`` is a list of (slot, int64 row indices
-    into the flattened tokens); rows in no group run the base model. Shared by a model's slot layers."""
-
-    def __init__(self):
-        self.groups: list[tuple[int, torch.Tensor]] = []
-
-
 class SlotWeights:
     """One projection's adapter slots: A [slots, max_rank, K] and B [slots, N, max_rank] allocated
     once; slot s holds an adapter of rank r (0: none) in ``A[s, :r]`` and ``B[s, :, :r]``.
@@ -211,12 +204,15 @@ class SlotWeights:
     On a tensor-parallel projection (``tensor_parallel.lora_layout``) each rank runs the arithmetic
     of one process: a column-parallel one keeps its rows of B (its output shard) and expands with the
     full B's tile config; a row-parallel one keeps A and B whole and gathers its input's K shards
-    (copies) before the shrink, so every rank adds the one-process delta to the exchanged output."""
+    (copies) before the shrink, so every rank adds the one-process delta to the exchanged output.
 
-    def __init__(self, layer: nn.Linear, rows: LoraRows, slots: int, max_rank: int, dtype: torch.dtype):
+    Which rows run which slot is the engine step's (``step_context.StepContext.lora_groups``); outside
+    a step every row runs the base layer alone."""
+
+    def __init__(self, layer: nn.Linear, slots: int, max_rank: int, dtype: torch.dtype):
         self.n, self.k = layer.out_features, layer.in_features  # a quantized layer's weight is compressed
         device = layer.weight_scale.device if hasattr(layer, "weight_scale") else layer.weight.device
-        self.rows, self.base_forward = rows, layer.__dict__["forward"]
+        self.base_forward = layer.__dict__["forward"]
         state = state_of(layer)
         if state.tensor_parallel is not None and state.quantized is not None:
             require(("quantized", "lora"), "tensor_parallel")
@@ -237,13 +233,20 @@ class SlotWeights:
         self.b[slot, :, :rank].copy_(b)
         self.ranks[slot], self.scalings[slot] = rank, scaling
 
+    @staticmethod
+    def step_groups() -> tuple[tuple[int, torch.Tensor], ...]:
+        """(slot, long row indices into the flattened tokens) of the running engine step, else none."""
+        step = current_step()
+        return step.lora_groups if step is not None else ()
+
     def apply(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if not any(self.ranks[slot] for slot, _ in self.rows.groups):  # the same on every rank
+        groups = self.step_groups()
+        if not any(self.ranks[slot] for slot, _ in groups):  # the same on every rank
             return out
         x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
         if self.layout is not None and not self.columns_sharded:
             x2 = gather_columns(x2, self.layout)  # the whole K: the shrink reduces it as one process does
-        for slot, rows in self.rows.groups:
+        for slot, rows in groups:
             rank = self.ranks[slot]
             if rank:
                 expand = linear_config(x.device.type, self.a.dtype, self.n, rank) if self.columns_sharded else None
@@ -258,11 +261,11 @@ def _slot_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     return slots.apply(slots.base_forward(x), x)
 
 
-def attach_slots(layer: nn.Linear, rows: LoraRows, slots: int, max_rank: int, dtype: torch.dtype) -> SlotWeights:
+def attach_slots(layer: nn.Linear, slots: int, max_rank: int, dtype: torch.dtype) -> SlotWeights:
     """Give a patched projection adapter slots (its forward: the patched one, then each row's adapter)."""
     if "forward" not in layer.__dict__ or not isinstance(layer, nn.Linear):
         raise UnsupportedModelError("adapter slots go on the nn.Linear projections of a make_invariant model")
-    weights = SlotWeights(layer, rows, slots, max_rank, dtype)
+    weights = SlotWeights(layer, slots, max_rank, dtype)
     module_state(layer).adapter_slots = weights
     layer.forward = _slot_linear_forward.__get__(layer)
     return weights
