@@ -16,6 +16,7 @@ multimodal positions that a vision-language model computes between its entry and
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 
 import torch
@@ -23,11 +24,36 @@ from torch import nn
 
 from ..errors import NonInvariantInputError
 from .linear_attention import check_cache_continuation
-from .module_state import module_state, state_of
+from .module_state import state_of
 from .packing import FLASH_KWARGS
 from .padding import cache_length, check_multimodal_positions, is_sequence_bounds, resolve_positions
 
 _FORWARD_NAMES: dict[type, list[str]] = {}
+
+# The decoders whose calls now running in this thread (or asyncio task) were checked at their entry
+# point, and those running a ``generate`` call checked at its entry: per thread, so a call another
+# thread makes on the same model at the same time is checked on its own.
+_CHECKED_AT_ENTRY: contextvars.ContextVar[tuple[nn.Module, ...]] = contextvars.ContextVar(
+    "invariant_infer_checked_at_entry", default=())
+_GENERATING: contextvars.ContextVar[tuple[nn.Module, ...]] = contextvars.ContextVar(
+    "invariant_infer_generating", default=())
+
+
+def _entering(calls: contextvars.ContextVar, base: nn.Module) -> None:
+    calls.set(calls.get() + (base,))
+
+
+def _leaving(calls: contextvars.ContextVar, base: nn.Module) -> None:
+    """Drop the latest entry of ``base`` (calls nest: the latest is the one ending)."""
+    running = calls.get()
+    for i in range(len(running) - 1, -1, -1):
+        if running[i] is base:
+            calls.set(running[:i] + running[i + 1:])
+            return
+
+
+def _running(calls: contextvars.ContextVar, base: nn.Module) -> bool:
+    return any(module is base for module in calls.get())
 
 
 def bind_forward_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -81,36 +107,32 @@ def check_text_sections(position_ids: torch.Tensor) -> None:
 
 
 def generating(base: nn.Module) -> bool:
-    """Whether a ``generate`` call checked at its entry is running through ``base``."""
-    state = state_of(base)
-    return state is not None and state.generate_calls > 0
+    """Whether a ``generate`` call checked at its entry is running through ``base`` in this thread."""
+    return _running(_GENERATING, base)
 
 
 def checked_at_entry(base: nn.Module) -> bool:
-    """Whether the call now running through ``base`` was checked at its entry point."""
-    state = state_of(base)
-    return state is not None and state.inputs_checked > 0
+    """Whether the call now running through ``base`` in this thread was checked at its entry point."""
+    return _running(_CHECKED_AT_ENTRY, base)
 
 
 def install_entry_checks(model: nn.Module, base: nn.Module) -> list:
     """Hooks on ``model`` (the model the caller calls, around ``base``) that check each call's inputs
     before the decoder runs; returns their handles."""
-    state = module_state(base)
-    state.inputs_checked = state.generate_calls = 0
 
     def enter(module, args, kwargs):
         if torch.compiler.is_compiling():  # traced decode: generate() checked up front
             return
-        state.inputs_checked += 1  # ``leave`` runs even when a check raises
+        _entering(_CHECKED_AT_ENTRY, base)  # ``leave`` runs even when a check raises
         kwargs = bind_forward_arguments(module, args, kwargs)
-        if state.generate_calls:
+        if generating(base):
             _check_generate_step(base, kwargs)
         else:
             check_inputs(base, kwargs)
 
     def leave(module, args, output):
         if not torch.compiler.is_compiling():
-            state.inputs_checked -= 1
+            _leaving(_CHECKED_AT_ENTRY, base)
     return [model.register_forward_pre_hook(enter, with_kwargs=True),
             model.register_forward_hook(leave, always_call=True)]
 
@@ -141,9 +163,8 @@ def _refuse_past_positions(total: int, max_positions: int) -> None:
 def checked_call(base: nn.Module):
     """A ``generate`` call whose inputs were checked at its entry: its forwards are not checked again
     (unless a step could reach past the positions the rope table holds)."""
-    state = module_state(base)
-    state.generate_calls += 1
+    _entering(_GENERATING, base)
     try:
         yield
     finally:
-        state.generate_calls -= 1
+        _leaving(_GENERATING, base)

@@ -23,10 +23,6 @@ class ModuleState:
     rope_tables_by_type: dict | None = None  # those tables per layer type (Gemma 3's local and global RoPE)
     # Multimodal RoPE (Qwen-VL): which of the (temporal, height, width) positions each frequency takes.
     mrope_axes: Any = None           # long [D / 2]
-    # A decoder's: calls now running whose inputs were checked at their entry point, and ``generate``
-    # calls checked at theirs (input_checks.py), so its forwards read nothing back to check them again.
-    inputs_checked: int = 0
-    generate_calls: int = 0
 
     @property
     def adds_lora_delta(self) -> bool:

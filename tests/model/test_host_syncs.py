@@ -75,6 +75,34 @@ def test_the_checks_still_refuse_at_the_entry_and_in_a_decoder_called_alone(mode
             call(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 10 ** 6]]), attention_mask=torch.ones_like(ids))
 
 
+def test_a_generate_running_in_another_thread_never_skips_this_threads_checks(models):
+    """The calls checked at their entry are counted per thread: while one thread is inside a ``generate``
+    on the model, another thread's ``model(...)`` with a mask with holes is still refused."""
+    import threading
+
+    from invariant_infer.model.input_checks import checked_call
+    model = models("qwen2")
+    ids, holes = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[1, 0, 1, 1]])
+    inside, done = threading.Event(), threading.Event()
+
+    def generating():
+        with checked_call(base_model(model)):
+            inside.set()
+            done.wait(timeout=60)
+    thread = threading.Thread(target=generating)
+    thread.start()
+    try:
+        assert inside.wait(timeout=60)
+        with pytest.raises(NonInvariantInputError, match="holes"):
+            model(input_ids=ids, attention_mask=holes)
+        # Control: inside a checked generate call in this thread, the same forward is not checked again.
+        with checked_call(base_model(model)):
+            model(input_ids=ids, attention_mask=holes)
+    finally:
+        done.set()
+        thread.join(timeout=60)
+
+
 def test_control_a_layer_that_reads_a_value_back_is_counted_and_named(models):
     model = models("qwen2")
     ids, mask = left_pad(PROMPTS)
