@@ -5,7 +5,10 @@ several concurrencies, for three modes side by side on the same weights and prom
 * ``stock_engine``: ``Engine(model, kernels="stock")`` on the unwrapped model (stock linear layers,
   torch SDPA per sequence), the same scheduler and paged KV cache;
 * ``hf_generate``: stock ``model.generate`` (unwrapped, ``attn_implementation="sdpa"``) on
-  left-padded batches of ``concurrency`` prompts, one batch after the other.
+  left-padded batches of ``concurrency`` prompts, one batch after the other;
+* ``invariant_engine_eager`` (GPU only, last: a budget cut drops it first): the invariant engine
+  with ``cuda_graphs=False``, every decode step launched kernel by kernel; ``graphs_to_eager`` on
+  the invariant row is its tok/s over this one's (on CPU there are no graphs: the modes are the same).
 
 Concurrency = requests in flight: a closed loop keeps ``concurrency`` requests in the engine
 (``add_request`` as soon as one finishes, ``max_num_seqs = concurrency``); generate runs the
@@ -39,7 +42,7 @@ from .e2e import build_model, preset_config
 from .matmul import DEFAULT_FAMILY, DEFAULT_PRESET
 from .timing import Run, _sync, free_memory
 
-MODES = ("invariant_engine", "stock_engine", "hf_generate")
+MODES = ("invariant_engine", "stock_engine", "hf_generate", "invariant_engine_eager")
 # Full suite: concurrency 1, 8, 32 with 4, 16, 64 requests (the closed loop runs 2 waves of each,
 # 4 at concurrency 1), prompts of 96-160 tokens, 32 new tokens, every wave's prefill in one step.
 CONCURRENCY, REQUESTS = (1, 8, 32), (4, 16, 64)
@@ -151,9 +154,10 @@ def run_generate(model, prompts, max_tokens: int, concurrency: int, device: torc
     return _summary(stamps, start, time.perf_counter())
 
 
-def _engine(model, kernels: str, concurrency: int, kv_bytes: int, batched_tokens: int) -> Engine:
+def _engine(model, kernels: str, concurrency: int, kv_bytes: int, batched_tokens: int,
+            cuda_graphs: bool | None = None) -> Engine:
     return Engine(model, max_num_seqs=concurrency, max_num_batched_tokens=batched_tokens,
-                  kv_cache_memory=kv_bytes, kernels=kernels)
+                  kv_cache_memory=kv_bytes, kernels=kernels, cuda_graphs=cuda_graphs)
 
 
 def run(ctx: Run, config=None, concurrency=None, requests=None, prompt_lens=None, max_tokens=None,
@@ -188,6 +192,8 @@ def run(ctx: Run, config=None, concurrency=None, requests=None, prompt_lens=None
         by_mode = {}
         for mode in MODES:  # the invariant engine first: the budget may end before the others
             item = f"engine {mode} c={conc}"
+            if mode == "invariant_engine_eager" and not ctx.on_gpu:
+                continue
             if ctx.out_of_time(item):
                 continue
             row = {"mode": mode, **shared, "max_num_batched_tokens": None, "preemptions": None,
@@ -199,19 +205,20 @@ def run(ctx: Run, config=None, concurrency=None, requests=None, prompt_lens=None
                         run_generate(model, warmup, 2, conc, ctx.device)
                     row.update(run_generate(model, prompts, max_tokens, conc, ctx.device))
                 else:
-                    kernels = "invariant" if mode == "invariant_engine" else "stock"
+                    kernels = "stock" if mode == "stock_engine" else "invariant"
+                    graphs = False if mode == "invariant_engine_eager" else None
                     try:
                         if ctx.on_gpu:  # warm-up in its own engine (no prefix-cache hits later): compiles kernels
-                            run_engine(_engine(model, kernels, conc, kv_bytes, batched_tokens), warmup,
+                            run_engine(_engine(model, kernels, conc, kv_bytes, batched_tokens, graphs), warmup,
                                        SamplingParams(max_tokens=2, ignore_eos=True), conc, ctx.device)
-                        engine = _engine(model, kernels, conc, kv_bytes, batched_tokens)
+                        engine = _engine(model, kernels, conc, kv_bytes, batched_tokens, graphs)
                         outputs, summary = run_engine(engine, prompts, params, conc, ctx.device)
                         row.update(summary, max_num_batched_tokens=batched_tokens,
                                    preemptions=engine.core.scheduler.num_preemptions)
-                        if kernels == "invariant" and conc == 1:  # one in flight: each request ran alone
+                        if mode == "invariant_engine" and conc == 1:  # one in flight: each request ran alone
                             for i, out in enumerate(outputs):
                                 alone.setdefault(i, out)
-                        elif kernels == "invariant":
+                        elif mode == "invariant_engine":
                             checked = check_indices(count, ctx.quick)
                             for i in checked:
                                 if i not in alone:
@@ -236,8 +243,8 @@ def run(ctx: Run, config=None, concurrency=None, requests=None, prompt_lens=None
             row = by_mode.get(mode)
             if row is None:
                 continue
-            for key, other in (("invariant_to_stock_engine", "stock_engine"), ("invariant_to_hf_generate",
-                                                                                  "hf_generate")):
+            for key, other in (("invariant_to_stock_engine", "stock_engine"),
+                               ("invariant_to_hf_generate", "hf_generate"), ("graphs_to_eager", "invariant_engine_eager")):
                 ref = by_mode.get(other)
                 row[key] = (inv["tokens_per_s"] / ref["tokens_per_s"]
                             if mode == "invariant_engine" and ref and ref["tokens_per_s"] else None)

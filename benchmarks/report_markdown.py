@@ -126,7 +126,7 @@ def scoring_markdown(results: dict) -> str:
 
 
 ENGINE_MODES = {"invariant_engine": "engine, invariant kernels", "stock_engine": "engine, stock kernels",
-                "hf_generate": "HF generate (stock)"}
+                "hf_generate": "HF generate (stock)", "invariant_engine_eager": "engine, invariant, no CUDA graphs"}
 
 
 def engine_markdown(results: dict) -> str:
@@ -141,13 +141,14 @@ def engine_markdown(results: dict) -> str:
            "concurrency); HF `generate` runs left-padded batches of that many, one after the other. tok/s = "
            "output tokens / wall time; TPOT = mean over requests of (finish − first token) / (tokens − 1); "
            "TTFT = mean of first token − submission. ÷ stock engine, ÷ HF generate: invariant engine tok/s over "
-           "theirs (below 1 = invariant slower). Equal alone: requests whose tokens and logprobs are bitwise "
+           "theirs (below 1 = invariant slower); ÷ no graphs: the same over the invariant engine without CUDA graphs "
+           "(GPU only). Equal alone: requests whose tokens and logprobs are bitwise "
            f"those of the same request alone, of those checked (at concurrency 1 every request runs alone).{shape}\n"]
     out.append(table(rows, [
         ("mode", "_mode"), ("concurrency", "concurrency"), ("requests", "requests"), ("output tokens", "output_tokens"),
         ("tok/s", "tokens_per_s"), ("TPOT ms", "tpot_ms"), ("TTFT ms", "ttft_ms"),
         ("÷ stock engine", "invariant_to_stock_engine"), ("÷ HF generate", "invariant_to_hf_generate"),
-        ("equal alone", "_alone"), ("preemptions", "preemptions")]))
+        ("÷ no graphs", "graphs_to_eager"), ("equal alone", "_alone"), ("preemptions", "preemptions")]))
     return "\n".join(out)
 
 

@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adapters on the device at once (default: 1); a request waits for a slot")
     p.add_argument("--max-lora-rank", type=int, default=16, metavar="R", help="the largest adapter rank (default: 16)")
     p.add_argument("--disable-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eager: no CUDA graphs (default: captured per batch-size bucket on cuda "
+                        "where the engine can; the bits are the same)")
     p.add_argument("--speculative-config", type=json_object, metavar="JSON",
                    help='speculative decoding, bitwise lossless: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3} or {"method": "draft_model", "model": PATH, '
@@ -107,7 +110,7 @@ def run(args) -> int:
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.disable_prefix_caching,
         kernels=args.kernels, speculative_config=args.speculative_config, host=args.host, port=args.port,
         log_level=args.log_level, lora_modules=loras, enable_lora=args.enable_lora, max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank)
+        max_lora_rank=args.max_lora_rank, enforce_eager=args.enforce_eager)
     try:
         stopped = serve(options, rank_failed_status=exit_codes.RANK_FAILED, check=not args.skip_check)
     except InvariantInferError as exc:  # settings, a model, an adapter or a TP size the engine refuses

@@ -74,7 +74,7 @@ class AsyncEngine:
         self._wake.set()
 
     def _add(self, prompt, params, request_id, loop, queue, lora=None,
-             multimodal=None) -> tuple[str, int, list[int]]:
+             prompt_inputs=None) -> tuple[str, int, list[int]]:
         """(request id, seed, prompt ids): the prompt is tokenized before the engine's lock is taken; a
         prompt with images (``Engine.split_prompt``'s form) has its images encoded under the lock (the
         vision tower is the model's)."""
@@ -86,9 +86,9 @@ class AsyncEngine:
             prompt_ids = self.frontend.encode(prompt)
         with self._lock:
             if images:
-                prompt_ids, multimodal = self.frontend.prepare_images(prompt_ids, images)
+                prompt_ids, prompt_inputs = self.frontend.prepare_images(prompt_ids, images)
             request_id, seed = self.core.add_token_request(prompt_ids, params, request_id, lora=lora,
-                                                           multimodal=multimodal)
+                                                           prompt_inputs=prompt_inputs)
             self._streams[request_id] = (loop, queue)
         return request_id, seed, prompt_ids
 
@@ -98,15 +98,15 @@ class AsyncEngine:
             return self.frontend.prepare_images(prompt_ids, images)
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       lora: str | None = None, multimodal=None) -> AsyncIterator[RequestOutput]:
+                       lora: str | None = None, prompt_inputs=None) -> AsyncIterator[RequestOutput]:
         """Add a request (on adapter ``lora``; ``RequestError`` for a bad one) and yield its outputs (of its
         ``output_kind``) until it finishes. ``prompt``: text, token ids, or with images ``Engine.split_prompt``'s
-        form (or its expanded ids with ``multimodal``, what ``prepare_images`` made of them). Leaving the
+        form (or its expanded ids with ``prompt_inputs``, what ``prepare_images`` made of them). Leaving the
         iteration early (a client that went away) aborts it and frees its pages."""
         params = params or SamplingParams()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        adding = loop.run_in_executor(None, self._add, prompt, params, request_id, loop, queue, lora, multimodal)
+        adding = loop.run_in_executor(None, self._add, prompt, params, request_id, loop, queue, lora, prompt_inputs)
         try:
             request_id, seed, prompt_ids = await asyncio.shield(adding)
         except asyncio.CancelledError:  # the caller left while the request was being added

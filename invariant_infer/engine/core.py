@@ -26,6 +26,7 @@ from ..model.lora import is_peft_model
 from ..model.families import text_config
 from ..model.image_inputs import placeholder_token_ids
 from ..model.patch import is_invariant, make_invariant
+from .decode_graphs import cuda_graphs_refusal, default_decode_buckets
 from .kv_cache_layout import kv_cache_layout
 from .kv_cache_manager import KVCacheManager, block_table_rows
 from .linear_state import PrefixStates, saved_state_interval
@@ -63,7 +64,12 @@ class EngineCore:
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True, kernels: str = "invariant",
                  decode_buckets: tuple[int, ...] = (), executor: Executor | None = None, speculative=None,
-                 max_loras: int = 0, max_lora_rank: int = 16):
+                 max_loras: int = 0, max_lora_rank: int = 16, cuda_graphs: bool | None = None):
+        """``decode_buckets``: decode-only steps padded to the smallest that holds them (default: none,
+        or ``default_decode_buckets`` with CUDA graphs). ``cuda_graphs``: replay each bucket's decode
+        steps as a captured CUDA graph (``decode_graphs.py``); None (default): on where the engine
+        can (a CUDA device, invariant kernels, one process, no LoRA slots), off
+        elsewhere; True where it cannot raises, naming why."""
         executor = executor_for(model, executor)  # where each step runs (default: this process)
         if kernels not in ("invariant", "stock"):
             raise InvalidArgumentError(f"kernels must be 'invariant' or 'stock', got {kernels!r}")
@@ -82,6 +88,13 @@ class EngineCore:
         self.vocab_size, self.max_positions = config.vocab_size, config.max_position_embeddings
         dtype, device = model.get_output_embeddings().weight.dtype, model.get_output_embeddings().weight.device
         page_size = ModelRunner.page_size_for(config, device, dtype)
+        refusal = cuda_graphs_refusal(device, invariant=kernels == "invariant",
+                                      tensor_parallel_size=executor.tensor_parallel_size, max_loras=max_loras)
+        if cuda_graphs and refusal:
+            raise InvalidArgumentError(f"cuda_graphs=True: {refusal}")
+        self.cuda_graphs = refusal is None if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs and not decode_buckets:
+            decode_buckets = default_decode_buckets(max_num_seqs)
         self.tensor_parallel_size = executor.tensor_parallel_size
         # kv_cache_memory is per rank; a rank holds 1 / tensor_parallel_size of the KV heads. A page
         # holds page_size tokens of one KV cache group's layers (kv_cache_layout.py).
@@ -105,7 +118,7 @@ class EngineCore:
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, invariant=kernels == "invariant",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   decode_buckets=decode_buckets, executor=executor, max_loras=max_loras,
-                                  max_lora_rank=max_lora_rank, saved_states=saved_states)
+                                  max_lora_rank=max_lora_rank, saved_states=saved_states, cuda_graphs=self.cuda_graphs)
         self.loras: LoraSlots | None = self.runner.loras  # LoRA adapter slots (lora_slots.py); None serves none
         prefix_states = None
         if self.runner.linear_slots is not None and saved_states:
@@ -158,13 +171,14 @@ class EngineCore:
             raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)", param="stop")
 
     def add_token_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                          lora=None, multimodal=None) -> tuple[str, int]:
-        """Queue a request for the core alone (with images: ``Engine.prepare_images``'s ``multimodal``); returns its id
-        and seed. ``step_deltas`` returns its deltas; the caller makes outputs (the core does not decode)."""
-        seq = self._add(list(prompt_ids), params, request_id, lora, multimodal)
+                          lora=None, prompt_inputs=None) -> tuple[str, int]:
+        """Queue a request for the core alone (``prompt_inputs``: what its prompt brings besides its ids, as
+        ``Engine.prepare_images`` makes them of its images); returns its id and seed. ``step_deltas`` returns
+        its deltas; the caller makes outputs (the core does not decode)."""
+        seq = self._add(list(prompt_ids), params, request_id, lora, prompt_inputs)
         return seq.request_id, seq.seed
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams, request_id, lora, multimodal=None) -> Sequence:
+    def _add(self, prompt_ids: list[int], params: SamplingParams, request_id, lora, prompt_inputs=None) -> Sequence:
         lora_fields = self._lora_fields(lora)
         self.check_request(prompt_ids, params)
         arrival = next(self._arrivals)
@@ -172,7 +186,7 @@ class EngineCore:
         if request_id in self.sequences:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        seq = Sequence(request_id, prompt_ids, params, seed, arrival, multimodal=multimodal, **lora_fields)
+        seq = Sequence(request_id, prompt_ids, params, seed, arrival, prompt_inputs=prompt_inputs, **lora_fields)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq

@@ -43,11 +43,12 @@ def _core_value(name: str) -> property:
 class Engine:
     """Continuous batching over one causal LM, with text (see the module's docstring); ``options``
     are ``EngineCore``'s: max_num_seqs, max_num_batched_tokens, kv_cache_memory,
-    enable_prefix_caching, kernels, decode_buckets, executor, speculative, max_loras, max_lora_rank."""
+    enable_prefix_caching, kernels, decode_buckets, executor, speculative, max_loras, max_lora_rank,
+    cuda_graphs."""
 
     def __init__(self, model, tokenizer=None, **options):
         """``tokenizer``: the model's tokenizer, or a vision-language model's processor (its ``image_processor``
-        and ``tokenizer``), through which requests with images go (``multimodal.py``)."""
+        and ``tokenizer``), through which requests with images go (``Frontend.prepare_images``)."""
         processor = tokenizer if hasattr(tokenizer, "image_processor") else None
         self.core = EngineCore(model, getattr(tokenizer, "tokenizer", None) if processor is not None else tokenizer,
                                **options)
@@ -75,7 +76,7 @@ class Engine:
         return self.frontend.split_prompt(prompt)
 
     def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
-        """(the prompt with its image tokens expanded, its MultimodalPrompt); (prompt_ids, None) without images."""
+        """(the prompt with its image tokens expanded, its ``PromptInputs``); (prompt_ids, None) without images."""
         return self.frontend.prepare_images(prompt_ids, images)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -89,8 +90,9 @@ class Engine:
         return self._queue(*self.prepare_images(*self.split_prompt(prompt)), params or SamplingParams(), request_id,
                            lora)
 
-    def _queue(self, prompt_ids: list[int], multimodal, params: SamplingParams, request_id, lora) -> str:
-        request_id, seed = self.core.add_token_request(prompt_ids, params, request_id, lora=lora, multimodal=multimodal)
+    def _queue(self, prompt_ids: list[int], prompt_inputs, params: SamplingParams, request_id, lora) -> str:
+        request_id, seed = self.core.add_token_request(prompt_ids, params, request_id, lora=lora,
+                                                       prompt_inputs=prompt_inputs)
         self.processors[request_id] = self.frontend.output_processor(request_id, prompt_ids, params, seed)
         return request_id
 
@@ -167,7 +169,7 @@ class Engine:
         return self._run(prepared, params_list, progress, lora)
 
     def _run(self, prepared: list, params_list: list[SamplingParams], progress: bool, lora) -> list[RequestOutput]:
-        """``generate`` on prompts ``prepare_images`` prepared: (token ids, MultimodalPrompt or None) each."""
+        """``generate`` on prompts ``prepare_images`` prepared: (token ids, PromptInputs or None) each."""
         loras = self._loras_for(lora, len(prepared))
         for i, ((prompt_ids, _), p) in enumerate(zip(prepared, params_list)):
             try:
@@ -176,8 +178,8 @@ class Engine:
                 raise RequestError(f"request {i}: {exc}", param=exc.param) from None
         # One output per request, when it finishes: no step copies a request's output so far.
         final = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
-        ids = [self._queue(prompt_ids, multimodal, p, None, name)
-               for (prompt_ids, multimodal), p, name in zip(prepared, final, loras)]
+        ids = [self._queue(prompt_ids, prompt_inputs, p, None, name)
+               for (prompt_ids, prompt_inputs), p, name in zip(prepared, final, loras)]
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
         with tqdm(total=len(ids), unit="req", disable=not progress) as bar:  # disabled: every call does nothing
@@ -199,9 +201,9 @@ class Engine:
         if any(not 1 <= start < len(ids) for (ids, _), start in zip(split, prompt_lengths)):
             raise RequestError("each sequence needs 1 <= prompt_length < its length")
         prepared = [self.prepare_images(ids, images) for ids, images in split]
-        prompt_lengths = [start if mm is None else expanded_position(
-            ids, self.frontend.images.image_token, [end - first for first, end, _ in mm.image_spans], start)
-            for (ids, _), (_, mm), start in zip(split, prepared, prompt_lengths)]
+        prompt_lengths = [start if inputs is None else expanded_position(
+            ids, self.frontend.images.image_token, [end - first for first, end, _ in inputs.image_spans], start)
+            for (ids, _), (_, inputs), start in zip(split, prepared, prompt_lengths)]
         outputs = self._run(prepared, [SamplingParams(max_tokens=0, prompt_logprobs=0)] * len(prepared), False,
                             lora)
         results = []

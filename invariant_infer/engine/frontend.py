@@ -5,8 +5,8 @@ deltas into the caller's outputs. ``Engine`` and ``AsyncEngine`` share one ``Fro
 In: a prompt is text (encoded with the tokenizer, no special tokens added), token ids, or vLLM's
 multimodal form ``{"prompt_token_ids": ids (or "prompt": text), "multi_modal_data": {"image": ...}}``;
 a vision-language model's images go through its processor's image processor and the model's vision
-tower (``multimodal.ImageInputs``). Out: one ``OutputProcessor`` per request builds its outputs from
-its deltas (text, stop strings, output kind).
+tower into the prompt's ``PromptInputs`` (``model.image_inputs.ImageInputs``). Out: one
+``OutputProcessor`` per request builds its outputs from its deltas (text, stop strings, output kind).
 """
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import torch
 
 from ..errors import RequestError
 from ..model.families import is_vision_language
-from ..model.image_inputs import split_multimodal
-from .multimodal import ImageInputs
+from ..model.image_inputs import ImageInputs, split_multimodal
 from .output import OutputProcessor
 from .sampling_params import SamplingParams
 
@@ -50,7 +49,7 @@ class Frontend:
         return self.encode(content), images
 
     def prepare_images(self, prompt_ids: list[int], images) -> tuple[list[int], object]:
-        """(the prompt with its image tokens expanded, its MultimodalPrompt); (prompt_ids, None) without images.
+        """(the prompt with its image tokens expanded, its ``PromptInputs``); (prompt_ids, None) without images.
         Runs the vision tower: the caller holds the core (no step runs meanwhile)."""
         if not images:
             return prompt_ids, None

@@ -141,8 +141,8 @@ class KVCacheManager:
             k = len(seq.page_hashes)
             previous = seq.page_hashes[-1] if k else seq.hash_seed
             first, end = k * self.page_size, (k + 1) * self.page_size
-            if seq.multimodal is not None:  # the digests of the images this page holds tokens of
-                previous += seq.multimodal.page_key(first, end)
+            if seq.prompt_inputs is not None:  # its inputs' salt for this page (the digests of its images)
+                previous += seq.prompt_inputs.salt(first, end)
             seq.page_hashes.append(page_hash(previous, seq.token_ids[first:end]))
         return seq.page_hashes[j]
 

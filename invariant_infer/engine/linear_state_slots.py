@@ -69,6 +69,11 @@ class LinearAttentionSlots:
             self.conv[layer][slot].copy_(self.saved_conv[layer][index])
             self.state[layer][slot].copy_(self.saved_state[layer][index])
 
+    def copy_states(self, state_copies) -> None:
+        """Apply queued state copies (``linear_state``: save a slot's state, or restore a saved one), in order."""
+        for kind, source, target in state_copies:
+            (self.save if kind == SAVE else self.restore)(source, target)
+
     def step_of(self, state_copies, table_rows: torch.Tensor, query_starts: torch.Tensor, seq_lens: torch.Tensor,
                 tokens: int, num_table_rows: int) -> LinearAttentionStep:
         """Apply the step's queued state copies (``linear_state``), then lay out its step from its
@@ -76,8 +81,7 @@ class LinearAttentionSlots:
         context lengths [S]; ``tokens`` packed in all): each sequence's slot is its block-table row;
         padding rows (rows past ``num_table_rows``) and sequences with nothing computed start from
         an empty state."""
-        for kind, source, target in state_copies:
-            (self.save if kind == SAVE else self.restore)(source, target)
+        self.copy_states(state_copies)
         query_lens = query_starts[1:] - query_starts[:-1]
         computed = seq_lens - query_lens
         fresh = (computed == 0) | (table_rows >= num_table_rows)

@@ -11,8 +11,8 @@ and attend over each sequence's own pages, through its KV cache group's block ta
 layers with a linear-attention state (Gated DeltaNet) hold no pages and read its
 ``linear_attention`` step over the engine's state slots, a sequence's slot being its block-table
 row (``linear_state_slots``); projections with adapter slots read its ``lora_groups``
-(``lora_slots``). A vision-language model's
-image tokens take their requests' image features and multimodal positions (``multimodal.py``).
+(``lora_slots``). A request's prompt inputs (``model.prompt_inputs``: a prompt with images) give its
+tokens' positions on each rope axis and replace its overridden rows' input embeddings.
 
 Under tensor parallelism (a model that ``TensorParallelRanks`` drives), each rank holds its shard of
 the KV heads in its own pages; rank 0 schedules, and each step's metadata (plain lists: token ids,
@@ -20,8 +20,9 @@ positions, slots, block tables) goes to every rank through the executor's ``coll
 (``invariant_infer.model.executor``), so all ranks run the same forward and the same logits rows.
 
 The step's metadata is copied into buffers allocated once, and ``decode_buckets`` pads a
-decode-only step to a fixed number of rows, as CUDA-graph capture needs (benchmarks/README.md lists
-what capture needs besides).
+decode-only step to a fixed number of rows. With ``cuda_graphs``, such a step takes its bucket's
+fixed shapes (block tables at full width, the worst case's host ints) and replays the bucket's
+captured forward (``decode_graphs.py``), which reads only those buffers.
 
 ``kernels="invariant"`` (the model is wrapped by ``make_invariant``) runs the paged Triton
 attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kernels="stock"``
@@ -31,27 +32,30 @@ attention kernel, bitwise equal to the padded kernel ``model(...)`` uses; ``kern
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 
 from ..model.checks import base_model
 from ..model.cache_specs import linear_attention_layers
-from ..model.families import is_vision_language, text_config
+from ..model.families import rope_position_axes, text_config
 from ..model.logits import head_logits
 from ..kernels import attention_config, token_logprobs
 from ..model.padding import sequence_bounds
+from ..model.prompt_inputs import decoder_token_inputs
 from ..model.step_context import StepContext
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
+from .decode_graphs import DecodeGraphs, cuda_graphs_refusal
 from .kv_cache_layout import kv_cache_layout
 from .kv_cache_manager import block_table_rows
 from .linear_state import QueuedStateCopies
 from .linear_state_slots import LinearAttentionSlots
 from .lora_slots import LoraSlots
 from .paged_batch import PagedBatch, paged_stock_attention
+from .step_inputs import StepInputs, StepMetadata
 from .scheduler import ScheduledChunk
 from ..errors import InvalidArgumentError
 
@@ -63,47 +67,18 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-@dataclass
-class StepMetadata:
-    """One step's packed tokens and pages, as plain lists (what rank 0 sends the other ranks)."""
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]               # per KV cache group, each token's page * page_size + offset (group-major)
-    query_starts: list[int]
-    seq_lens: list[int]
-    table_rows: list[int]          # each sequence's row of the persistent block tables (one per KV cache group)
-    table_width: int               # pages of the longest sequence
-    table_writes: list[tuple[int, int, int, int]]  # (group, row, column, page) to apply first (kv_cache_manager.py)
-    num_real_tokens: int
-    lora_groups: list = field(default_factory=list)  # (slot, packed rows) per LoRA adapter (engine.lora_slots)
-    # The prefix cache's linear-attention state copies to apply first, in order (linear_state.py).
-    state_copies: list[tuple[str, int, int]] = field(default_factory=list)
-    # Vision-language models: positions [3 * T]; per chunk with images (MultimodalPrompt, feature rows, packed rows).
-    mrope_positions: list[int] | None = None
-    image_pieces: list = field(default_factory=list)
-
-
-@dataclass
-class StepInputs:
-    """What one forward reads: views of the runner's persistent buffers."""
-    input_ids: torch.Tensor        # long [1, T]
-    position_ids: torch.Tensor     # long [1, T]
-    context: StepContext           # what the layers read during the forward
-    num_real_tokens: int           # the first rows; padding rows follow
-    metadata: StepMetadata | None = field(default=None, repr=False)
-
-
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, invariant: bool, max_num_seqs: int,
                  max_num_batched_tokens: int, decode_buckets: tuple[int, ...] = (), executor: Executor | None = None,
-                 max_loras: int = 0, max_lora_rank: int = 16, saved_states: int = 0):
+                 max_loras: int = 0, max_lora_rank: int = 16, saved_states: int = 0, cuda_graphs: bool = False):
         """``saved_states``: room for that many saved linear-attention states (hybrid models' prefix
-        caching)."""
+        caching). ``cuda_graphs``: replay decode steps of the ``decode_buckets`` as CUDA graphs
+        (``decode_graphs.py``; ``decode_graphs.cuda_graphs_refusal`` says where they cannot run)."""
         self.model, self.invariant = model, invariant
         self.executor = executor_for(model, executor)
         config = text_config(model.config)
         self.base = base_model(model)  # the decoder (a vision-language model's language model)
-        self.multimodal = is_vision_language(model.config)
+        self.position_axes = rope_position_axes(model.config)
         self.lm_head = model.get_output_embeddings()
         self.device, self.dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
         self.num_layers = config.num_hidden_layers
@@ -138,12 +113,13 @@ class ModelRunner:
         self.layer_groups = [p[0] if p else None for p in places]
         # Step metadata lives in buffers allocated once (a captured graph reads fixed addresses).
         max_tokens, max_seqs = max(max_num_batched_tokens, max_bucket), max(max_num_seqs, max_bucket)
-        max_pages = -(-config.max_position_embeddings // page_size)
+        max_pages = self.max_pages = -(-config.max_position_embeddings // page_size)
 
         def buffer(*size, dtype):
             return torch.zeros(size, dtype=dtype, device=self.device)
         self.input_ids, self.positions = buffer(max_tokens, dtype=torch.long), buffer(max_tokens, dtype=torch.long)
-        self.mrope_positions = buffer(3, max_tokens, dtype=torch.long) if self.multimodal else None
+        self.positions_by_axis = buffer(self.position_axes, max_tokens, dtype=torch.long) \
+            if self.position_axes > 1 else None
         self.slot_mapping = buffer(self.num_groups, max_tokens, dtype=torch.int64)
         self.query_starts, self.seq_lens = buffer(max_seqs + 1, dtype=torch.int32), buffer(max_seqs, dtype=torch.int32)
         self.block_tables = buffer(self.num_groups, max_seqs, max_pages, dtype=torch.int32)
@@ -181,6 +157,14 @@ class ModelRunner:
         # LoRA adapter slots (max_loras 0: none): this runner's registry and slots, which give every
         # other rank's runner its slots over its shard (lora_slots.py).
         self.loras = LoraSlots(self, max_loras, max_lora_rank) if max_loras else None
+        self.decode_graphs: DecodeGraphs | None = None  # the captured decode buckets (decode_graphs.py)
+        if cuda_graphs:
+            refusal = cuda_graphs_refusal(self.device, invariant=invariant, tensor_parallel_size=self.tp_size,
+                                          max_loras=max_loras)
+            if refusal or not self.decode_buckets:
+                raise InvalidArgumentError(f"cuda_graphs: {refusal or 'no decode_buckets to capture'}")
+            self.decode_graphs = DecodeGraphs()
+
 
     @staticmethod
     def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:
@@ -196,10 +180,23 @@ class ModelRunner:
                     return size
         return len(chunks)
 
+    def graph_bucket(self, chunks: list[ScheduledChunk]) -> int:
+        """The bucket whose CUDA graph runs this step, or 0 (eager): decode-only steps that a bucket holds."""
+        if self.decode_graphs is None or not all(chunk.num_tokens == 1 for chunk in chunks):
+            return 0
+        return next((size for size in self.decode_buckets if size >= len(chunks)), 0)
+
     def prepare(self, chunks: list[ScheduledChunk], table_writes: list[tuple[int, int, int, int]]) -> StepInputs:
         """The step's inputs; ``table_writes``: the cache manager's writes since the last step."""
         self.pending_writes += table_writes
         metadata = self.step_metadata(chunks)
+        if metadata.graph_bucket and metadata.graph_bucket not in self.decode_graphs:
+            try:
+                self._capture(metadata.graph_bucket)
+            except Exception as exc:  # noqa: BLE001  (graphs are speed only: the same bits run eager)
+                warnings.warn(f"CUDA graphs turned off: capturing the decode bucket of {metadata.graph_bucket} "
+                              f"rows failed ({type(exc).__name__}: {exc}); decode steps run eager", stacklevel=2)
+                self.decode_graphs, metadata.graph_bucket = None, 0
         metadata.state_copies, self.state_copies.pending = self.state_copies.pending, []
         if self.loras is not None:
             metadata.lora_groups = self.loras.groups_for(chunks)
@@ -207,35 +204,39 @@ class ModelRunner:
         self.pending_writes = []
         return inputs
 
-    def step_metadata(self, chunks: list[ScheduledChunk]) -> StepMetadata:
+    def step_metadata(self, chunks: list[ScheduledChunk], rows: int | None = None) -> StepMetadata:
         """The chunks' packed tokens and pages: O(tokens + sequences) work, whatever the lengths.
         Padding rows (one token each, at position i % page_size of scratch page i // page_size,
         attending to the scratch keys before it) compute alone, like every row, so no real row's
-        bits change."""
+        bits change. ``rows``: pad to that many rows instead of the step's bucket. A step that a
+        CUDA graph replays has the graph's shapes: its block tables at their full width."""
         page_size = self.page_size
-        ids, positions, starts, lens, rows = [], [], [0], [], []
+        ids, positions, starts, lens, table_rows = [], [], [0], [], []
         slots = [[] for _ in range(self.num_groups)]
         width = 1
-        mrope, pieces = [], []
+        by_axis, overrides = [], []
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
-            if self.multimodal:
-                mrope.append(self._mrope_positions(seq, start, end))
-                if seq.multimodal is not None:
-                    first, last = seq.multimodal.image_rows(start, end)
-                    if first < last:
-                        packed = [len(ids) + p - start for p in seq.multimodal.image_positions[first:last]]
-                        pieces.append((seq.multimodal, first, last, packed))
+            if self.position_axes > 1:
+                by_axis.append(self._positions_by_axis(seq, start, end))
+            if seq.prompt_inputs is not None:
+                chunk_overrides = seq.prompt_inputs.overrides_of(start, end)
+                if chunk_overrides is not None:
+                    overrides.append((len(ids), chunk_overrides))
             ids += chunk.token_ids
             positions += range(start, end)
             for group, pages in zip(slots, seq.pages):
                 group += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
             starts.append(starts[-1] + chunk.num_tokens)
             lens.append(end)
-            rows.append(seq.block_row)
+            table_rows.append(seq.block_row)
             width = max(width, -(-end // page_size))
         num_real = len(ids)
-        for i in range(self.bucket(chunks) - len(chunks)):
+        # A graph embeds token ids only: a step with embedding overrides (a prompt's image rows) runs eager.
+        graph_bucket = (0 if overrides else self.graph_bucket(chunks)) if rows is None else rows
+        if graph_bucket:
+            width = self.max_pages
+        for i in range((self.bucket(chunks) if rows is None else rows) - len(chunks)):
             page, offset = self.num_pages + i // page_size, i % page_size
             ids.append(0)
             positions.append(offset)
@@ -243,22 +244,22 @@ class ModelRunner:
                 group.append(page * page_size + offset)
             starts.append(starts[-1] + 1)
             lens.append(offset + 1)
-            rows.append(self.num_table_rows + i // page_size)
+            table_rows.append(self.num_table_rows + i // page_size)
         self.padding_rows += len(ids) - num_real
-        metadata = StepMetadata(ids, positions, [slot for group in slots for slot in group], starts, lens, rows, width,
-                                list(self.pending_writes), num_real)
-        if self.multimodal:
-            padding = torch.tensor(positions[num_real:], dtype=torch.long)[None].expand(3, -1)
-            metadata.mrope_positions = torch.cat(mrope + [padding], dim=1).flatten().tolist()
-            metadata.image_pieces = pieces
+        metadata = StepMetadata(ids, positions, [slot for group in slots for slot in group], starts, lens, table_rows,
+                                width, list(self.pending_writes), num_real, graph_bucket=graph_bucket)
+        if self.position_axes > 1:
+            padding = torch.tensor(positions[num_real:], dtype=torch.long)[None].expand(self.position_axes, -1)
+            metadata.positions_by_axis = torch.cat(by_axis + [padding], dim=1).flatten().tolist()
+        metadata.embedding_overrides = overrides
         return metadata
 
-    @staticmethod
-    def _mrope_positions(seq, start: int, end: int) -> torch.Tensor:
-        """long [3, end - start]: a request's multimodal positions, or a text-only one's (all three its index)."""
-        if seq.multimodal is not None:
-            return seq.multimodal.positions_of(start, end)
-        return torch.arange(start, end)[None].expand(3, -1)
+    def _positions_by_axis(self, seq, start: int, end: int) -> torch.Tensor:
+        """long [axes, end - start]: a request's positions per rope axis (its prompt inputs', or else its
+        index on every axis)."""
+        if seq.prompt_inputs is not None:
+            return seq.prompt_inputs.positions_of(start, end)
+        return torch.arange(start, end)[None].expand(self.position_axes, -1)
 
     def load(self, metadata: StepMetadata) -> StepInputs:
         """Apply the block-table writes, copy the step's metadata into the persistent buffers (one
@@ -291,9 +292,9 @@ class ModelRunner:
         self.input_ids[:tokens].copy_(pieces[0])
         self.positions[:tokens].copy_(pieces[1])
         position_ids = self.positions[:tokens][None]
-        if self.multimodal:
-            self.mrope_positions[:, :tokens].copy_(torch.tensor(m.mrope_positions, dtype=torch.long).view(3, tokens))
-            position_ids = self.mrope_positions[:, None, :tokens]
+        if self.positions_by_axis is not None:
+            self.positions_by_axis[:, :tokens].copy_(torch.tensor(m.positions_by_axis).view(-1, tokens))
+            position_ids = self.positions_by_axis[:, None, :tokens]
         self.slot_mapping[:, :tokens].copy_(pieces[2].view(groups, tokens))
         self.query_starts[:seqs + 1].copy_(pieces[3])
         self.seq_lens[:seqs].copy_(pieces[4])
@@ -301,12 +302,19 @@ class ModelRunner:
         tables = self.block_tables[:, :seqs, :width]
         tables.copy_(self.table[:, :, :width].index_select(1, self.table_row_ids[:seqs]))
         starts = m.query_starts
+        # A graph's step: the host ints of its bucket's worst case (one query each, the tables' whole
+        # width), so that every step of the bucket replays the same launches.
+        max_query_len = 1 if m.graph_bucket else max(starts[s + 1] - starts[s] for s in range(seqs))
+        max_seq_len = width * self.page_size if m.graph_bucket else max(m.seq_lens, default=0)
         attention = PagedBatch(self.k_caches, self.v_caches, tuple(self.slot_mapping[:, :tokens].unbind(0)),
                                self.query_starts[:seqs + 1], self.seq_lens[:seqs], tuple(tables.unbind(0)),
-                               self.layer_groups, max(starts[s + 1] - starts[s] for s in range(seqs)),
-                               max(m.seq_lens, default=0), starts, m.seq_lens, self.invariant)
-        linear = None if self.linear_slots is None else self.linear_slots.step_of(
-            m.state_copies, pieces[5], pieces[3], pieces[4], tokens, self.num_table_rows)
+                               self.layer_groups, max_query_len, max_seq_len, starts, m.seq_lens, self.invariant)
+        linear = None
+        if self.linear_slots is not None and m.graph_bucket:  # the graph lays the step out (_capture)
+            self.linear_slots.copy_states(m.state_copies)
+        elif self.linear_slots is not None:
+            linear = self.linear_slots.step_of(m.state_copies, pieces[5], pieces[3], pieces[4], tokens,
+                                               self.num_table_rows)
         lora_groups = tuple(zip((slot for slot, _ in m.lora_groups), torch.split(pieces[6], lora_sizes)))
         context = StepContext(attention, linear, lora_groups)
         return StepInputs(self.input_ids[:tokens][None], position_ids, context, m.num_real_tokens, m)
@@ -318,32 +326,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        # A prepared 4-D mask: transformers passes it through untouched (attention ignores it here).
-        mask = sequence_bounds(None, 1, inputs.input_ids.shape[1], 0, self.device)
-        tokens = self._multimodal_inputs(inputs) if self.multimodal else dict(input_ids=inputs.input_ids)
-        with inputs.context.active():
-            out = self.base(**tokens, position_ids=inputs.position_ids, attention_mask=mask, use_cache=False)
-        if inputs.context.linear_attention is not None:
-            inputs.context.linear_attention.commit()
-        return out.last_hidden_state[0, :inputs.num_real_tokens]
+        bucket = inputs.metadata.graph_bucket if inputs.metadata is not None else 0
+        if bucket:  # a copy: the graph's output is overwritten by its next replay
+            return self.decode_graphs.replay(bucket)[:inputs.num_real_tokens].clone()
+        tokens = decoder_token_inputs(self.base.embed_tokens, inputs.input_ids, inputs.metadata.embedding_overrides)
+        return self._run_decoder(tokens, inputs.position_ids, inputs.context)[:inputs.num_real_tokens]
 
-    def _multimodal_inputs(self, inputs: StepInputs) -> dict:
-        """The language model's inputs for a step with images: the token embeddings with each image token's
-        row replaced by its feature row, and Qwen3-VL's deepstack features at those rows."""
-        embeds = self.base.embed_tokens(inputs.input_ids)
-        pieces = inputs.metadata.image_pieces
-        if not pieces:
-            return dict(inputs_embeds=embeds)
-        rows = torch.tensor([r for *_, packed in pieces for r in packed], device=self.device)
-        embeds[0, rows] = torch.cat([mm.features[first:last] for mm, first, last, _ in pieces]).to(embeds.dtype)
-        out = dict(inputs_embeds=embeds)
-        layers = len(pieces[0][0].deepstack)
-        if layers:
-            visual = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=self.device)
-            visual[0, rows] = True
-            out.update(visual_pos_masks=visual, deepstack_visual_embeds=[
-                torch.cat([mm.deepstack[k][first:last] for mm, first, last, _ in pieces]) for k in range(layers)])
-        return out
+    def _run_decoder(self, tokens: dict, position_ids: torch.Tensor, context: StepContext) -> torch.Tensor:
+        """The decoder's final hidden states [T, H] of the packed step, its linear-attention state committed."""
+        # A prepared 4-D mask: transformers passes it through untouched (attention ignores it here).
+        mask = sequence_bounds(None, 1, position_ids.shape[-1], 0, self.device)
+        with context.active():
+            out = self.base(**tokens, position_ids=position_ids, attention_mask=mask, use_cache=False)
+        if context.linear_attention is not None:
+            context.linear_attention.commit()
+        return out.last_hidden_state[0]
+
+    def _capture(self, bucket: int) -> None:
+        """Capture the forward of a decode step of ``bucket`` rows: load a step of padding rows alone
+        (which the capture's warm-up runs: it writes scratch pages and slots only), then capture a
+        forward that reads the persistent buffers, laying out the Gated DeltaNet step from them too."""
+        padding = self.step_metadata([], rows=bucket)
+        padding.table_writes = []  # the next real step applies them
+        inputs = self.load(padding)
+        attention, input_ids, position_ids = inputs.context.attention, inputs.input_ids, inputs.position_ids
+        rows, starts, lens = self.table_row_ids[:bucket], self.query_starts[:bucket + 1], self.seq_lens[:bucket]
+
+        def forward() -> torch.Tensor:
+            linear = None if self.linear_slots is None else self.linear_slots.step_of(
+                (), rows, starts.long(), lens.long(), bucket, self.num_table_rows)
+            return self._run_decoder(dict(input_ids=input_ids), position_ids, StepContext(attention, linear))
+        self.decode_graphs.capture(bucket, forward)
 
     def hidden_states(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         return self.forward(self.prepare(chunks, []))

@@ -32,7 +32,7 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)  # this step's speculative proposals (verified, not kept)
     lora: str | None = None            # the LoRA adapter it runs (None: the base model)
     hash_seed: bytes = b""             # starts its page hash chain: the adapter's digest, so hits never cross adapters
-    multimodal: object = None          # a request with images: its MultimodalPrompt (multimodal.py)
+    prompt_inputs: object = None       # what its prompt brings besides its ids (model.prompt_inputs.PromptInputs)
     # Results. Logprobs are of the model's own distribution (before penalty, temperature, top-k/p), or
     # at the temperature with logprobs_mode="processed_logprobs".
     logprobs: list[float] = field(default_factory=list)

@@ -5,7 +5,8 @@ A prompt holds one image token per image (or each image's tokens already expande
 through the checkpoint's image processor alone, so its pixels never depend on the other images of the
 call; each run of image tokens is then expanded to its image's token count. ``PromptImages`` keeps
 what the forward needs (the expanded ids, the pixel values and grids) and what caching and scoring
-need (each image's token count and the digest of its processed pixels).
+need (each image's token count and the digest of its processed pixels). ``ImageInputs`` encodes
+them further into the prompt's ``PromptInputs`` (``prompt_inputs.py``), as the engine takes them.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 
 from ..errors import InvalidArgumentError, RequestError
 from .families import is_vision_language
+from .prompt_inputs import EmbeddingOverrides, PromptInputs
 from .support import require
 
 PARAM = "multi_modal_data"
@@ -172,3 +174,51 @@ def prepare_prompt_images(image_processor, config, token_ids: list[int], images)
                for pixels, grid in processed]
     return PromptImages(expand_image_tokens(token_ids, config.image_token_id, counts),
                         torch.cat([p for p, _ in processed]), torch.cat([g for _, g in processed]), counts, digests)
+
+
+@dataclass(eq=False)
+class ImagePromptInputs(PromptInputs):
+    """A prompt's images as ``PromptInputs``: its multimodal rope positions, its image tokens' embeddings
+    replaced by the vision tower's features, each image's tokens salted with its digest."""
+
+    @property
+    def image_spans(self) -> list[tuple[int, int, bytes]]:
+        """(first token, end, digest of the processed pixels) per image."""
+        return self.salt_spans
+
+
+class ImageInputs:
+    """Turns a prompt's images into its ``ImagePromptInputs`` with the model's own image processor and vision
+    tower. ``processor``: the checkpoint's processor (its ``image_processor``), or None."""
+
+    def __init__(self, model, processor):
+        self.model, self.image_processor = model, getattr(processor, "image_processor", None)
+        self.image_token = model.config.image_token_id
+
+    def prepare(self, token_ids: list[int], images) -> tuple[list[int], ImagePromptInputs]:
+        """(the prompt with each image's tokens expanded, its inputs): each image processed
+        (``prepare_prompt_images``) and encoded by the vision tower alone, so its features are those of the
+        image alone; the positions computed from the prompt's own tokens. Raises ``RequestError``."""
+        if self.image_processor is None:
+            raise RequestError("requests with images need the model's processor: Engine(model, processor)",
+                               param=PARAM)
+        prompt = prepare_prompt_images(self.image_processor, self.model.config, token_ids, images)
+        multimodal = self.model.model  # the vision tower and the language model
+        ids = torch.tensor([prompt.token_ids])
+        is_image = ids == self.image_token
+        device = self.model.get_output_embeddings().weight.device
+        grids = prompt.image_grid_thw.to(device)
+        with torch.inference_mode():
+            encoded = multimodal.get_image_features(prompt.pixel_values.to(device), grids)
+            positions, delta = multimodal.get_rope_index(ids.to(device), is_image.to(device, torch.int32), grids)
+        features = torch.cat(list(encoded.pooler_output))
+        deepstack = [torch.cat(list(f)) if isinstance(f, (list, tuple)) else f
+                     for f in (getattr(encoded, "deepstack_features", None) or [])]
+        image_positions = is_image[0].nonzero().flatten().tolist()
+        spans, first = [], 0
+        for count, digest in zip(prompt.counts, prompt.digests):
+            start = image_positions[first]
+            spans.append((start, start + count, digest))
+            first += count
+        return prompt.token_ids, ImagePromptInputs(positions[:, 0].cpu(), int(delta.flatten()[0]),
+                                                   EmbeddingOverrides(image_positions, features, deepstack), spans)

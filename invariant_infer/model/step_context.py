@@ -20,10 +20,11 @@ so a keyword cannot reach them, and whether a keyword reaches the attention func
 DeltaNet layer is up to each family's modeling code and transformers version. A context variable
 reaches every layer kind the same way in every family, belongs to the thread (and asyncio task)
 that runs the forward, so a forward elsewhere never sees it, and is keyed by nothing. A captured
-CUDA graph would hold what the layers read during its capture, so a replay can change the contents
+CUDA graph holds what the layers read during its capture, so a replay can change the contents
 of the context's tensors but nothing else: the runner builds the attention metadata and LoRA rows as
-views of its persistent buffers; the Gated DeltaNet layout's tensors and the host ints (max query
-and context lengths) are still per step, and a captured bucket would fix them.
+views of its persistent buffers; a replayed decode step's host ints (max query and context lengths)
+are its bucket's, and its Gated DeltaNet layout is computed inside the graph from those buffers
+(``engine.decode_graphs``).
 
 Without an active context (``model(...)``, ``generate``, scoring, training) the layers run their
 padded or packed paths.

@@ -100,7 +100,7 @@ class ChoiceRunner:
         async def pump(k: int, choice: Choice) -> None:
             try:
                 async for out in self.async_engine.generate(choice.prompt_ids, choice.params, choice.request_id,
-                                                             lora=choice.lora, multimodal=choice.multimodal):
+                                                             lora=choice.lora, prompt_inputs=choice.prompt_inputs):
                     queue.put_nowait((k, out))
             except Exception as exc:  # noqa: BLE001  (reported in place of the choice's output)
                 queue.put_nowait((k, exc))

@@ -21,7 +21,7 @@ class Choice:
     params: SamplingParams
     request_id: str
     lora: str | None = None  # the LoRA adapter it runs on (None: the base model)
-    multimodal: object = None  # its images, as the engine prepared them (prompt_ids then holds their tokens)
+    prompt_inputs: object = None  # its images, as the engine prepared them (prompt_ids then holds their tokens)
 
 
 class Tokens:

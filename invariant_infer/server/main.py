@@ -82,7 +82,8 @@ def build_engine(options: ServerOptions, ranks: TensorParallelRanks | None = Non
                     max_num_batched_tokens=options.max_num_batched_tokens, kv_cache_memory=options.kv_cache_memory,
                     enable_prefix_caching=options.enable_prefix_caching, kernels=options.kernels, executor=ranks,
                     speculative=options.speculative_config,
-                    max_loras=options.max_loras if serves_loras else 0, max_lora_rank=options.max_lora_rank)
+                    max_loras=options.max_loras if serves_loras else 0, max_lora_rank=options.max_lora_rank,
+                    cuda_graphs=False if options.enforce_eager else None)
     for name, path in options.lora_modules.items():
         engine.add_lora(name, path)  # a bad adapter stops the start (serve reports it)
     return engine, tokenizer

@@ -64,9 +64,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     lora = server.check_model(body.model)
     ids = server.encode(server.chat_prompt(body.messages), param="messages")
     images = [image for message in body.messages for image in message.images()]
-    multimodal = None
+    prompt_inputs = None
     if images:  # processed and encoded once for all choices, off the event loop
-        ids, multimodal = await run_in_threadpool(server.async_engine.prepare_images, ids, images)
+        ids, prompt_inputs = await run_in_threadpool(server.async_engine.prepare_images, ids, images)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, server.engine.max_positions - len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = f"chatcmpl-{secrets.token_hex(12)}"
@@ -74,7 +74,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     for i, seed in enumerate(choice_seeds(body.seed, body.n)):
         params = body.params(max_tokens, seed, logprobs)
         server.check_request(ids, params)
-        choices.append(Choice(i, 0, ids, params, f"{rid}-{i}", lora, multimodal))
+        choices.append(Choice(i, 0, ids, params, f"{rid}-{i}", lora, prompt_inputs))
     fmt = ChatFormat(server.tokens, choices, body.logprobs)
     return await server.runner.respond(request, rid, choices, fmt, body.stream, len(ids))
 

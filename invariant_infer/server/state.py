@@ -35,6 +35,7 @@ class ServerOptions:
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False          # no CUDA graphs (``Engine(cuda_graphs=False)``)
     kernels: str = "invariant"
     speculative_config: dict | None = None  # vLLM's speculative_config (``Engine(speculative=...)``)
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, loaded at start

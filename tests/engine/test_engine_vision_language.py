@@ -19,6 +19,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from invariant_infer import UnsupportedModelError, make_invariant
 from invariant_infer.engine import Engine, SamplingParams
+from invariant_infer.engine.decode_graphs import DecodeGraphs, rerun_capture
 from invariant_infer.errors import RequestError
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
@@ -104,6 +105,22 @@ def test_busy_engine_equals_alone_and_generate(setups, family):
                              max_new_tokens=GREEDY.max_tokens, do_sample=False, pad_token_id=0,
                              **pixel_inputs(processor, prompt))
         assert out[0, len(ids):].tolist() == tokens
+
+
+@pytest.mark.heavy
+def test_replayed_decode_steps_equal_alone(setups):
+    """Decode steps replayed from their buckets' captures (``engine/decode_graphs.py``; on CPU a replay
+    runs the captured closure again over the objects it captured): after prompts with images, each
+    request's tokens and logprobs are its own alone (generated tokens' positions on the three rope axes,
+    offset by the images, come from the runner's buffers)."""
+    path, processor, images = setups["qwen2_5_vl"]
+    model = load(path)
+    prompts = requests(images)
+    alone = [run(Engine(model, processor), [p])[0] for p in prompts]
+    engine = Engine(model, processor, max_num_seqs=4, decode_buckets=(1, 2, 4))
+    engine.core.runner.decode_graphs = DecodeGraphs(rerun_capture)
+    assert run(engine, prompts) == alone
+    assert engine.core.runner.decode_graphs.num_replays >= GREEDY.max_tokens - 1
 
 
 @pytest.mark.heavy  # seeded sampling is each family's: the model-level generate test samples with images

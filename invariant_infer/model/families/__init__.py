@@ -146,9 +146,16 @@ def is_vision_language(config) -> bool:
     return adapter is not None and adapter.vision is not None
 
 
+def rope_position_axes(config) -> int:
+    """The rows of position ids the decoder's rope takes per token: 3 (temporal, height, width) for a
+    multimodal rope (the family's ``mrope``), 1 otherwise."""
+    adapter = FAMILIES.get(getattr(config, "model_type", None))
+    return 3 if adapter is not None and adapter.mrope else 1
+
+
 # Each family module registers itself.
 from . import (gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen3,  # noqa: E402,F401
                qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
 
 __all__ = ["FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout", "VisionLayout", "family_of",
-           "is_vision_language", "register_family", "text_config"]
+           "is_vision_language", "register_family", "rope_position_axes", "text_config"]
