@@ -71,9 +71,9 @@ def engine(model, **options):
     Engine(model, **options)
 
 
-def engine_support(model, *, max_loras=0, tensor_parallel_size=1):
+def engine_support(model, *, max_loras=0, tensor_parallel_size=1, speculative=None):
     from invariant_infer.engine.model_support import check_engine_support
-    check_engine_support(model, "invariant", None, max_loras, tensor_parallel_size)
+    check_engine_support(model, "invariant", speculative, max_loras, tensor_parallel_size)
 
 
 def sharded_check(model):
@@ -144,6 +144,12 @@ def moe_backward():
         model(input_ids=torch.tensor([[5, 6]]))
 
 
+def command_check(save, surface: str, tmp_path):
+    """A command's check of a saved checkpoint's architecture before it loads anything (serve, score --ray)."""
+    from invariant_infer.checkpoints.loading import check_architecture
+    check_architecture(str(save(tmp_path / "model")), surface)
+
+
 def load_checkpoint(save, tmp_path):
     """Loading a saved checkpoint as every surface does (``load_model``): refused from its config."""
     from invariant_infer.checkpoints.loading import load_model
@@ -165,6 +171,31 @@ def fp8_on_an_ampere_gpu(tmp_path):
         save_quantized_checkpoint(tmp_path / "fp8", config, "FP8_DYNAMIC"), dtype=torch.bfloat16).eval())
     with mock.patch.object(fp8_support, "device_capability", lambda device: (8, 0)):
         model(input_ids=torch.tensor([[5, 6]]))
+
+
+def encoder():
+    return random_model(random_config("bert", "tiny"))
+
+
+def encoder_backward():
+    model = make_invariant(encoder())
+    with torch.enable_grad():
+        model(input_ids=torch.tensor([[5, 6]]))
+
+
+def sharded_encoder():
+    """make_invariant on an encoder as transformers would have sharded it (``_tp_size``, a 1-D device mesh)."""
+    import types
+    model = encoder()
+    model._tp_size = 2
+    model._device_mesh = types.SimpleNamespace(size=lambda: 2, mesh_dim_names=None, get_local_rank=lambda: 0,
+                                               get_group=lambda: None)
+    make_invariant(model)
+
+
+def encoder_packed_rows():
+    with torch.no_grad():
+        make_invariant(encoder())(input_ids=torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[0, 1, 0]]))
 
 
 def softcap_in_attention(surface):
@@ -225,6 +256,17 @@ TRIGGERS = {
     ("architecture_not_causal_lm", "*"): lambda tmp: load_checkpoint(save_sequence_classification_checkpoint, tmp),
     ("unsupported_model_type", "*"): lambda tmp: load_checkpoint(save_encoder_checkpoint, tmp),
     ("tensor_parallel_ray", "ray"): lambda tmp: score_cli(tmp, "--tensor-parallel-size", "2", "--ray"),
+    ("encoder", "generate"): lambda tmp: make_invariant(encoder()).generate(input_ids=torch.tensor([[5, 6]])),
+    ("encoder", "engine"): lambda tmp: engine_support(encoder()),
+    ("encoder", "speculative"): lambda tmp: engine_support(encoder(), speculative={"method": "ngram"}),
+    ("encoder", "serve"): lambda tmp: command_check(save_encoder_checkpoint, "serve", tmp),
+    ("encoder", "ray"): lambda tmp: command_check(save_encoder_checkpoint, "ray", tmp),
+    ("encoder", "tensor_parallel"): lambda tmp: sharded_encoder(),
+    ("encoder", "training"): lambda tmp: encoder_backward(),
+    ("encoder", "trl"): lambda tmp: trl_check(encoder()),
+    ("encoder", "scoring"): lambda tmp: __import__("invariant_infer").score_sequences(make_invariant(encoder()),
+                                                                                      [[5, 6, 7]]),
+    ("encoder_packed_rows", "model"): lambda tmp: encoder_packed_rows(),
 }
 
 

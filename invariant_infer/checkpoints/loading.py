@@ -110,16 +110,19 @@ def vision_language_config(config) -> bool:
     return families.is_vision_language(config)
 
 
-def auto_class_for(config):
+def auto_class_for(config, surface: str = "model"):
     """The auto class that loads a checkpoint of ``config``: ``AutoModelForImageTextToText`` for a
     vision-language family, else ``AutoModelForCausalLM``. A model type outside the supported families,
     and an architecture that is neither a causal LM nor an image-text-to-text model (sequence or token
     classification, an encoder, an unknown class), which loading as a causal LM would silently give a
     random LM head, are refused through the support table (``UnsupportedModelError``, naming the model
-    type, the architecture and what runs for that model type)."""
+    type, the architecture and what runs for that model type). ``surface``: the support table's surface
+    that loads it (an encoder's refusal names the command)."""
     model_type = getattr(config, "model_type", None)
     architectures = list(getattr(config, "architectures", None) or [])
     named = f"model_type {model_type!r}" + (f" ({', '.join(architectures)})" if architectures else "")
+    if families.encoder_family_of(config) is not None:
+        require("encoder", surface, named)
     if vision_language_config(config):
         auto_class, runs = AutoModelForImageTextToText, _class_names(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
                                                                       model_type)
@@ -143,16 +146,16 @@ def _refuse_model_type(named: str) -> None:
             f"{named} is not a supported model type (supported: {', '.join(sorted(FAMILIES))})")
 
 
-def check_architecture(path: str):
-    """Read the checkpoint's config and return its auto class (``auto_class_for``), before any weight
-    is loaded. ``CheckpointLoadError`` when there is no config to read; ``UnsupportedModelError``
+def check_architecture(path: str, surface: str = "model"):
+    """Read the checkpoint's config and return its auto class (``auto_class_for`` on ``surface``), before
+    any weight is loaded. ``CheckpointLoadError`` when there is no config to read; ``UnsupportedModelError``
     names an architecture or model type that is not run."""
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001  (a missing folder, a config transformers does not know)
         unreadable = f"cannot read the config of {path}: {exc}"
     else:
-        return auto_class_for(config)
+        return auto_class_for(config, surface)
     model_type = _stored_model_type(path)
     if model_type is not None and model_type not in FAMILIES:
         _refuse_model_type(f"model_type {model_type!r}")

@@ -30,7 +30,7 @@ def architecture_refusal(command: str, path: str) -> int | None:
     from ..checkpoints.loading import check_architecture
     from ..errors import CheckpointLoadError, UnsupportedModelError
     try:
-        check_architecture(path)
+        check_architecture(path, "serve" if command == "serve" else "model")
     except UnsupportedModelError as exc:
         print(f"invariant-infer {command}: {path}: {exc}", file=sys.stderr)
         return UNSUPPORTED_MODEL

@@ -63,7 +63,7 @@ def run(args) -> int:
         loras = parse_loras(getattr(args, "lora", None))
         if loras and getattr(args, "ray", False):
             require("lora", "ray")
-        check_architecture(args.model)  # before any worker or rank starts
+        check_architecture(args.model, "ray" if getattr(args, "ray", False) else "scoring")  # before any rank starts
         if getattr(args, "ray", False):
             backend = RayBackend(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                  address=args.ray_address, num_workers=args.num_workers,

@@ -13,8 +13,8 @@ def check_engine_support(model, kernels: str, speculative, max_loras: int, tenso
     kinds = model_kinds(model) | ({"lora"} if max_loras else set()) | \
         ({"stock_kernels"} if kernels != "invariant" else set())
     subject = getattr(model.config, "model_type", None)
-    require(kinds, "engine", subject)
-    if speculative:
+    if speculative:  # first: what speculation refuses is named as such, even where the engine refuses it too
         require(kinds, "speculative", subject)
+    require(kinds, "engine", subject)
     if tensor_parallel_size > 1:
         require(kinds, "tensor_parallel", subject)

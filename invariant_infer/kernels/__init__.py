@@ -16,11 +16,13 @@ from .gelu import GeluFunction, gelu, gelu_autograd
 from .gelu_tanh_mul import GeluTanhMulFunction, gelu_tanh_mul, gelu_tanh_mul_autograd
 from .grouped_linear import grouped_linear, grouped_silu_mul_linear
 from .grouped_quantized_linear import grouped_quantized_linear
+from .l2_normalize import l2_normalize
 from .layer_norm import layer_norm
 from .linear import linear
 from .linear_autograd import LinearFunction, linear_autograd
 from .moe_routing import moe_routing
 from .paged_attention import paged_attention, write_kv
+from .pooling import pool_tokens
 from .quantize_activations import quantize_activations
 from .quantized_linear import QuantizedLinearConfig, QuantizedWeight, dequantize_weight, quantized_linear
 from .quantized_linear_autograd import QuantizedLinearFunction, quantized_linear_autograd
@@ -42,7 +44,7 @@ __all__ = [
     "QuantizedLinearConfig", "QuantizedWeight", "dequantize_weight", "grouped_quantized_linear", "quantize_activations",
     "quantized_linear",
     "QuantizedLinearFunction", "quantized_linear_autograd",
-    "layer_norm", "rms_norm", "rms_norm_gated",
+    "layer_norm", "rms_norm", "rms_norm_gated", "pool_tokens", "l2_normalize",
     "silu_mul", "token_logprobs", "causal_conv1d_silu", "chunk_gated_delta_rule",
     "sigmoid_mul", "gelu", "GeluFunction", "gelu_autograd",
     "gelu_tanh_mul", "GeluTanhMulFunction", "gelu_tanh_mul_autograd",

@@ -4,4 +4,5 @@ Files: ``patch`` (``make_invariant``, ``restore``), ``attention`` and ``experts`
 registered in transformers' ``AttentionInterface`` and ``ExpertsInterface``), ``padding`` and
 ``packing`` (positions and sequence bounds from masks and packed batches), ``tensor_parallel``
 (the TP-size-independent arithmetic), ``vision`` and ``multimodal`` (a vision-language model's
-tower and the positions around its language model), ``families/`` (one adapter per model family)."""
+tower and the positions around its language model), ``encoder`` (the BERT and XLM-RoBERTa encoders),
+``families/`` (one adapter per model family)."""

@@ -1,12 +1,12 @@
 """The kinds of a model or a checkpoint's config, as the support table (``support.py``) names them:
-its structure (dense, MoE, hybrid, vision-language, windowed), its quantized format, its adapters,
+its structure (dense, MoE, hybrid, vision-language, windowed, encoder), its quantized format, its adapters,
 and the config features some surfaces refuse."""
 from __future__ import annotations
 
 from torch import nn
 
 from .cache_specs import SlidingWindowSpec, cache_specs, is_hybrid
-from .families import FAMILIES, is_vision_language, text_config
+from .families import ENCODER_FAMILIES, FAMILIES, is_vision_language, text_config
 from .lora import is_peft_model, unwrap_peft
 
 
@@ -59,6 +59,8 @@ def config_kinds(config) -> set[str]:
             kinds.add("windowed")
         if adapter.moe and quantization_method_of(config) == "compressed-tensors":
             kinds.add("compressed_tensors_moe")
+    if model_type in ENCODER_FAMILIES:
+        kinds.add("encoder")
     if is_vision_language(config) and getattr(text, "use_sliding_window", False):
         kinds.add("vision_language_sliding_window")
     if any(getattr(text, name, None) is not None for name in ("attn_logit_softcapping", "final_logit_softcapping")):

@@ -23,6 +23,9 @@ What changes (and nothing process-wide):
     attention the per-sequence regrouping (``invariant_infer.model.packing``);
   * a PEFT ``PeftModel``: the model inside is patched, and each LoRA layer adds its adapters'
     ``scaling * B(A(x))`` on the invariant linear, unmerged (``invariant_infer.model.lora``);
+  * an encoder family's model (BERT, XLM-RoBERTa: ``AutoModel``, ``...ForSequenceClassification``): its
+    linears, LayerNorms, GELU, bidirectional attention, positions, pooler and classification head
+    (``invariant_infer.model.encoder``), inference only;
   * registered instance extensions run (``invariant_infer.generation.generate`` registers one that makes
     ``model.generate`` on this instance reject options that are not batch-invariant).
 Every patched op is differentiable: with grad enabled it runs as an autograd Function over the same
@@ -43,14 +46,15 @@ import torch
 from torch import nn
 
 from . import attention as attention_interface, experts as experts_interface
-from ..errors import NonInvariantInputError, NonInvariantOpError
+from ..errors import NonInvariantInputError, NonInvariantOpError, UnsupportedModelError
 from .audit import audit
 from .checks import check_model, multimodal_model
 from ..kernels import (gelu_tanh_mul, gelu_tanh_mul_autograd, linear, linear_autograd, rms_norm, rms_norm_autograd,
                        silu_mul, silu_mul_autograd, silu_mul_linear_autograd)
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
-from .families import text_config
+from .encoder import install_generate_refusal, patch_encoder, remove_generate_refusal
+from .families import encoder_family_of, text_config
 from .gated_attention import gated_attention_forward
 from .linear_attention import gated_delta_net_forward
 from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
@@ -64,6 +68,8 @@ from .input_checks import (bind_forward_arguments, check_inputs, checked_at_entr
                            max_positions_of)
 from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
 from .quantized_experts import quantized_experts_forward
+from .sentence_transformers import (is_sentence_transformers_model, patch_sentence_transformers,
+                                    restore_sentence_transformers, sentence_transformers_patched)
 from .tensor_parallel import tp_forwards, tp_layout
 
 _STATE_ATTR = "_invariant_infer_state"
@@ -267,7 +273,11 @@ def make_invariant(model: nn.Module, strict: bool = False) -> nn.Module:
     every kernel through Triton's interpreter), every supported family and format is audited by the
     test suite, and a dynamic per-tensor scale is replaced rather than refused (docs/how-it-works.md,
     "Fail-closed coverage: audit and strict").
+    A sentence-transformers ``SentenceTransformer`` or ``CrossEncoder`` is patched as a whole
+    (``invariant_infer.model.sentence_transformers``).
     Returns the same model. Idempotent. Undo with ``restore(model)``."""
+    if is_sentence_transformers_model(model):
+        return patch_sentence_transformers(model, make_invariant, is_invariant, restore, strict)
     was_patched = getattr(unwrap_peft(model), _STATE_ATTR, None) is not None
     patched = _patch(model, strict)
     if strict:
@@ -302,6 +312,9 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
         if not has_unpatched_lora(model):
             return wrapper
         restore(model)  # LoRA layers came after the patch (get_peft_model on a patched model): patch them too
+    encoder = encoder_family_of(getattr(model, "config", None))
+    if encoder is not None:
+        return _patch_encoder(wrapper, model, encoder)
     check_peft(wrapper)
     layout = tp_layout(model)
     adapter, base, quantized, experts, adapters = check_model(model, sharded=layout is not None, strict=strict)
@@ -370,12 +383,29 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
     return wrapper
 
 
+def _patch_encoder(wrapper: nn.Module, model: nn.Module, adapter) -> nn.Module:
+    """An encoder family's model (``invariant_infer.model.encoder``), its linears on ``_linear_forward``."""
+    if wrapper is not model:
+        raise UnsupportedModelError(f"{adapter.model_type}: PEFT adapters on encoders are not supported yet; merge "
+                                    "them into the weights (merge_and_unload()) first")
+    hub_kernels = _turn_off_hub_kernels(model)
+    hooks, previous_attn = patch_encoder(model, adapter, _linear_forward, _set_forward)
+    install_generate_refusal(model)
+    setattr(model, _STATE_ATTR, ModelPatch(hooks, previous_attn, None, [(install_generate_refusal,
+                                                                         remove_generate_refusal)], None, hub_kernels))
+    return wrapper
+
+
 def is_invariant(model: nn.Module) -> bool:
+    if is_sentence_transformers_model(model):
+        return sentence_transformers_patched(model)
     return getattr(unwrap_peft(model), _STATE_ATTR, None) is not None
 
 
 def restore(model: nn.Module) -> nn.Module:
     """Return a model patched by ``make_invariant`` to stock transformers behaviour."""
+    if is_sentence_transformers_model(model):
+        return restore_sentence_transformers(model, restore)
     wrapper, model = model, unwrap_peft(model)
     state = getattr(model, _STATE_ATTR, None)
     if state is None:

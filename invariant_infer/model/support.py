@@ -101,6 +101,17 @@ KINDS = [
                      "quantization_config=Mxfp4Config(dequantize=True) to run bf16 experts")),
     _row("lora", "LoRA adapters", title="PEFT LoRA adapters (unmerged; the engine's adapter slots)",
          refused=_no("adapters are scored in one process; run the job without --ray", ("ray",), JobError)),
+    _row("encoder", "encoders",
+         title="encoders (BERT, XLM-RoBERTa: `AutoModel`, `...ForSequenceClassification`)",
+         refused=_no("encoders run through make_invariant only so far: call the patched model for its hidden states, "
+                     "pooler output or classification logits", ("engine", "speculative", "trl", "scoring"))
+         | _no("the commands load causal LMs and image-text-to-text models; load an encoder with transformers and "
+               "call make_invariant", ("ray", "serve"))
+         | _no("LayerNorm, tanh and the tanh GELU have no backward kernels yet: run encoders under torch.no_grad() / "
+               "torch.inference_mode(), or freeze every parameter (model.requires_grad_(False))", ("training",),
+               NonInvariantInputError)
+         | _no("the encoder layers are not sharded yet; run them in one process", ("tensor_parallel",))
+         | _no("encoders do not generate", ("generate",))),
 ]
 
 # Finer refusals: features and combinations of kinds, each on the surfaces that refuse it.
@@ -156,6 +167,9 @@ FEATURES = [
     _row("softcap_argument", "attention logit softcapping (softcap)", feature=True,
          refused=_no("invariant attention has no softcapping yet, and never drops it", ("model", "engine"),
                      NonInvariantInputError)),
+    _row("encoder_packed_rows", "packed rows on encoders (cu_seq_lens_*, position_ids restarting)", feature=True,
+         refused=_no("each row of an encoder's batch holds one sequence: pass padded rows with their attention_mask",
+                     ("model",), NonInvariantInputError)),
     _row("bidirectional_attention", "bidirectional attention (use_bidirectional_attention)", feature=True,
          refused=_no("only causal attention is supported")),
     _row("architecture_not_causal_lm", "sequence or token classification heads, encoders and base models",

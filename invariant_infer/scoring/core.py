@@ -26,6 +26,8 @@ from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # 
 from ..model.lora import unwrap_peft
 from ..model.families import is_vision_language, text_config
 from ..model.image_inputs import PromptImages, expanded_position, prepare_prompt_images, split_multimodal
+from ..model.kinds import model_kinds
+from ..model.support import require
 from ..model.patch import is_invariant
 from ..model.executor import Executor, RankState, executor_for, worker_command
 from ..model.tensor_parallel import tp_layout
@@ -207,6 +209,7 @@ def score_sequences(model, sequences: Sequence, *, prompt_lengths: Sequence[int]
     executor = executor_for(model, executor)
     if not is_invariant(model):
         raise InvalidArgumentError("score_sequences needs a batch-invariant model: call make_invariant(model) first")
+    require(model_kinds(model), "scoring", getattr(model.config, "model_type", None))
     if prompt_lengths is None:
         prompt_lengths = [1] * len(sequences)
     if len(prompt_lengths) != len(sequences):

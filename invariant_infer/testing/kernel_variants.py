@@ -216,6 +216,38 @@ def _quantized(scheme: str) -> Callable[[], None]:
     return run
 
 
+def _pooling() -> None:
+    """Pooled embeddings at Qwen3-Embedding's widths (0.6B: 1024, 8B: 4096): every summed mode and the
+    L2 normalisation, in the model dtype and fp32."""
+    from ..kernels import l2_normalize, pool_tokens
+
+    for hidden in (1024, 4096):
+        for dtype in (DTYPE, torch.float32):
+            x = torch.empty(3, 12, hidden, dtype=dtype)
+            start, end = torch.tensor([0, 4, 2]), torch.tensor([12, 12, 9])
+            for weighted, divisor in ((False, "count"), (True, "weight_sum"), (False, "sqrt_count")):
+                pool_tokens(x, start, end, weighted, divisor)
+            l2_normalize(x[:, 0])
+
+
+def _encoders() -> None:
+    """BERT-base and XLM-R-base widths (one layer), as ``AutoModel`` and as a classifier: two rows, one
+    left-padded (LayerNorm, GELU, the bidirectional attention, the pooler's and head's tanh)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+    from transformers.initialization import no_init_weights
+
+    from ..model.families import ENCODER_FAMILIES
+
+    for family, preset in (("bert", "bert-base"), ("xlm-roberta", "xlm-roberta-base")):
+        adapter = ENCODER_FAMILIES[family]
+        config = adapter.config_class(**{**adapter.presets[preset], "num_hidden_layers": 1, "vocab_size": 1000})
+        for auto in (AutoModel, AutoModelForSequenceClassification):
+            with paused_recording(), no_init_weights():
+                model = make_invariant(auto.from_config(config, dtype=DTYPE).eval())
+            ids, mask = _rows(1000)
+            with torch.no_grad():
+                model(input_ids=ids.clamp(min=3), attention_mask=mask)
+
 
 WORKLOADS: dict[str, Callable[[], None]] = {
     "qwen2.5-1.5b": _dense("qwen2.5-1.5b", ("forward", "training", "engine", "lora")),
@@ -230,6 +262,8 @@ WORKLOADS: dict[str, Callable[[], None]] = {
     **{f"compressed-tensors {scheme}": _quantized(scheme) for scheme in COMPRESSED_TENSORS_SCHEMES},
     "transformers fp8": _quantized("fp8"),
     "transformers fp8 moe": _quantized("moe-fp8"),
+    "pooling": _pooling,
+    "encoders": _encoders,
 }
 
 

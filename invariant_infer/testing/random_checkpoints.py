@@ -1,4 +1,4 @@
-"""Random-init checkpoints of every supported family, for tests, the demo and benchmarks.
+"""Random-init checkpoints of every supported family (decoders and encoders), for tests, the demo and benchmarks.
 
 Real models' shapes (``"qwen2.5-1.5b"``, ``"llama-3.1-8b"`` ...) and small ones that run on CPU
 (``"tiny"``) come from each family's presets (``invariant_infer.model.families``). Weights are random,
@@ -11,17 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
-from ..model.families import FAMILIES, is_vision_language
+from ..model.families import ENCODER_FAMILIES, FAMILIES, is_vision_language
 from ..errors import InvalidArgumentError
 
 
 def random_config(family: str = "qwen2", preset: str = "tiny", **overrides) -> PretrainedConfig:
-    """A config of ``family`` (a model_type) from a preset name, with any field overridden."""
-    if family not in FAMILIES:
-        raise InvalidArgumentError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
-    adapter = FAMILIES[family]
+    """A config of ``family`` (a model_type, decoder or encoder) from a preset name, with any field overridden."""
+    adapter = FAMILIES.get(family) or ENCODER_FAMILIES.get(family)
+    if adapter is None:
+        raise InvalidArgumentError(f"unknown family {family!r}; choose from "
+                                   f"{sorted(FAMILIES) + sorted(ENCODER_FAMILIES)}")
     if preset not in adapter.presets:
         raise InvalidArgumentError(f"unknown {family} preset {preset!r}; choose from {sorted(adapter.presets)}")
     return adapter.config_class(**{**adapter.presets[preset], **overrides})
@@ -31,10 +32,13 @@ def qwen2_config(preset: str = "tiny", **overrides) -> PretrainedConfig:
     return random_config("qwen2", preset, **overrides)
 
 
-def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A randomly initialised causal LM (or vision-language model) for ``config``, in eval mode."""
+def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32, auto_class=None):
+    """A randomly initialised causal LM (or vision-language model; an encoder family's ``AutoModel``) for
+    ``config``, in eval mode; ``auto_class`` picks another (``AutoModelForSequenceClassification``)."""
     torch.manual_seed(seed)
-    auto_class = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    if auto_class is None:
+        auto_class = AutoModelForImageTextToText if is_vision_language(config) else \
+            AutoModel if config.model_type in ENCODER_FAMILIES else AutoModelForCausalLM
     model = auto_class.from_config(config).to(dtype).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -44,12 +48,14 @@ def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = t
                 param.normal_(0.0, 1.0)
             elif "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm weights start at ones
                 param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("LayerNorm.weight"):  # an encoder's LayerNorms (their biases are drawn above)
+                param.add_(torch.randn_like(param) * 0.1)
     return model
 
 
 def save_random_checkpoint(path: str | Path, config: PretrainedConfig, seed: int = 0,
-                           dtype: torch.dtype = torch.float32) -> Path:
+                           dtype: torch.dtype = torch.float32, auto_class=None) -> Path:
     """Write a random checkpoint with ``save_pretrained`` so tests load it as users load real ones."""
     path = Path(path)
-    random_model(config, seed, dtype).save_pretrained(path)
+    random_model(config, seed, dtype, auto_class).save_pretrained(path)
     return path

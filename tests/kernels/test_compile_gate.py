@@ -125,6 +125,7 @@ EXPECTED_KERNELS = {
     "_quantized_partials_kernel", "_quantized_combine_kernel", "_grouped_quantized_linear_kernel",
     "_quantize_rows_kernel", "_gelu_kernel",
     "_gelu_tanh_mul_kernel", "_gelu_tanh_mul_backward_kernel", "_layer_norm_kernel", "_silu_mul_backward_kernel",
+    "_pool_tokens_kernel", "_l2_normalize_kernel", "_tanh_kernel",
 }
 
 
