@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .errors import InvalidArgumentError
-from .gelu_tanh_mul import _blocks, _gelu_tanh_parts, _rows
+from .gelu_tanh_mul import _blocks, _gelu_tanh_parts, _rows, elementwise
 from .launch import launch
 
 
@@ -50,16 +50,7 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """gelu(x), elementwise, in x's dtype: the erf form, or with ``approximate="tanh"`` the tanh form."""
     if approximate not in ("none", "tanh"):
         raise InvalidArgumentError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    n = x.shape[-1]
-    x2 = _rows(x, n)
-    m = x2.shape[0]
-    y = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
-    block_rows, block_n = _blocks(x.device, n)
-    if m:
-        launch(_gelu_kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), x.device,
-               x2, y, x2.stride(0), y.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
-               TANH=approximate == "tanh")
-    return y.reshape(x.shape)
+    return elementwise(_gelu_kernel, x, TANH=approximate == "tanh")
 
 
 def gelu_backward(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:

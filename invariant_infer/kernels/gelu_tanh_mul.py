@@ -71,6 +71,20 @@ def _blocks(device: torch.device, n: int) -> tuple[int, int]:
     return 1, min(triton.next_power_of_2(n), 1024)
 
 
+def elementwise(kernel, x: torch.Tensor, **constexprs) -> torch.Tensor:
+    """``kernel(x_ptr, y_ptr, stride_x, stride_y, M, N, BLOCK_ROWS, BLOCK_N, **constexprs)`` over x's rows of
+    its last dimension: y in x's shape and dtype."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    m = x2.shape[0]
+    y = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    block_rows, block_n = _blocks(x.device, n)
+    if m:
+        launch(kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), x.device,
+               x2, y, x2.stride(0), y.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n, **constexprs)
+    return y.reshape(x.shape)
+
+
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu(gate, approximate="tanh") * up, elementwise, in the inputs' dtype."""
     if gate.shape != up.shape or gate.dtype != up.dtype:

@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gelu_tanh_mul import _blocks, _rows, _tanh
-from .launch import launch
+from .gelu_tanh_mul import _tanh, elementwise
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -32,12 +31,4 @@ def _tanh_kernel(x_ptr, y_ptr, stride_x, stride_y, M, N, BLOCK_ROWS: tl.constexp
 
 def tanh(x: torch.Tensor) -> torch.Tensor:
     """tanh(x), elementwise, in x's dtype."""
-    n = x.shape[-1]
-    x2 = _rows(x, n)
-    m = x2.shape[0]
-    y = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
-    block_rows, block_n = _blocks(x.device, n)
-    if m:
-        launch(_tanh_kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), x.device,
-               x2, y, x2.stride(0), y.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n)
-    return y.reshape(x.shape)
+    return elementwise(_tanh_kernel, x)
