@@ -17,9 +17,9 @@ no module of this package: the objects are recognised by their classes' names an
 """
 from __future__ import annotations
 
+import functools
 import threading
 import types
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -120,11 +120,12 @@ def _normalize_forward(self, features: dict, **kwargs) -> dict:
     return features
 
 
-def _transformer_forward(self, features: dict, **kwargs) -> dict:
+def _transformer_forward(self, features: dict, call_lock: threading.Lock, **kwargs) -> dict:
     """sentence-transformers' forward, with the model's ``forward`` looked up once as a function that
-    calls the model through ``__call__``, so its pre-forward hooks run."""
+    calls the model through ``__call__``, so its pre-forward hooks run. ``call_lock``: the module's own
+    (its model's forward is swapped for the duration of a call)."""
     model = self.auto_model
-    with _CALL_LOCKS[self]:
+    with call_lock:
         previous = model.__dict__.get("forward")
 
         def put_back():
@@ -144,8 +145,6 @@ def _transformer_forward(self, features: dict, **kwargs) -> dict:
             put_back()
 
 
-# One lock per Transformer module: its model's forward is swapped for the duration of a call.
-_CALL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _FORWARDS = {"Pooling": _pooling_forward, "Normalize": _normalize_forward, "Transformer": _transformer_forward}
 
 
@@ -171,9 +170,10 @@ def patch_sentence_transformers(obj: nn.Module, make_invariant, is_invariant, re
         for module, kind in kinds.items():
             if kind in _FORWARDS:
                 state.forwards.append((module, module.__dict__.get("forward")))
-                module.forward = types.MethodType(_FORWARDS[kind], module)
-                if kind == "Transformer":
-                    _CALL_LOCKS[module] = threading.Lock()
+                forward = _FORWARDS[kind]
+                if kind == "Transformer":  # one lock per module
+                    forward = functools.partial(forward, call_lock=threading.Lock())
+                module.forward = types.MethodType(forward, module)
     except BaseException:
         _undo(state, restore)
         raise
