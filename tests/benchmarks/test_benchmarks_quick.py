@@ -154,8 +154,9 @@ def test_scoring_rows(results):
 
 def test_engine_rows(results):
     rows = results["engine"]
+    cpu_modes = [mode for mode in engine_bench.MODES if mode != "invariant_engine_eager"]  # no graphs on CPU
     assert [(r["mode"], r["concurrency"]) for r in rows] == [
-        (mode, conc) for conc in engine_bench.QUICK_CONCURRENCY for mode in engine_bench.MODES]
+        (mode, conc) for conc in engine_bench.QUICK_CONCURRENCY for mode in cpu_modes]
     requests = dict(zip(engine_bench.QUICK_CONCURRENCY, engine_bench.QUICK_REQUESTS))
     for row in rows:
         assert row["preset"] == "qwen2:tiny" and row["max_tokens"] == engine_bench.QUICK_MAX_TOKENS
@@ -166,6 +167,7 @@ def test_engine_rows(results):
         assert (row["preemptions"] == 0) if engine_mode else (row["preemptions"] is None)
         if row["mode"] == "invariant_engine":
             assert row["invariant_to_stock_engine"] > 0 and row["invariant_to_hf_generate"] > 0
+            assert row["graphs_to_eager"] is None  # the eager mode runs on a GPU only
         else:
             assert row["invariant_to_stock_engine"] is None is row["invariant_to_hf_generate"]
             assert row["invariant_rows_checked"] is None is row["invariant_rows_equal"]
