@@ -12,6 +12,7 @@ is a variant a GPU of that architecture could not launch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import re
@@ -24,6 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 
+from .errors import InvalidArgumentError
 from .launch import PINNED_OPTIONS
 from .launch_recording import KernelVariant
 
@@ -31,6 +33,10 @@ ARCHS = (80, 89, 90)
 # Shared memory one block may use (opt-in maximum), in bytes: A100 (sm_80) 163 KiB, L4/L40/RTX 4090
 # (sm_89) 99 KiB, H100/H200 (sm_90) 227 KiB.
 SHARED_MEMORY_LIMITS = {80: 166912, 89: 101376, 90: 232448}
+# Without fp8, Triton lowers a kernel to the same IR for sm_89 as for sm_80 (Ampere's MMA and
+# pipelining: fp8 conversions are what sm_89 adds), and a block's shared memory is Triton's own
+# allocation, not ptxas's: an sm_80 report of such a variant stands for sm_89 (``as_arch``).
+SAME_IR_AS = {89: 80}
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -101,6 +107,14 @@ def compile_report(variant: KernelVariant, arch: int) -> CompileReport:
                          spill_stores=int(spills.group(1)) if spills else None,
                          spill_loads=int(spills.group(2)) if spills else None,
                          seconds=_cpu_seconds() - start)
+
+
+def as_arch(report: CompileReport, arch: int) -> CompileReport:
+    """``report`` (for sm_<SAME_IR_AS[arch]>) read for sm_<arch>: its shared memory checked against
+    that architecture's limit, its compile error named for it."""
+    if SAME_IR_AS.get(arch) != report.arch:
+        raise InvalidArgumentError(f"an sm_{report.arch} report does not stand for sm_{arch}")
+    return dataclasses.replace(report, arch=arch)
 
 
 def _cpu_seconds() -> float:

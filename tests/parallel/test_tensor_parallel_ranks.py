@@ -174,14 +174,15 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
     (n-gram proposals, accepted and rejected): its verify chunks run on the ranks as in one process.
     A third speculates with a draft model (the checkpoint itself, loaded unsharded in the lead
     process) while the target verifies on the ranks: plain decoding's outputs in one process."""
-    params = SamplingParams(max_tokens=8, logprobs=1)  # no prompt logprobs: a repeated prompt hits the cache
-    prompts = [list(range(5, 85)), list(range(100, 180))]  # pages of 64 on CPU
-    other = [list(range(200, 280)), list(range(200, 216)) * 4]
+    params = SamplingParams(max_tokens=4, logprobs=1)  # no prompt logprobs: a repeated prompt hits the cache
+    speculated_params = SamplingParams(max_tokens=8, logprobs=1)  # the 2nd prompt's output repeats from token 5
+    prompts = [list(range(5, 72)), list(range(100, 167))]  # pages of 64 on CPU: one full page each
+    other = [list(range(200, 267)), list(range(200, 216)) * 4]
 
     def run(model, executor=None):
         first, second = Engine(model, executor=executor), Engine(model, executor=executor, speculative=NGRAM)
         before = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]
-        speculated = [(o.token_ids, o.logprobs) for o in second.generate(other, params)]
+        speculated = [(o.token_ids, o.logprobs) for o in second.generate(other, speculated_params)]
         after = [(o.token_ids, o.logprobs) for o in first.generate(prompts, params)]  # prefix hits
         assert first.core.blocks.prefix_hits > 0  # the second run of the prompts read cached pages
         stats = second.core.speculative.stats
@@ -189,9 +190,9 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
         return before, after, speculated
     model = load_model(checkpoint, dtype="fp32", device="cpu")
     single = run(model)
-    assert single[2] == [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, params)]
-    draft_params = [SamplingParams(max_tokens=7, logprobs=1),
-                    SamplingParams(max_tokens=7, temperature=0.9, seed=4, logprobs=1)]
+    assert single[2] == [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, speculated_params)]
+    draft_params = [SamplingParams(max_tokens=5, logprobs=1),
+                    SamplingParams(max_tokens=5, temperature=0.9, seed=4, logprobs=1)]
     plain = [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, draft_params)]
     with TensorParallelRanks(checkpoint, 2, dtype="fp32", device="cpu") as ranks:
         assert run(ranks.model, ranks) == single
