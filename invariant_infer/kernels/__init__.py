@@ -18,6 +18,7 @@ from .grouped_linear import grouped_linear, grouped_silu_mul_linear
 from .grouped_quantized_linear import grouped_quantized_linear
 from .l2_normalize import l2_normalize
 from .layer_norm import layer_norm
+from .layer_norm_autograd import LayerNormFunction, layer_norm_autograd
 from .linear import linear
 from .linear_autograd import LinearFunction, linear_autograd
 from .moe_routing import moe_routing
@@ -44,7 +45,7 @@ __all__ = [
     "QuantizedLinearConfig", "QuantizedWeight", "dequantize_weight", "grouped_quantized_linear", "quantize_activations",
     "quantized_linear",
     "QuantizedLinearFunction", "quantized_linear_autograd",
-    "layer_norm", "rms_norm", "rms_norm_gated", "pool_tokens", "l2_normalize",
+    "layer_norm", "LayerNormFunction", "layer_norm_autograd", "rms_norm", "rms_norm_gated", "pool_tokens", "l2_normalize",
     "silu_mul", "token_logprobs", "causal_conv1d_silu", "chunk_gated_delta_rule",
     "sigmoid_mul", "gelu", "GeluFunction", "gelu_autograd",
     "gelu_tanh_mul", "GeluTanhMulFunction", "gelu_tanh_mul_autograd",

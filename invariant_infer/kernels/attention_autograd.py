@@ -19,7 +19,9 @@ to dK/dV, whatever their incoming gradient: the backward treats their outputs as
 Pad keys get dK = dV = 0. With a KV cache (q_start > 0, Lq < Lk) the gradients are those of this
 call: cached keys get the gradients of the queries present. A sliding window (``window`` > 0)
 masks as the forward does; dQ walks the forward's blocks, and a key block's query tiles stop
-past the last query whose window reaches it. With attention sinks the LSE includes the sink, so P
+past the last query whose window reaches it. Not causal (``causal=False``: self-attention, query i
+is key i), every real query sees every real key: dK/dV's tiles walk all of the row's real queries
+from kv_start, dQ all of its KV blocks. With attention sinks the LSE includes the sink, so P
 is unchanged in form; a sink's gradient is -sum over its head's real queries of
 exp(sink - LSE) * delta, summed in torch in one fixed order (batch, then position).
 """
@@ -64,7 +66,7 @@ def _attention_bwd_dkdv_kernel(
     stride_dob, stride_dom, stride_doh, stride_dod,
     Lq, Lk, Hq, Hkv, D, scale, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TILES_FROM_KV_START: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TILES_FROM_KV_START: tl.constexpr, CAUSAL: tl.constexpr = True,
 ):
     """dK, dV [B, Hkv, Lk, D] (contiguous; zero-filled by the caller, so keys no program covers stay 0)."""
     pid_n = tl.program_id(0)
@@ -89,8 +91,12 @@ def _attention_bwd_dkdv_kernel(
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     # Queries that can see this block: positions in [max(n0, q_start), min(kv_end, q_start + Lq)),
-    # walked in tiles aligned to kv_start (tile boundaries fixed by the sample, not the batch).
-    first = tl.maximum(n0, q_start)
+    # (not causal: from the first real query), walked in tiles aligned to kv_start (tile boundaries
+    # fixed by the sample, not the batch).
+    if CAUSAL:
+        first = tl.maximum(n0, q_start)
+    else:
+        first = tl.maximum(kv_start, q_start)
     if TILES_FROM_KV_START:
         origin = kv_start
     else:
@@ -111,7 +117,9 @@ def _attention_bwd_dkdv_kernel(
                          + offs_d[None, :] * stride_dod, mask=row_mask, other=0.0)
             lse = tl.load(lse_ptr + (b * Hq + h) * Lq + offs_m, mask=real, other=0.0)
             delta = tl.load(delta_ptr + (b * Lq + offs_m) * Hq + h, mask=real, other=0.0)
-            visible = real[:, None] & in_seq[None, :] & in_window(offs_n, pos, window)
+            visible = real[:, None] & in_seq[None, :]
+            if CAUSAL:
+                visible = visible & in_window(offs_n, pos, window)
             p = _probabilities(q, kt, lse, visible, scale, DOT_PRECISION)
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
             dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
@@ -131,7 +139,7 @@ def _attention_bwd_dq_kernel(
     stride_dob, stride_dom, stride_doh, stride_dod,
     Lq, Lk, Hq, D, scale, window,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr = True,
 ):
     """dQ [B, Hq, Lq, D] (contiguous). Each query row's dQ is reduced from its own scores only."""
     pid_m = tl.program_id(0)
@@ -155,9 +163,12 @@ def _attention_bwd_dq_kernel(
     lse = tl.load(lse_ptr + (b * Hq + h) * Lq + offs_m, mask=real, other=0.0)
     delta = tl.load(delta_ptr + (b * Lq + offs_m) * Hq + h, mask=real, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    # The forward's walk: blocks from kv_start up to the tile's last query; a block a row cannot
-    # see adds exact zeros to that row.
-    hi = tl.minimum(kv_end, q_start + tl.minimum((pid_m + 1) * BLOCK_M, Lq))
+    # The forward's walk: blocks from kv_start up to the tile's last query (not causal: every real
+    # key); a block a row cannot see adds exact zeros to that row.
+    if CAUSAL:
+        hi = tl.minimum(kv_end, q_start + tl.minimum((pid_m + 1) * BLOCK_M, Lq))
+    else:
+        hi = kv_end
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
     for n0 in range(first_window_block(kv_start, q_start + pid_m * BLOCK_M, window, BLOCK_N), hi, BLOCK_N):
@@ -167,7 +178,9 @@ def _attention_bwd_dq_kernel(
                      mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
         vt = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
                      mask=in_seq[None, :] & (offs_d[:, None] < D), other=0.0)
-        visible = real[:, None] & in_seq[None, :] & in_window(offs_n, pos, window)
+        visible = real[:, None] & in_seq[None, :]
+        if CAUSAL:
+            visible = visible & in_window(offs_n, pos, window)
         p = _probabilities(q, kt, lse, visible, scale, DOT_PRECISION)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -179,8 +192,9 @@ def _attention_bwd_dq_kernel(
 
 def attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, scale,
                        config: AttentionConfig, backward_config: AttentionBackwardConfig,
-                       need_dq: bool = True, need_dkdv: bool = True, window: int = 0):
-    """(dQ, dK, dV) for ``grad_out`` [B, Lq, Hq, D], shaped as q, k, v (None where not needed)."""
+                       need_dq: bool = True, need_dkdv: bool = True, window: int = 0, causal: bool = True):
+    """(dQ, dK, dV) for ``grad_out`` [B, Lq, Hq, D], shaped as q, k, v (None where not needed).
+    ``causal=False``: every real query sees every real key of its row (see ``attention_autograd``)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     dq = torch.empty((B, Hq, Lq, D), device=q.device, dtype=q.dtype)
@@ -204,13 +218,13 @@ def attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, s
         launch(_attention_bwd_dkdv_kernel, (triton.cdiv(Lk, cfg.block_n), B * Hkv), q.device,
                q, k, v, do, lse, delta, dk, dv, *ints, *common, Lq, Lk, Hq, Hkv, D, scale, int(window),
                GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-               DOT_PRECISION=DOT_PRECISION, TILES_FROM_KV_START=cfg.tiles_from_kv_start,
+               DOT_PRECISION=DOT_PRECISION, TILES_FROM_KV_START=cfg.tiles_from_kv_start, CAUSAL=causal,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if need_dq:
         launch(_attention_bwd_dq_kernel, (triton.cdiv(Lq, config.block_m), B * Hq), q.device,
                q, k, v, do, lse, delta, dq, *ints, *common, Lq, Lk, Hq, D, scale, int(window),
                GROUP=Hq // Hkv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-               DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               DOT_PRECISION=DOT_PRECISION, CAUSAL=causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (dq if need_dq else None), (dk if need_dkdv else None), (dv if need_dkdv else None)
 
 
@@ -219,13 +233,18 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kv_start, kv_end, q_start, scale, config=None, backward_config=None, window=0,
-                sinks=None):
+                sinks=None, causal=True):
         B, Hq, Lq, D = q.shape
         cfg = config or attention_config(q.device.type, q.dtype, D)
         lse = torch.empty((B, Hq, Lq), device=q.device, dtype=torch.float32)
-        out = attention_forward(q, k, v, kv_start, kv_end, q_start, scale, cfg, lse=lse, window=window, sinks=sinks)
+        if not causal:  # the forward's queries past every key; the backward's query i is key i
+            q_start, forward_q_start = torch.zeros_like(kv_start), torch.full_like(kv_start, k.shape[2])
+        else:
+            forward_q_start = q_start
+        out = attention_forward(q, k, v, kv_start, kv_end, forward_q_start, scale, cfg, lse=lse, window=window,
+                                sinks=sinks)
         ctx.save_for_backward(q, k, v, out, lse, kv_start, kv_end, q_start, sinks)
-        ctx.scale, ctx.config, ctx.window = scale, cfg, window
+        ctx.scale, ctx.config, ctx.window, ctx.causal = scale, cfg, window, causal
         ctx.backward_config = backward_config or attention_backward_config(q.device.type, q.dtype, D)
         return out
 
@@ -235,9 +254,10 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, kv_start, kv_end, q_start, sinks = ctx.saved_tensors
         need = ctx.needs_input_grad
         dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, kv_start, kv_end, q_start, ctx.scale,
-                                        ctx.config, ctx.backward_config, need[0], need[1] or need[2], ctx.window)
+                                        ctx.config, ctx.backward_config, need[0], need[1] or need[2], ctx.window,
+                                        ctx.causal)
         dsinks = _sinks_grad(grad_out, out, lse, sinks, kv_start, kv_end, q_start) if need[10] else None
-        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks, None
 
 
 def _sinks_grad(grad_out, out, lse, sinks, kv_start, kv_end, q_start):
@@ -254,11 +274,17 @@ def attention_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_start: torch.Tensor, kv_end: torch.Tensor, q_start: torch.Tensor,
                        scale: float, config: AttentionConfig | None = None, *,
                        backward_config: AttentionBackwardConfig | None = None, window: int = 0,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+                       sinks: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """``attention`` (same arguments, layout, result and bits) that autograd differentiates with
     the invariant backward. ``config`` (forward and dQ) and ``backward_config`` (dK/dV) override
     the fixed per-shape configs; pass them only to study configs (tests use them for a
-    deliberately batch-dependent negative control). ``sinks`` [Hq] get their gradient too."""
+    deliberately batch-dependent negative control). ``sinks`` [Hq] get their gradient too.
+
+    ``causal=False`` (bidirectional self-attention, as encoders run it; Lq == Lk, no window): query i
+    is key i of its row; a real one (i in [kv_start, kv_end)) sees every real key of its row. The
+    forward is ``attention`` with every query placed past every key (q_start = Lk): its bits are those
+    of the causal kernel run as non-causal. ``q_start`` is not read. Pad queries' outputs are
+    constants to the backward, as in the causal mode."""
     B, Hq, Lq, D = q.shape
     if k.shape != v.shape or k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
         raise InvalidArgumentError(f"attention: incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v "
@@ -266,4 +292,8 @@ def attention_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not (q.dtype == k.dtype == v.dtype):
         raise InvalidDtypeError(f"attention: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     check_sinks(sinks, Hq, q.device, "attention")
-    return AttentionFunction.apply(q, k, v, kv_start, kv_end, q_start, scale, config, backward_config, window, sinks)
+    if not causal and (window or Lq != k.shape[2]):
+        raise InvalidArgumentError(f"attention: causal=False is bidirectional self-attention (Lq == Lk, no window); "
+                                   f"got Lq {Lq}, Lk {k.shape[2]}, window {window}")
+    return AttentionFunction.apply(q, k, v, kv_start, kv_end, q_start, scale, config, backward_config, window, sinks,
+                                   causal)

@@ -30,6 +30,12 @@ def _gelu_tanh_parts(g):
     return 0.5 * g * (1.0 + t), t
 
 
+@triton.jit
+def _gelu_tanh_slope(g, t):
+    """d gelu_tanh / d g for fp32 g and t, the tanh of its inner term (``_gelu_tanh_parts``)."""
+    return 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gelu_tanh_mul_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, M, N,
                           BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -52,7 +58,7 @@ def _gelu_tanh_mul_backward_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, stride_
     u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, t = _gelu_tanh_parts(g)
-    slope = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+    slope = _gelu_tanh_slope(g, t)
     offsets = rows[:, None] * stride_d + cols[None, :]
     tl.store(dg_ptr + offsets, (dy * u * slope).to(dg_ptr.dtype.element_ty), mask=mask)
     # d(up) uses the factor the forward multiplied by: gelu_tanh(g) rounded to the dtype.
@@ -83,6 +89,20 @@ def elementwise(kernel, x: torch.Tensor, **constexprs) -> torch.Tensor:
         launch(kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), x.device,
                x2, y, x2.stride(0), y.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n, **constexprs)
     return y.reshape(x.shape)
+
+
+def elementwise_backward(kernel, x: torch.Tensor, grad_out: torch.Tensor, **constexprs) -> torch.Tensor:
+    """``kernel(x_ptr, dy_ptr, dx_ptr, stride_x, stride_dy, stride_dx, M, N, BLOCK_ROWS, BLOCK_N, **constexprs)``
+    over x's rows, with ``elementwise``'s blocks: d x in x's shape and dtype."""
+    n = x.shape[-1]
+    x2, dy2 = _rows(x, n), _rows(grad_out.to(x.dtype), n)
+    m = x2.shape[0]
+    dx = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    block_rows, block_n = _blocks(x.device, n)
+    if m:
+        launch(kernel, (triton.cdiv(m, block_rows), triton.cdiv(n, block_n)), x.device, x2, dy2, dx,
+               x2.stride(0), dy2.stride(0), dx.stride(0), m, n, BLOCK_ROWS=block_rows, BLOCK_N=block_n, **constexprs)
+    return dx.reshape(x.shape)
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
