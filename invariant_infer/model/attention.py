@@ -89,6 +89,21 @@ def attend(query, key, value, kv_start, kv_end, q_start, scale, window: int = 0,
     return attention(query, key, value, kv_start, kv_end, q_start, scale, window=window, sinks=sinks)
 
 
+def attend_bidirectional(query, key, value, kv_start, kv_end, scale, half_window: int | None = None):
+    """Self-attention without a causal mask (query i is key i, Lq == Lk) over each row's real keys
+    [kv_start, kv_end): all of them (``half_window`` None), or those at most ``half_window`` positions away
+    on either side (ModernBERT's local layers). The causal kernel computes both: query i placed past every
+    key (q_start = Lk) with no window sees every real key; placed ``half_window`` keys ahead (q_start =
+    half_window) with a window of 2 * half_window + 1 keys it sees exactly keys i - half_window ..
+    i + half_window. The KV blocks and chunks stay counted from kv_start, so neither the padding nor the
+    batch moves a boundary. q [B, Hq, L, D], k/v [B, Hkv, L, D] -> [B, L, Hq, D]."""
+    batch, length = query.shape[0], key.shape[2]
+    ahead = length if half_window is None else half_window
+    q_start = torch.full((batch,), ahead, dtype=torch.int32, device=query.device)
+    window = 0 if half_window is None else 2 * half_window + 1
+    return attend(query, key, value, kv_start, kv_end, q_start, scale, window)
+
+
 def register() -> None:
     """Register both functions; global registration selects nothing until a model asks for it."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, invariant_attention)

@@ -23,9 +23,9 @@ What changes (and nothing process-wide):
     attention the per-sequence regrouping (``invariant_infer.model.packing``);
   * a PEFT ``PeftModel``: the model inside is patched, and each LoRA layer adds its adapters'
     ``scaling * B(A(x))`` on the invariant linear, unmerged (``invariant_infer.model.lora``);
-  * an encoder family's model (BERT, XLM-RoBERTa: ``AutoModel``, ``...ForSequenceClassification``): its
-    linears, LayerNorms, GELU, bidirectional attention, positions, pooler and classification head
-    (``invariant_infer.model.encoder``), inference only;
+  * an encoder family's model (BERT, XLM-RoBERTa, ModernBERT: ``AutoModel``, ``...ForSequenceClassification``):
+    its linears, LayerNorms, GELU, bidirectional attention, positions, pooler and classification head
+    (``invariant_infer.model.encoder``; ModernBERT: ``invariant_infer.model.modernbert``), inference only;
   * registered instance extensions run (``invariant_infer.generation.generate`` registers one that makes
     ``model.generate`` on this instance reject options that are not batch-invariant).
 Every patched op is differentiable: with grad enabled it runs as an autograd Function over the same
@@ -55,6 +55,7 @@ from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
 from .encoder import install_generate_refusal, patch_encoder, remove_generate_refusal
 from .families import encoder_family_of, text_config
+from .modernbert import patch_modernbert
 from .gated_attention import gated_attention_forward
 from .linear_attention import gated_delta_net_forward
 from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
@@ -389,7 +390,8 @@ def _patch_encoder(wrapper: nn.Module, model: nn.Module, adapter) -> nn.Module:
         raise UnsupportedModelError(f"{adapter.model_type}: PEFT adapters on encoders are not supported yet; merge "
                                     "them into the weights (merge_and_unload()) first")
     hub_kernels = _turn_off_hub_kernels(model)
-    hooks, previous_attn = patch_encoder(model, adapter, _linear_forward, _set_forward)
+    patcher = patch_modernbert if adapter.layout == "modernbert" else patch_encoder
+    hooks, previous_attn = patcher(model, adapter, _linear_forward, _set_forward)
     install_generate_refusal(model)
     setattr(model, _STATE_ATTR, ModelPatch(hooks, previous_attn, None, [(install_generate_refusal,
                                                                          remove_generate_refusal)], None, hub_kernels))

@@ -1,5 +1,5 @@
-"""The adapter of an encoder family (BERT, XLM-RoBERTa): bidirectional self-attention layers under a
-base model (``BertModel``), an optional pooler, and the classes ``make_invariant`` runs on it.
+"""The adapter of an encoder family (BERT, XLM-RoBERTa, ModernBERT): bidirectional self-attention layers
+under a base model (``BertModel``), an optional pooler, and the classes ``make_invariant`` runs on it.
 
 An encoder has none of the decoder layout ``FamilyAdapter`` describes (no rotary embedding, no
 gate/up/down MLP, LayerNorm instead of RMSNorm), so its adapter is a type of its own, in its own
@@ -33,6 +33,9 @@ class EncoderAdapter:
     # Position ids count from the padding index (XLM-R: padding_idx + 1 for the first real token, pads at
     # padding_idx), else from 0 (BERT, pads at 0).
     positions_after_padding_idx: bool = False
+    # Which forwards patch it: "bert" (``model.encoder``: encoder.layer[i].attention.self, intermediate, pooler)
+    # or "modernbert" (``model.modernbert``: rotary positions, local and global layers, a GeGLU MLP).
+    layout: str = "bert"
     refuse_config: Callable[[object], str | None] = field(default=lambda config: None)
     presets: dict[str, dict] = field(default_factory=dict)
 
@@ -40,10 +43,7 @@ class EncoderAdapter:
 ENCODER_FAMILIES: dict[str, EncoderAdapter] = {}
 
 # Encoder model types refused by name, with why.
-REFUSED_ENCODERS = {
-    "modernbert": "not supported yet: its alternating local and global attention and its rotary positions are not "
-                  "on the invariant kernels; BERT and XLM-RoBERTa encoders are",
-}
+REFUSED_ENCODERS: dict[str, str] = {}
 
 
 def register_encoder_family(adapter: EncoderAdapter) -> EncoderAdapter:
