@@ -21,6 +21,12 @@ tower: the engine processes each rollout's images alone, and the training logpro
 With a ``peft_config`` (LoRA), TRL wraps the model in a ``PeftModel`` and the engine runs the model
 inside it with the adapter unmerged (``invariant_infer.model.lora``): the optimizer updates only the
 adapter, in place, and the next rollouts read it there; nothing is merged or copied.
+
+A reward model in ``reward_funcs`` (a ``...ForSequenceClassification`` of a decoder family or an encoder
+family, or its id / path, which TRL loads first) is patched with ``make_invariant`` too: TRL scores the
+generation batch in one forward (right-padded, the reward read at the last token that is not the pad
+token, ``logits[:, 0]``), and each completion gets the bits it gets scored alone. A reward model
+``make_invariant`` cannot patch is refused by name.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ import trl
 from trl import GRPOConfig, GRPOTrainer
 
 from ...engine import Engine, SamplingParams
-from ...errors import InternalError, RequestFailedError, UnsupportedOperationError, UnsupportedTRLError
+from ...errors import (InternalError, RequestFailedError, UnsupportedModelError, UnsupportedOperationError,
+                       UnsupportedTRLError)
 from ...model.kinds import model_kinds
 from ...model.lora import unwrap_peft
 from ...model.patch import make_invariant
@@ -110,6 +117,20 @@ def check_trainable(model) -> None:
     tower = getattr(getattr(unwrap_peft(model), "model", None), "visual", None)
     if tower is not None and any(p.requires_grad for p in tower.parameters()):
         require("trainable_vision_tower", "trl")
+
+
+def make_reward_models_invariant(reward_funcs: list, names: list[str]) -> None:
+    """``make_invariant`` on every model among ``reward_funcs`` (TRL has loaded the ids and paths by now); a
+    model it cannot patch is refused with its index and name (``UnsupportedModelError``)."""
+    for index, (reward, name) in enumerate(zip(reward_funcs, names)):
+        if not isinstance(reward, torch.nn.Module):  # a Python function: its own business
+            continue
+        try:
+            make_invariant(reward)
+        except UnsupportedModelError as error:
+            raise UnsupportedModelError(
+                f"reward_funcs[{index}] ({name}, {type(reward).__name__}): InvariantGRPOTrainer scores with "
+                f"reward models make_invariant patches; {error}") from error
 
 
 class _NoVLLM:
@@ -206,6 +227,9 @@ class InvariantGRPOTrainer(GRPOTrainer):
         make_invariant(self.model)
         if self.ref_model is not None:
             make_invariant(self.accelerator.unwrap_model(self.ref_model))
+        # TRL scores all the generation batch's completions in one forward of each reward model.
+        make_reward_models_invariant([self.accelerator.unwrap_model(r) if isinstance(r, torch.nn.Module) else r
+                                      for r in self.reward_funcs], self.reward_func_names)
         # TRL compares rollout and training logprobs on its vLLM branch only: take it, with the engine
         # (``_generate_single_turn`` below) doing vLLM's part.
         self.use_vllm, self.vllm_mode = True, "invariant-engine"
