@@ -7,4 +7,4 @@ stock logits drift between batch and alone.
 See benchmarks/README.md for the output schema and how to read the plots.
 """
 SECTIONS = ("matmul", "norm_attention", "e2e", "scoring", "divergence", "engine", "host_overhead", "server", "train", "moe",
-            "gdn", "tensor_parallel", "spec", "quant", "lora", "vlm")
+            "gdn", "tensor_parallel", "spec", "quant", "lora", "vlm", "embed")

@@ -1,6 +1,6 @@
 """python -m benchmarks [--quick] [--out DIR] [--only matmul,e2e,...] [--budget-s S] [--model-preset FAMILY:PRESET]
 [--items all|headline|rest]; python -m benchmarks plan [--write-doc] [--gpu h100|h200] (benchmarks.plan);
-python -m benchmarks kv [--write-doc] (benchmarks.kv)"""
+python -m benchmarks kv [--write-doc] (benchmarks.kv); python -m benchmarks embed [options] (= --only embed)"""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +22,7 @@ from .timing import ITEMS, Run, free_memory
 # Share of the time budget per section; time one section leaves unused passes to the next.
 SHARES = {"matmul": 0.23, "norm_attention": 0.12, "e2e": 0.23, "scoring": 0.09, "divergence": 0.18, "engine": 0.14,
           "host_overhead": 0.05, "server": 0.11, "train": 0.1, "moe": 0.1, "gdn": 0.06, "tensor_parallel": 0.08,
-          "spec": 0.08, "quant": 0.06, "lora": 0.08, "vlm": 0.06}
+          "spec": 0.08, "quant": 0.06, "lora": 0.08, "vlm": 0.06, "embed": 0.06}
 DEFAULT_MODEL_PRESET = f"{DEFAULT_FAMILY}:{DEFAULT_PRESET}"
 # The sections with headline items (--items headline); with --items rest the others run every item.
 HEADLINE_SECTIONS = ("matmul", "norm_attention", "e2e", "engine", "quant")
@@ -51,6 +51,9 @@ def model_preset(value: str) -> tuple[str, str]:
 
 
 def parse(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["embed"]:  # the embedding models' section alone: python -m benchmarks embed [--quick] ...
+        argv = ["--only", "embed", *argv[1:]]
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="Stock vs invariant: cost and divergence.")
     p.add_argument("--quick", action="store_true", help="tiny shapes on CPU through the Triton interpreter (CI smoke)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default bench_out/<date>-<device>)")
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
                     "scoring_memory": [], "scoring_throughput": [], "divergence": [], "engine": [],
                     "host_overhead": [], "server": [], "train": [], "moe": [], "gdn": [], "gdn_prefill": [],
                     "gdn_decode": [], "tp_exchange": [], "tp_steps": [], "spec": [], "quant": [], "lora": [],
-                    "vlm": [], "attention_vs_stock": []})
+                    "vlm": [], "attention_vs_stock": [], "embed": [], "embed_divergence": []})
     out = args.out or Path("bench_out") / f"{time.strftime('%Y%m%d-%H%M%S')}-{results['device'].split(' (')[0].replace(' ', '-')}"
     for i, name in enumerate(args.only):
         if end is not None:  # this section's share of what is left

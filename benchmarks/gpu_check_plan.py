@@ -43,7 +43,7 @@ DEFAULT_EXTRA_PRESETS, DRY_RUN_EXTRA_PRESETS = "qwen3:qwen3-8b llama:llama-3.1-8
 # The first four leave about half of the default TOTAL_S to the headline ratios.
 SLICES = {"smoke": 60, "gpu_tests": 120, "check": 60, "golden_digests": 60, "ratios_matmul": 75,
           "ratios_attention": 60, "ratios_quant": 60, "ratios_e2e": 90, "ratios_engine": 75, "tensor_parallel": 150,
-          "rest": 60, "rest_divergence": 90, "preset": 90}
+          "rest": 60, "rest_divergence": 90, "rest_embed": 150, "preset": 90}
 DRY_RUN_SLICES = {"smoke": 60, "gpu_tests": 150, "check": 60, "golden_digests": 60, "rest": 60, "preset": 60,
                   "tensor_parallel": 60}
 MIN_S = {"smoke": 15, "gpu_tests": 30, "check": 30, "golden_digests": 30, "tensor_parallel": 30}

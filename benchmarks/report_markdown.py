@@ -68,7 +68,9 @@ def markdown(results: dict) -> str:
     out.append(gdn_markdown(results))
     out.append(quant_markdown(results))
     from .vlm import markdown as vlm_markdown  # noqa: PLC0415  (the section's table lives with the section)
-    out += [tensor_parallel_markdown(results), spec_markdown(results), vlm_markdown(results, table)]
+    from .embed import markdown as embed_markdown  # noqa: PLC0415  (as vlm's)
+    out += [tensor_parallel_markdown(results), spec_markdown(results), vlm_markdown(results, table),
+            embed_markdown(results, table)]
     out.append(f"\n## RMSNorm: HF `{model.get('rms_norm', 'Qwen2RMSNorm')}` vs `invariant_infer.kernels.rms_norm`\n")
     out.append(table(results.get("rmsnorm"), [
         ("M", "M"), ("N", "N"), ("stock ms", "stock_ms"), ("invariant ms", "invariant_ms"), ("ratio", "ratio"),

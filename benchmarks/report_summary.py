@@ -103,6 +103,15 @@ def summary(results: dict) -> str:
             lines.append(f"lora {r['mode']} {r['phase']} adapters={r['adapters']}: {fmt(r['tokens_per_s'])} tok/s, "
                          f"{fmt(r['time_ratio_to_base'])}x base, bitwise {fmt(r['bitwise_rows_equal'])}/"
                          f"{fmt(r['bitwise_rows_checked'])}")
+    for r in results.get("embed") or []:  # embedding models: sequences/s, invariant vs stock
+        if r.get("ratio") is not None:
+            lines.append(f"embed {r['model']} B={r['batch']}: invariant {fmt(r['invariant_sequences_per_s'])} seq/s, "
+                         f"stock {fmt(r['stock_sequences_per_s'])} (time ratio {fmt(r['ratio'])})")
+    for r in results.get("embed_divergence") or []:
+        lines.append(f"embed divergence {r['model']} B={r['batch']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
+                     f"({fmt(r['stock_rows_unequal'])}/{fmt(r['stock_rows_checked'])} rows differ); invariant "
+                     f"{fmt(r['invariant_max_abs_diff'])} ({fmt(r['invariant_rows_unequal'])}/"
+                     f"{fmt(r['invariant_rows_checked'])})")
     for r in results.get("divergence") or []:
         lines.append(f"divergence {r['case']}: stock max|Δ| {fmt(r['stock_max_abs_diff'])} "
                      f"({fmt(r['stock_rows_unequal'])}/{fmt(r.get('stock_rows_checked'))} rows differ); invariant "

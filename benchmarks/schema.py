@@ -56,6 +56,12 @@ REQUIRED["vlm"] = ("case", "images", "batch", "side", "image_tokens", "stock_ms"
 REQUIRED["attention_vs_stock"] = ("case", "batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim", "device",
                                   "invariant", "stock", "invariant_ms", "stock_ms", "ratio", "max_abs_diff",
                                   "bitwise_equal_to_attention", "skipped")
+REQUIRED["embed"] = ("model", "pooling", "padding", "batch", "tokens", "stock_ms", "invariant_ms",
+                     "stock_sequences_per_s", "invariant_sequences_per_s", "ratio", "throughput_ratio",
+                     "max_abs_diff_to_stock")
+REQUIRED["embed_divergence"] = ("model", "pooling", "batch", "stock_max_abs_diff", "stock_rows_unequal",
+                                "stock_rows_checked", "invariant_max_abs_diff", "invariant_rows_unequal",
+                                "invariant_rows_checked")
 NOT_MEANINGFUL = "CPU / Triton interpreter: timings NOT meaningful"
 
 
@@ -113,7 +119,7 @@ def validate(results: dict) -> list:
     missing = [key for key in REQUIRED["top"] if key not in results]
     for section in ("matmul", "e2e", "divergence", "scoring_memory", "scoring_throughput", "engine", "host_overhead",
                     "server", "train", "moe", "gdn", "gdn_prefill", "gdn_decode", "tp_exchange", "tp_steps", "spec",
-                    "quant", "lora", "vlm", "attention_vs_stock"):
+                    "quant", "lora", "vlm", "attention_vs_stock", "embed", "embed_divergence"):
         for i, row in enumerate(results.get(section) or []):
             missing += [f"{section}[{i}].{key}" for key in REQUIRED[section] if key not in row]
     return missing

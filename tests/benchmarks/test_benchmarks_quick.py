@@ -18,8 +18,8 @@ import torch
 # benchmarks/ is a folder of the repository, not part of the installed package.
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks import (SECTIONS, attention_vs_stock, divergence, e2e, gdn, host_overhead, matmul, moe,  # noqa: E402
-                        norm_attention, quant, scoring, train, vlm)
+from benchmarks import (SECTIONS, attention_vs_stock, divergence, e2e, embed, gdn, host_overhead, matmul,  # noqa: E402
+                        moe, norm_attention, quant, scoring, train, vlm)
 from benchmarks import tensor_parallel as tp_bench  # noqa: E402
 from benchmarks import engine as engine_bench  # noqa: E402
 from benchmarks import server as server_bench  # noqa: E402
@@ -537,3 +537,22 @@ def test_vlm_rows(results):
         assert row["invariant_alone_bitwise_equal"] is True and row["side"] == vlm.QUICK_SIDE
         assert row["max_abs_diff_to_stock"] < 0.1 and row["ratio"] > 0  # bf16, the same weights
 
+
+
+def test_embed_rows(results):
+    """Quick embed rows: each model at each batch, invariant and stock side by side; the invariant embeddings
+    alone equal those in the batch, bitwise, and stock's alone-vs-batch difference is reported (on CPU at these
+    widths some of its rows are equal, so no sign is asserted; tests/benchmarks/test_embed.py has the control)."""
+    names = [m.name for m in embed.MODELS]
+    speed, drift = results["embed"], results["embed_divergence"]
+    assert [(r["model"], r["batch"]) for r in speed] == [(n, b) for n in names for b in embed.QUICK_BATCHES]
+    assert [(r["model"], r["batch"]) for r in drift] == [(n, b) for n in names for b in embed.QUICK_DIVERGENCE_BATCHES]
+    for row in speed:
+        assert (row["hidden"], row["layers"], row["dtype"]) == (64, 1, "bfloat16")
+        assert row["stock_sequences_per_s"] > 0 and row["invariant_sequences_per_s"] > 0
+        assert row["ratio"] == row["invariant_ms"] / row["stock_ms"] and row["throughput_ratio"] > 0
+        assert row["max_abs_diff_to_stock"] < 0.05  # normalised bf16 embeddings, the same weights
+    for row in drift:
+        assert row["invariant_rows_checked"] == row["stock_rows_checked"] == embed.QUICK_CHECKED_ROWS
+        assert row["invariant_max_abs_diff"] == 0.0 and row["invariant_rows_unequal"] == 0
+        assert row["stock_max_abs_diff"] >= 0.0 and 0 <= row["stock_rows_unequal"] <= row["stock_rows_checked"]
