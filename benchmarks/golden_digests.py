@@ -36,6 +36,7 @@ import triton
 from transformers import AutoModelForCausalLM
 
 from benchmarks.golden_formula import digest, integers, parameter_values
+from benchmarks.golden_pooled import POOLED_CONFIGS, pooled_digests
 from benchmarks.golden_vision import VISION_CONFIGS, vision_digests
 from invariant_infer.testing.drift import logits_alone, logits_in_batch
 from invariant_infer.engine import Engine, SamplingParams
@@ -103,7 +104,8 @@ CONFIGS = {
                                                            beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                            original_max_position_embeddings=32)),
 }
-FAMILY_NAMES = (*CONFIGS, *VISION_CONFIGS)  # the vision-language families': benchmarks/golden_vision.py
+# the vision-language families': benchmarks/golden_vision.py; the pooled kinds': benchmarks/golden_pooled.py
+FAMILY_NAMES = (*CONFIGS, *VISION_CONFIGS, *POOLED_CONFIGS)
 SAMPLE_LENGTHS = (6, 1, 11, 3)
 # name -> (members in batch order, padding side, extra padding, inputs_embeds)
 BATCHINGS = {
@@ -201,6 +203,8 @@ def _family_digests(family: str, dtype_name: str, device: str, path: Path, engin
     dtype = DTYPES[dtype_name]
     if family in VISION_CONFIGS:
         return vision_digests(family, dtype_name, dtype, device, path)
+    if family in POOLED_CONFIGS:
+        return pooled_digests(family, dtype_name, dtype, device, path)
     write_checkpoint(family, dtype, path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     make_invariant(model)

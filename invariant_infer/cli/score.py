@@ -19,18 +19,27 @@ its ids; each image is processed alone and its tokens expanded.
 ``--lora NAME=PATH ...`` loads PEFT LoRA adapters (unmerged); a row's ``lora`` field names the one
 it is scored with (absent or null: the base model), and its result row repeats it.
 
-A checkpoint that is not a causal LM or an image-text-to-text model of a supported family is refused
-by name before it is loaded.
+A pooled checkpoint (an embedder, a classifier, a cross-encoder, a reward model: a sentence-transformers
+folder, a base model, a ``...ForSequenceClassification``; or any checkpoint with ``--task``) is scored
+for its pooled outputs instead: a line holds ``text``, ``text_1`` + ``text_2`` (a pair) or
+``input_ids`` (optionally ``token_type_ids``), and its result row an ``embedding`` (embed) or
+``scores`` (the head's raw logits), ``num_tokens`` and the ``digest`` of those float32 values.
+
+A checkpoint that is not a causal LM, an image-text-to-text model or a pooled model of a supported
+family is refused by name before it is loaded.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..scoring.job.ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS
 from ..checkpoints.loading import DEVICES, DTYPES, check_architecture
+from ..checkpoints.pooled_loading import check_pooled_architecture, pooling_task_of
+from ..model.pooled_model import POOLING_TASKS
 from ..scoring.core import DEFAULT_MAX_BATCH_TOKENS
-from ..scoring.job.backends import LocalBackend, RayBackend
+from ..scoring.job.backends import LocalBackend, PooledBackend, RayBackend
 from ..scoring.job.run import JobOptions, run_job
 from ..errors import CheckpointLoadError, JobError, UnsupportedModelError
 from ..model.support import require
@@ -51,34 +60,70 @@ def parse_loras(values) -> dict[str, str]:
     return loras
 
 
+def pooled_task(args) -> str | None:
+    """The pooling task the job runs (``--task``, else the checkpoint's own), None for a causal LM's
+    token logprobs; refuses (JobError) the options pooled checkpoints do not take."""
+    task = getattr(args, "task", None)
+    if task is None and Path(args.model).is_dir():
+        task = pooling_task_of(args.model)
+    if task is None:
+        return None
+    for option, given in (("--lora", getattr(args, "lora", None)), ("--tokenizer", args.tokenizer),
+                          ("--tensor-parallel-size", getattr(args, "tensor_parallel_size", 1) != 1)):
+        if given:
+            raise JobError(f"{option} is not supported for a pooled checkpoint ({task}): it is scored in one process "
+                           "(or on --ray) with its own tokenizer")
+    return task
+
+
+def pooled_backend(args, task: str):
+    check_pooled_architecture(args.model, task)  # before any worker starts
+    if getattr(args, "ray", False):
+        return RayBackend(args.model, dtype=args.dtype, device=args.device, address=args.ray_address,
+                          num_workers=args.num_workers, gpus_per_worker=args.gpus_per_worker,
+                          rows_per_task=args.rows_per_task, max_restarts=args.max_restarts, task=task)
+    return PooledBackend.load(args.model, task=task, dtype=args.dtype, device=args.device)
+
+
+def logprobs_backend(args):
+    """The backend of a causal LM's token logprobs (one process, tensor-parallel ranks or Ray)."""
+    tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
+    if tensor_parallel_size < 1:
+        raise JobError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+    if getattr(args, "ray", False) and tensor_parallel_size > 1:
+        require("tensor_parallel_job", "ray")
+    loras = parse_loras(getattr(args, "lora", None))
+    if loras and getattr(args, "ray", False):
+        require("lora", "ray")
+    check_architecture(args.model, "ray" if getattr(args, "ray", False) else "scoring")  # before any rank starts
+    if getattr(args, "ray", False):
+        backend = RayBackend(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                             address=args.ray_address, num_workers=args.num_workers,
+                             gpus_per_worker=args.gpus_per_worker, rows_per_task=args.rows_per_task,
+                             max_restarts=args.max_restarts)
+    else:
+        backend = LocalBackend.load(args.model, dtype=args.dtype, device=args.device,
+                                    tensor_parallel_size=tensor_parallel_size, loras=loras,
+                                    rank_failed_status=exit_codes.RANK_FAILED)
+    return backend
+
+
 def run(args) -> int:
     options = JobOptions(args.input, args.output, args.tokenizer or args.model, args.max_batch_tokens, args.verify)
     try:
         options.check()  # fatal problems first, before minutes of model loading
-        tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
-        if tensor_parallel_size < 1:
-            raise JobError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
-        if getattr(args, "ray", False) and tensor_parallel_size > 1:
-            require("tensor_parallel_job", "ray")
-        loras = parse_loras(getattr(args, "lora", None))
-        if loras and getattr(args, "ray", False):
-            require("lora", "ray")
-        check_architecture(args.model, "ray" if getattr(args, "ray", False) else "scoring")  # before any rank starts
-        if getattr(args, "ray", False):
-            backend = RayBackend(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-                                 address=args.ray_address, num_workers=args.num_workers,
-                                 gpus_per_worker=args.gpus_per_worker, rows_per_task=args.rows_per_task,
-                                 max_restarts=args.max_restarts)
-        else:
-            backend = LocalBackend.load(args.model, dtype=args.dtype, device=args.device,
-                                        tensor_parallel_size=tensor_parallel_size, loras=loras,
-                                        rank_failed_status=exit_codes.RANK_FAILED)
+        task = pooled_task(args)
+        backend = pooled_backend(args, task) if task is not None else logprobs_backend(args)
     except UnsupportedModelError as exc:
         print(f"score: {args.model}: {exc}", file=sys.stderr)
         return exit_codes.UNSUPPORTED_MODEL
     except (JobError, CheckpointLoadError) as exc:
         print(f"score: {exc}", file=sys.stderr)
         return exit_codes.REFUSED
+    return _run_job(options, backend)
+
+
+def _run_job(options: JobOptions, backend) -> int:
     try:
         summary = run_job(options, backend)
     except JobError as exc:
@@ -106,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stopped by this command; results are bitwise those of 1 (default: 1)")
     parser.add_argument("--lora", nargs="+", metavar="NAME=PATH",
                         help="PEFT LoRA adapter folders, run unmerged; a row's \"lora\" field picks one by NAME")
+    parser.add_argument("--task", choices=POOLING_TASKS,
+                        help="score a pooled checkpoint for this task (default: the checkpoint's own, read from its "
+                             "files: embed, classify, score or reward; causal LMs: token logprobs)")
     parser.add_argument("--verify", type=int, default=0, metavar="K",
                         help="re-score K random rows alone and check their digests bitwise")
     ray = parser.add_argument_group("scale out on Ray Data (pip install -e \".[ray]\")")

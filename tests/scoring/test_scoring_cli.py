@@ -20,7 +20,7 @@ import torch
 from helpers.models import load_model
 from helpers.scoring_rows import BAD_LINES, read_rows, score_requests, write_jsonl
 from helpers.tokenizer import train_tokenizer
-from helpers.unsupported_checkpoints import save_sequence_classification_checkpoint
+from helpers.unsupported_checkpoints import save_encoder_checkpoint
 from invariant_infer.scoring import core as scoring
 from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.testing.random_checkpoints import qwen2_config, save_random_checkpoint
@@ -263,12 +263,13 @@ def test_text_lines_without_tokenizer_fail_alone(model_dir, tmp_path, capsys):
     assert score(bare, inp, tmp_path / "out2.jsonl", "--dtype", "fp32", "--tokenizer", str(model_dir)) == 0
 
 
-def test_a_classification_checkpoint_is_refused_by_name_before_any_row(tmp_path, capsys):
-    """Not loaded as a causal LM with a random LM head: refused, its architecture named, nothing written."""
-    path = save_sequence_classification_checkpoint(tmp_path / "cls")
+def test_a_masked_lm_checkpoint_is_refused_by_name_before_any_row(tmp_path, capsys):
+    """Neither a causal LM nor a pooled checkpoint (a classification head is scored as one: test_score_pooled.py):
+    refused, its architecture named, nothing written."""
+    path = save_encoder_checkpoint(tmp_path / "mlm")
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "input_ids": [1, 2, 3]}])
     assert score(path, inp, tmp_path / "out.jsonl") == exit_codes.UNSUPPORTED_MODEL
-    assert "Qwen3ForSequenceClassification is not an architecture invariant-infer runs" in capsys.readouterr().err
+    assert "model_type 'bert' (BertForMaskedLM)" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
 
 

@@ -1,6 +1,7 @@
-"""The two backends of the scoring job: one process holding the model (or rank 0 of
-``TensorParallelRanks``, the model sharded over several), or a Ray Data pipeline of actors each
-holding it. All score every row with the same bits; the job does not know which runs.
+"""The backends of the scoring job: one process holding the model (or rank 0 of
+``TensorParallelRanks``, the model sharded over several), one process holding a pooled checkpoint's
+``PooledModel``, or a Ray Data pipeline of actors each holding either. All score every row with the
+same bits; the job does not know which runs.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from transformers import AutoConfig
 from .ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS, require_ray, score_requests
 from ...errors import DeviceError, JobError, ScoringRequestError, TensorParallelError, UnsupportedModelError
 from ...checkpoints.loading import is_vision_language, load_model, load_processor, vision_language_config
+from ...checkpoints.pooled_loading import describe_pooled_model, load_pooled_model
+from ...model.pooled_model import PooledInput
+from ..pooled import PooledResult, score_pooled_group
 from ..core import ScoreResult, plan_batches, score_group
 from ..requests import prepare_request_images
 from .run import Request
@@ -23,7 +27,7 @@ from ...model.support import require
 from ...parallel import TensorParallelRanks
 from ...parallel.forced_exit import exit_later
 
-Scored = Iterator[list[tuple[Request, ScoreResult | str]]]
+Scored = Iterator[list[tuple[Request, ScoreResult | PooledResult | str]]]
 
 
 def exit_if_stuck(exit_status: int):
@@ -117,6 +121,36 @@ class LocalBackend:
         self.executor.close()
 
 
+class PooledBackend:
+    """A pooled checkpoint's ``PooledModel`` in this process: each planned batch (``plan_batches``) is one
+    padded forward; a batch that raises runs again row by row (``score_pooled_group``)."""
+
+    def __init__(self, pooled):
+        self.pooled, self.config = pooled, pooled.config
+
+    @classmethod
+    def load(cls, path: str, *, task: str | None = None, dtype: str | None = None,
+             device: str | None = None) -> PooledBackend:
+        try:
+            return cls(load_pooled_model(path, task=task, dtype=dtype, device=device))
+        except UnsupportedModelError:
+            raise
+        except Exception as exc:
+            raise JobError(f"cannot load {path}: {exc}") from None
+
+    def score(self, requests: list[Request], max_batch_tokens: int) -> Scored:
+        try:
+            for batch in plan_batches([len(r.ids) for r in requests], max_batch_tokens):
+                rows = [requests[i] for i in batch]
+                scored = score_pooled_group(self.pooled, [PooledInput(r.ids, r.token_type_ids) for r in rows])
+                yield list(zip(rows, scored))
+        except DeviceError as exc:  # no row's fault: the job ends, its rows kept
+            raise JobError(f"{exc}; the rows written so far are kept: re-run to resume") from None
+
+    def close(self) -> None:
+        pass
+
+
 def _require_for_job(kinds, surface: str, option: str) -> None:
     """The support table's refusal, as the job's error (``JobError``, prefixed by the option)."""
     try:
@@ -155,7 +189,9 @@ class RayBackend:
     def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str | None = None,
                  device: str | None = None, address: str | None = None, num_workers: int = 1,
                  gpus_per_worker: float | None = None, rows_per_task: int = DEFAULT_BATCH_ROWS,
-                 max_restarts: int = DEFAULT_MAX_RESTARTS):
+                 max_restarts: int = DEFAULT_MAX_RESTARTS, task: str | None = None):
+        """``task``: a pooled checkpoint's task (``pooling_task_of``); its lines are read with its
+        description (``describe_pooled_model``) and each worker holds its ``PooledModel``."""
         try:
             self.ray = require_ray()
         except ImportError as exc:
@@ -165,7 +201,10 @@ class RayBackend:
         if max_restarts < -1:
             raise JobError("--max-restarts must be -1 (without limit) or at least 0")
         try:
-            self.config = AutoConfig.from_pretrained(model)
+            self.pooled = None if task is None else describe_pooled_model(model, task=task)
+            self.config = AutoConfig.from_pretrained(model) if task is None else self.pooled.config
+        except UnsupportedModelError:
+            raise
         except Exception as exc:
             raise JobError(f"cannot load {model}: {exc}") from None
         try:  # the driver counts each line's image tokens from the images' sizes
@@ -184,7 +223,7 @@ class RayBackend:
         self.max_restarts = max_restarts
         self.options = dict(tokenizer=tokenizer, dtype=dtype, device=device, num_workers=num_workers,
                             gpus_per_worker=gpus_per_worker or None, batch_size=rows_per_task,
-                            max_restarts=max_restarts)
+                            max_restarts=max_restarts, task=task)
         self.model = model
 
     def score(self, requests: list[Request], max_batch_tokens: int) -> Scored:

@@ -22,6 +22,9 @@ import numpy as np
 import torch
 
 from ...checkpoints.loading import DTYPES, LazyTokenizer, is_vision_language, load_model, load_processor
+from ...checkpoints.pooled_loading import load_pooled_model
+from ...model.pooled_model import PooledInput
+from ..pooled import PooledResult, check_pooled_input, parse_pooled_request, score_pooled_group
 from ...model.families import text_config
 from ..requests import parse_request, prepare_request_images, request_images
 from ..core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence, plan_batches, score_group
@@ -133,13 +136,16 @@ class _Scorer:
         for group in groups:
             group_keys = [keys[i] for i in group]
             ray.get(self.ledger.mark.remote(group_keys, len(group) == 1))
-            scored = score_group(self.model, [requests[i][0] for i in group], [requests[i][1] for i in group],
-                                 images=[requests[i][2] for i in group])
+            scored = self._score_group([requests[i] for i in group])
             for i, result in zip(group, scored):
                 results[i] = result
             ray.get(self.ledger.clear.remote(group_keys))
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+    def _score_group(self, group: list) -> list:
+        return score_group(self.model, [r[0] for r in group], [r[1] for r in group], images=[r[2] for r in group])
+
+    def _rows(self, batch: dict[str, np.ndarray]) -> tuple[list[dict], list]:
+        """The batch's rows, each scored (a result, or an error message)."""
         names = list(batch)
         count = len(batch[names[0]]) if names else 0
         rows = [{name: batch[name][i] for name in names} for i in range(count)]
@@ -152,6 +158,10 @@ class _Scorer:
             except Exception as exc:  # an invalid row is an error row; the others still run
                 results[i] = f"invalid row: {exc}"
         self._score(requests, keys, results)
+        return rows, results
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        rows, results = self._rows(batch)
         scored = [r if isinstance(r, ScoreResult) else None for r in results]
         return {
             "id": [_plain(row.get("id")) for row in rows],
@@ -164,11 +174,45 @@ class _Scorer:
         }
 
 
+class _PooledScorer(_Scorer):
+    """The per-actor callable of a pooled checkpoint: holds its ``PooledModel``; each group of rows is one
+    padded forward. A row: ``input_ids`` (and ``token_type_ids``), or the fields of ``scoring.pooled``."""
+
+    def __init__(self, model: str, tokenizer: str | None, dtype: str | None, device: str | None,
+                 max_batch_tokens: int, ledger, task: str):
+        self.pooled = load_pooled_model(model, task=task, dtype=dtype, device=device)
+        self.max_batch_tokens, self.ledger = max_batch_tokens, ledger
+
+    def _request(self, row: dict) -> tuple[list[int], PooledInput]:
+        record = {k: v for k, v in ((k, _plain(v)) for k, v in row.items()) if v is not None}
+        if "input_ids" in record:
+            inp = PooledInput(list(record["input_ids"]), record.get("token_type_ids"))
+            check_pooled_input(inp, self.pooled)
+        else:
+            inp = parse_pooled_request(record, self.pooled)
+        return inp.input_ids, inp
+
+    def _score_group(self, group: list) -> list:
+        return score_pooled_group(self.pooled, [inp for _, inp in group])
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        rows, results = self._rows(batch)
+        scored = [r if isinstance(r, PooledResult) else None for r in results]
+        return {
+            "id": [_plain(row.get("id")) for row in rows],
+            "values": [r and r.values.tolist() for r in scored],
+            "field": [r and r.field for r in scored],
+            "num_tokens": [r and r.num_tokens for r in scored],
+            "digest": [r and r.digest for r in scored],
+            "error": [r if isinstance(r, str) else None for r in results],
+        }
+
+
 def score_dataset(ds, model: str, *, tokenizer: str | None = None, dtype: str | None = None,
                   num_workers: int = 1, max_batch_tokens: int | None = None,
                   batch_size: int = DEFAULT_BATCH_ROWS, gpus_per_worker: float | None = None,
                   cpus_per_worker: float | None = None, device: str | None = None,
-                  max_restarts: int = DEFAULT_MAX_RESTARTS):
+                  max_restarts: int = DEFAULT_MAX_RESTARTS, task: str | None = None):
     """A Ray Data dataset of requests -> a dataset of result rows (lazy; Ray runs it on consumption).
 
     ``ds`` rows have an ``id`` (any value, passed through; unique) and one of: ``input_ids`` (a
@@ -187,7 +231,12 @@ def score_dataset(ds, model: str, *, tokenizer: str | None = None, dtype: str | 
     ``max_batch_tokens`` padded tokens; neither changes any bit of a row. A worker that dies is
     restarted, at most ``max_restarts`` times (-1: without limit), and its task retried; the
     failed task's rows are not emitted, so no row is lost or duplicated. Once a worker has used
-    its restarts, consuming the dataset raises Ray's ``ActorDiedError``."""
+    its restarts, consuming the dataset raises Ray's ``ActorDiedError``.
+
+    ``task``: a pooled checkpoint's task (``pooling_task_of``): each worker holds its ``PooledModel``; rows
+    are ``input_ids`` (optionally ``token_type_ids``), ``text`` or ``text_1`` + ``text_2`` (with the model's
+    own tokenizer), and result rows hold ``values`` (the embedding, or the head's logits), ``field``
+    ("embedding" or "scores"), ``num_tokens``, ``digest`` and ``error``."""
     ray = require_ray()
     if dtype is not None and dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
@@ -206,26 +255,32 @@ def score_dataset(ds, model: str, *, tokenizer: str | None = None, dtype: str | 
         remote_args["num_cpus"] = cpus_per_worker
     ledger = ray.remote(num_cpus=0)(_fault_ledger_class()).remote()  # lives while the dataset holds its handle
     from ray.data import ActorPoolStrategy
+    kwargs = {"model": str(model), "tokenizer": None if tokenizer is None else str(tokenizer), "dtype": dtype,
+              "device": device, "max_batch_tokens": max_batch_tokens, "ledger": ledger}
     return ds.map_batches(
-        _Scorer, batch_size=batch_size, batch_format="numpy", compute=ActorPoolStrategy(size=num_workers),
-        fn_constructor_kwargs={"model": str(model), "tokenizer": None if tokenizer is None else str(tokenizer),
-                               "dtype": dtype, "device": device, "max_batch_tokens": max_batch_tokens,
-                               "ledger": ledger},
-        **remote_args)
+        _Scorer if task is None else _PooledScorer, batch_size=batch_size, batch_format="numpy",
+        compute=ActorPoolStrategy(size=num_workers),
+        fn_constructor_kwargs=kwargs if task is None else {**kwargs, "task": task}, **remote_args)
 
 
 def score_requests(requests, model: str, *, tokenizer: str | None = None, dtype: str | None = None,
                    num_workers: int = 1, max_batch_tokens: int | None = None,
                    batch_size: int = DEFAULT_BATCH_ROWS, gpus_per_worker: float | None = None,
-                   device: str | None = None, max_restarts: int = DEFAULT_MAX_RESTARTS):
-    """Score requests (objects with ``ids`` and ``prompt_length``) on Ray; yields lists of
-    ``(request, ScoreResult or error message)`` as tasks complete (in Ray's order). Requests are
+                   device: str | None = None, max_restarts: int = DEFAULT_MAX_RESTARTS, task: str | None = None):
+    """Score requests (objects with ``ids`` and ``prompt_length``; with ``task``, a pooled checkpoint's,
+    ``ids`` and ``token_type_ids``) on Ray; yields lists of ``(request, ScoreResult or PooledResult, or
+    error message)`` as tasks complete (in Ray's order). Requests are
     sent longest first, as the single-process job packs them, so tasks hold similar lengths."""
     ray = require_ray()
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].ids))
     if not order:
         return
-    items = [{"id": i, "input_ids": requests[i].ids, "prompt_length": requests[i].prompt_length} for i in order]
+    if task is not None:  # a pooled checkpoint's rows: their tokens (and token types)
+        items = [{"id": i, "input_ids": requests[i].ids, "token_type_ids": requests[i].token_type_ids}
+                 for i in order]
+    else:
+        items = [{"id": i, "input_ids": requests[i].ids, "prompt_length": requests[i].prompt_length}
+                 for i in order]
     for item in items:  # image sources (data: URLs, absolute paths) travel with their rows' expanded ids
         if requests[item["id"]].images is not None:
             item["images"] = requests[item["id"]].images
@@ -233,14 +288,17 @@ def score_requests(requests, model: str, *, tokenizer: str | None = None, dtype:
     ds = ray.data.from_items(items, override_num_blocks=blocks)
     results = score_dataset(ds, model, tokenizer=tokenizer, dtype=dtype, num_workers=num_workers,
                             max_batch_tokens=max_batch_tokens, batch_size=batch_size,
-                            gpus_per_worker=gpus_per_worker, device=device, max_restarts=max_restarts)
+                            gpus_per_worker=gpus_per_worker, device=device, max_restarts=max_restarts, task=task)
     for batch in results.iter_batches(batch_size=None, batch_format="pyarrow"):
         out = []
         for row in batch.to_pylist():
             if row["error"] is not None:
                 out.append((requests[row["id"]], row["error"]))
                 continue
-            result = ScoreResult(torch.tensor(row["token_logprobs"], dtype=torch.float32), bool(row["greedy"]))
+            if task is not None:
+                result = PooledResult(torch.tensor(row["values"], dtype=torch.float32), row["field"], row["num_tokens"])
+            else:
+                result = ScoreResult(torch.tensor(row["token_logprobs"], dtype=torch.float32), bool(row["greedy"]))
             if result.digest != row["digest"]:  # the float32 values must survive the transfer bit for bit
                 raise JobError(f"row {row['id']}: digest changed in transfer from the worker")
             out.append((requests[row["id"]], result))

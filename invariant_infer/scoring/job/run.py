@@ -28,6 +28,7 @@ from ...checkpoints.loading import LazyTokenizer
 from ..requests import count_request_images, parse_request, request_images, request_lora
 from ...model.families import text_config
 from ..core import DEFAULT_MAX_BATCH_TOKENS, ScoreResult, check_sequence
+from ..pooled import PooledResult, parse_pooled_request
 from ...errors import InvalidArgumentError, JobError, ScoringRequestError
 
 
@@ -39,6 +40,7 @@ class Request:
     prompt_length: int  # tokens before the first scored one
     lora: str | None = None  # the LoRA adapter it is scored with (None: the base model)
     images: list[str] | None = None  # image sources, processed again when scored (ids: their tokens expanded)
+    token_type_ids: list[int] | None = None  # a pooled model's row: its token types, where its tokenizer gives them
 
 
 class Backend(Protocol):
@@ -118,9 +120,11 @@ def _record(raw: bytes, n: int) -> dict:
 
 
 def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, str], write_error, loras=(),
-                  image_processor=None):
+                  image_processor=None, pooled=None):
     """All valid requests (including ids already done), and the count of non-blank lines. Each
-    invalid line whose id has no result yet goes to ``write_error(line, id or None, message)``."""
+    invalid line whose id has no result yet goes to ``write_error(line, id or None, message)``.
+    ``pooled``: a pooled checkpoint's ``PooledModel`` (its weights need not be loaded), whose requests
+    (``scoring.pooled``) the lines are read as."""
     requests, first_line, lines = [], {}, 0
     folder, limits = Path(path).resolve().parent, text_config(config)
     with open(path, "rb") as f:  # decoded line by line: one bad byte fails its line, not the job
@@ -136,6 +140,10 @@ def read_requests(path: str, tokenizer: LazyTokenizer, config, done: dict[str, s
                     raise ScoringRequestError(f"duplicate id {key} (first on line {first_line[key]})")
                 first_line[key] = n
                 row_id = record["id"]
+                if pooled is not None:
+                    row = parse_pooled_request(record, pooled)
+                    requests.append(Request(n, row_id, row.input_ids, 0, token_type_ids=row.token_type_ids))
+                    continue
                 ids, prompt_length = parse_request(record, tokenizer)
                 lora = request_lora(record, loras)
                 images = request_images(record, folder)
@@ -167,7 +175,10 @@ def canonical_order(path: Path, requests: list[Request]) -> None:
         atomic_write(path, ordered)
 
 
-def result_row(request: Request, result: ScoreResult) -> dict:
+def result_row(request: Request, result: ScoreResult | PooledResult) -> dict:
+    if isinstance(result, PooledResult):
+        return {"id": request.id, result.field: result.values.tolist(), "num_tokens": result.num_tokens,
+                "digest": result.digest}
     row = {"id": request.id, "token_logprobs": result.token_logprobs.tolist(), "logprob": result.logprob,
            "num_tokens": result.num_tokens, "greedy": result.greedy, "digest": result.digest}
     return row if request.lora is None else {**row, "lora": request.lora}
@@ -203,7 +214,7 @@ def verify(backend: Backend, requests: list[Request], digests: dict[str, str], k
     candidates = [r for r in requests if id_key(r.id) in digests]
     picked = random.Random(0).sample(candidates, min(k, len(candidates)))
     rescored = {id_key(r.id): result.digest for batch in backend.score(picked, 1)
-                for r, result in batch if isinstance(result, ScoreResult)}
+                for r, result in batch if not isinstance(result, str)}
     mismatched = [r.id for r in picked if rescored.get(id_key(r.id)) != digests[id_key(r.id)]]
     if mismatched:
         print(f"verify: MISMATCH: {len(mismatched)} of {len(picked)} rows re-scored alone differ: ids "
@@ -237,7 +248,7 @@ def run_job(options: JobOptions, backend: Backend) -> JobSummary:
     with out:
         requests, lines = read_requests(options.input, LazyTokenizer(options.tokenizer), backend.config,
                                         digests, write_error, getattr(backend, "loras", {}),
-                                        getattr(backend, "image_processor", None))
+                                        getattr(backend, "image_processor", None), getattr(backend, "pooled", None))
         os.fsync(out.fileno())
         pending = [r for r in requests if id_key(r.id) not in digests]
         tokens = sum(len(r.ids) for r in pending)
