@@ -18,7 +18,8 @@ MEANINGS = {
     NOT_INVARIANT: "check (and serve's check before traffic) failed: a row depended on its batch, or an op ran "
                    "outside the invariant kernels",
     UNSUPPORTED_MODEL: "unsupported model: the checkpoint's architecture or model type is not one that runs here "
-                       "(only causal LMs and image-text-to-text models of the supported families)",
+                       "(causal LMs and image-text-to-text models of the supported families; serve also takes "
+                       "pooled checkpoints)",
 }
 
 

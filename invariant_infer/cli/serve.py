@@ -5,7 +5,11 @@ function of its own request, whatever else is in flight. Needs ``pip install -e 
 Before it takes traffic it runs the check of ``invariant-infer check`` on the loaded model (one line
 per check on stderr); a failing check stops the start (``--skip-check`` serves without it). A
 checkpoint that is not a causal LM or an image-text-to-text model of a supported family is refused
-by name before it is loaded."""
+by name before it is loaded.
+
+A pooled checkpoint (a sentence-transformers embedder or cross-encoder, an encoder, a sequence-
+classification or reward head) is served on vLLM's pooling routes instead: /v1/embeddings, /score,
+/rerank, /classify and /pooling, whichever its task serves (--task overrides the inferred task)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +18,7 @@ import math
 import sys
 
 from ..checkpoints.loading import DEVICES, DTYPES
-from ..errors import InvariantInferError
+from ..errors import InvariantInferError, UnsupportedModelError
 from . import exit_codes
 from .help_text import exit_status_epilog, plain
 
@@ -39,6 +43,10 @@ def json_object(text: str) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a checkpoint directory (or hub id) of a supported family")
     p.add_argument("--tokenizer", help="default: the --model directory")
+    p.add_argument("--task", choices=["generate", "embed", "classify", "score", "reward"],
+                   help="what to serve (default: the checkpoint's: a sentence-transformers folder or an encoder "
+                        "embeds; a sequence-classification head classifies, or scores pairs / rewards with one "
+                        "label; a causal LM generates). docs/server.md")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (localhost only)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed on stdout)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
@@ -99,11 +107,25 @@ def run(args) -> int:
                   "otherwise", file=sys.stderr)
             return exit_codes.REFUSED
         loras[name] = path
-    refused = exit_codes.architecture_refusal("serve", args.model)  # before minutes of loading
-    if refused is not None:
-        return refused
+    task = args.task
+    if task is None:
+        from ..checkpoints.pooled_loading import check_pooled_architecture, pooled_layout
+        try:
+            layout = pooled_layout(args.model)
+            if layout.task is None and layout.encoder:  # an encoder head no route serves (a masked LM ...)
+                check_pooled_architecture(args.model)
+            task = layout.task or "generate"
+        except UnsupportedModelError as exc:
+            print(f"invariant-infer serve: {exc}", file=sys.stderr)
+            return exit_codes.UNSUPPORTED_MODEL
+        except InvariantInferError:  # an unreadable config: the architecture check below names it
+            task = "generate"
+    if task == "generate":  # a pooled checkpoint's architecture is checked by its loader
+        refused = exit_codes.architecture_refusal("serve", args.model)  # before minutes of loading
+        if refused is not None:
+            return refused
     options = ServerOptions(
-        model_name=args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,
+        task=task, model_name=args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes, stream_write_timeout=args.stream_write_timeout, model=args.model,
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -113,6 +135,9 @@ def run(args) -> int:
         max_lora_rank=args.max_lora_rank, enforce_eager=args.enforce_eager)
     try:
         stopped = serve(options, rank_failed_status=exit_codes.RANK_FAILED, check=not args.skip_check)
+    except UnsupportedModelError as exc:  # a pooled checkpoint its loader refuses by name
+        print(f"invariant-infer serve: {exc}", file=sys.stderr)
+        return exit_codes.UNSUPPORTED_MODEL
     except InvariantInferError as exc:  # settings, a model, an adapter or a TP size the engine refuses
         print(f"invariant-infer serve: {exc}", file=sys.stderr)
         return exit_codes.REFUSED

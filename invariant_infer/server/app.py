@@ -12,6 +12,7 @@ from ..engine import AsyncEngine
 from .errors import APIError, error_response, install_handlers
 from .metrics import RequestMetrics
 from .lora import lora_api
+from .pooling_routes import pooling_refusals
 from .routes import api, public
 from .state import ServerOptions, ServerState
 
@@ -60,5 +61,6 @@ def create_app(async_engine: AsyncEngine, tokenizer, options: ServerOptions | No
     app.add_middleware(RequestMetrics, metrics=server.metrics)  # outermost: counts the 413s too
     app.include_router(api)
     app.include_router(lora_api)
+    app.include_router(pooling_refusals)  # 400s naming the task
     app.include_router(public)
     return app

@@ -1,4 +1,6 @@
-"""Load a checkpoint and its tokenizer, build the engine and serve it with uvicorn.
+"""Load a checkpoint and its tokenizer, build the engine and serve it with uvicorn. A pooled checkpoint
+(``resolve_task``: an embedder, a cross-encoder, a classifier, a reward model) gets the pooling app
+over its batching engine instead (``pooling_app``).
 
 The socket is bound before uvicorn starts, so ``--port 0`` picks a free port; once the model is
 loaded and the socket listens, one line ``invariant-infer serve: listening on http://HOST:PORT``
@@ -34,7 +36,9 @@ from ..parallel import TensorParallelRanks
 from ..parallel.forced_exit import FORCED_EXIT_AFTER_S, exit_later
 from ..testing.engine_check import check_engine_invariance
 from ..testing.invariance_check import check_invariance
+from ..engine.pooling_engine import PoolingEngine
 from .app import create_app
+from .pooling_app import create_pooling_app, passes_pooling_check
 from .state import ServerOptions
 
 # Each connection's kernel send buffer. Bounded so that a client that stops reading stalls its
@@ -60,9 +64,40 @@ class RankFailure:
         exit_later(self.exit_status, after_s=FORCED_EXIT_AFTER_S)
 
 
+def resolve_task(options: ServerOptions) -> str:
+    """``options.task``, else the checkpoint's: a pooling task (``checkpoints.pooled_loading.pooling_task_of``)
+    or "generate"."""
+    if options.task is not None:
+        return options.task
+    from ..checkpoints.pooled_loading import pooling_task_of
+    try:
+        return pooling_task_of(options.model) or "generate"
+    except CheckpointLoadError:  # no config to read here (a hub id): the generation loader reads it
+        return "generate"
+
+
+def build_pooling_engine(options: ServerOptions, task: str) -> PoolingEngine:
+    """The batching engine of a pooled checkpoint; the generation engine's options are refused by name."""
+    from ..checkpoints.pooled_loading import load_pooled_model
+    generation_only = {"--tensor-parallel-size": options.tensor_parallel_size != 1, "--tokenizer": options.tokenizer,
+                       "--lora-modules": options.lora_modules, "--enable-lora": options.enable_lora,
+                       "--speculative-config": options.speculative_config}
+    for flag, given in generation_only.items():
+        if given:
+            raise InvalidArgumentError(f"{flag} applies to generation models; task {task!r} does not take it")
+    model = load_pooled_model(options.model, task=task, dtype=options.dtype, device=options.device,
+                              invariant=options.kernels == "invariant")
+    return PoolingEngine(model, max_num_batched_tokens=options.max_num_batched_tokens,
+                         max_num_seqs=options.max_num_seqs)
+
+
 def build(options: ServerOptions, ranks: TensorParallelRanks | None = None):
     """The app for the checkpoint ``options.model`` (or for ``ranks.model``, the sharded one, run
-    through the ranks): the engine wraps the model itself."""
+    through the ranks): the engine wraps the model itself. A pooled checkpoint (or ``options.task``)
+    gets the pooling app over its batching engine."""
+    task = resolve_task(options) if ranks is None else "generate"
+    if task != "generate":
+        return create_pooling_app(build_pooling_engine(options, task), options)
     engine, tokenizer = build_engine(options, ranks)
     return create_app(AsyncEngine(engine), tokenizer, options)
 
@@ -131,7 +166,7 @@ def serve(options: ServerOptions, *, rank_failed_status: int, check: bool = True
     if options.model is None:
         raise InvalidArgumentError("ServerOptions.model: the checkpoint to serve")
     size = options.tensor_parallel_size
-    if size == 1:
+    if size == 1 or resolve_task(options) != "generate":  # a pooled model refuses size > 1 by name
         return _serve(options, None, None, check)
     if options.kernels != "invariant":
         raise InvalidArgumentError("--tensor-parallel-size runs the invariant kernels only")
@@ -150,19 +185,35 @@ def serve(options: ServerOptions, *, rank_failed_status: int, check: bool = True
     return "rank failed" if failure.message else stopped
 
 
-def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: RankFailure | None,
-           check: bool) -> str:
+def _build_checked(options: ServerOptions, ranks: TensorParallelRanks | None, check: bool):
+    """The app, or None when the check before serving fails."""
+    task = resolve_task(options) if ranks is None else "generate"
     try:
-        engine, tokenizer = build_engine(options, ranks)
+        if task != "generate":
+            pooling = build_pooling_engine(options, task)
+        else:
+            engine, tokenizer = build_engine(options, ranks)
     except LoraAdapterError as exc:  # a --lora-modules adapter that does not fit
         raise LoraAdapterError(f"--lora-modules: {exc}") from exc
     except InvariantInferError:  # settings or a model the engine refuses
         raise
     except ValueError as exc:  # settings transformers refuses
         raise InvalidArgumentError(str(exc)) from exc
+    if task != "generate":
+        if check and not passes_pooling_check(pooling.model, options):
+            pooling.shutdown()
+            return None
+        return create_pooling_app(pooling, options)
     if check and not passes_check(engine, options):
+        return None
+    return create_app(AsyncEngine(engine), tokenizer, options)
+
+
+def _serve(options: ServerOptions, ranks: TensorParallelRanks | None, failure: RankFailure | None,
+           check: bool) -> str:
+    app = _build_checked(options, ranks, check)
+    if app is None:
         return "check failed"
-    app = create_app(AsyncEngine(engine), tokenizer, options)
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

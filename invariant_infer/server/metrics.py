@@ -10,7 +10,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ..engine import AsyncEngine
 
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+             "/v1/embeddings": "embeddings", "/score": "score", "/v1/score": "score", "/rerank": "rerank",
+             "/v1/rerank": "rerank", "/classify": "classify", "/pooling": "pooling"}
 CLIENT_GONE = "499"  # the status label of a request whose client left before any response was sent
 RATE_WINDOW_S = 10
 

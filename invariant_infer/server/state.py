@@ -27,6 +27,7 @@ class ServerOptions:
     stream_write_timeout: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a stream stalled that long is dropped
     # The checkpoint and the engine (read by ``serve``).
     model: str | None = None             # a checkpoint directory or hub id
+    task: str | None = None              # "generate" or a pooling task; None: the checkpoint's (``resolve_task``)
     tokenizer: str | None = None         # default: ``model``
     dtype: str | None = None
     device: str | None = None

@@ -17,7 +17,8 @@ import pytest
 
 import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
-from helpers.unsupported_checkpoints import save_sequence_classification_checkpoint
+from helpers.tokenizer import train_tokenizer
+from helpers.unsupported_checkpoints import save_encoder_checkpoint, save_sequence_classification_checkpoint
 from invariant_infer.cli import exit_codes
 from invariant_infer.cli.serve import main as serve_main
 from invariant_infer.server import main as server_main
@@ -41,11 +42,31 @@ def serve(checkpoint, *extra) -> int:
     return serve_main(["--model", str(checkpoint), "--dtype", "fp32", "--device", "cpu", "--port", "0", *extra])
 
 
-def test_a_classification_checkpoint_is_refused_by_name(tmp_path, capsys, started):
-    assert serve(save_sequence_classification_checkpoint(tmp_path / "cls")) == exit_codes.UNSUPPORTED_MODEL
+def test_an_architecture_no_route_serves_is_refused_by_name(tmp_path, capsys, started):
+    assert serve(save_encoder_checkpoint(tmp_path / "masked-lm")) == exit_codes.UNSUPPORTED_MODEL
     err = capsys.readouterr().err
-    assert "Qwen3ForSequenceClassification is not an architecture invariant-infer runs" in err
+    assert "BertForMaskedLM is not a pooled architecture" in err
     assert "Traceback" not in err and not started
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["invariant", "negative-control"])
+def test_a_classification_checkpoint_is_checked_and_served_as_a_pooled_model(tmp_path, capsys, started, monkeypatch,
+                                                                             control):
+    """A sequence-classification checkpoint is served on the pooling routes after the pooled check (rows
+    alone == in padded batches); with a linear whose K block follows the batch size the check stops it."""
+    monkeypatch.setattr(server_main, "create_pooling_app", lambda engine, options: engine.shutdown() or object())
+    if control:
+        monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    path = save_sequence_classification_checkpoint(tmp_path / "cls")
+    train_tokenizer(path)
+    status = serve(path)
+    err = capsys.readouterr().err
+    checks = [line for line in err.splitlines() if "serve: check: " in line]
+    assert len(checks) == 2, err
+    if control:
+        assert status == exit_codes.NOT_INVARIANT and not started and any("check: FAIL" in c for c in checks)
+    else:
+        assert status == exit_codes.OK and len(started) == 1 and all("check: PASS" in c for c in checks), err
 
 
 def test_the_check_runs_before_serving(checkpoint, capsys, started):
