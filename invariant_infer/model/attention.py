@@ -1,4 +1,5 @@
-"""The attention and mask functions registered with transformers under the name ``invariant``.
+"""The attention and mask functions registered with transformers under the name ``invariant`` (and the
+encoders' bidirectional attention function, ``invariant_encoder``).
 
 The mask function does not build a [B, 1, Lq, Lk] mask: it reduces the 2-D padding mask to
 per-row bounds (first real key, end of real keys, position of the first query), which is
@@ -18,6 +19,7 @@ from .step_context import current_step
 from .support import require
 
 ATTN_IMPLEMENTATION = "invariant"
+ENCODER_ATTN_IMPLEMENTATION = "invariant_encoder"  # BERT / XLM-R self-attention: bidirectional
 
 
 def invariant_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
@@ -80,12 +82,29 @@ def refuse_softcapping(kwargs: dict, surface: str = "model") -> None:
         require("softcap_argument", surface)
 
 
-def attend(query, key, value, kv_start, kv_end, q_start, scale, window: int = 0, sinks=None):
+def encoder_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function of BERT's and XLM-R's self-attention: q [B, H, L, D], k/v [B, H, L, D]
+    -> ([B, L, H, D], None), every real query seeing every real key of its row (``attend_bidirectional``).
+    ``attention_mask``: the bounds the encoder's pre-hook built (first query past every key)."""
+    refuse_softcapping(kwargs)
+    if not is_sequence_bounds(attention_mask):
+        raise NonInvariantInputError("invariant encoder attention needs the 2-D padding mask (or none); a prepared "
+                                     "mask was passed")
+    if dropout:
+        raise NonInvariantInputError("attention dropout is not batch-invariant; call model.eval()")
+    kv_start, kv_end, _ = attention_mask[:, :, 0, 0].unbind(0)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return attend_bidirectional(query, key, value, kv_start, kv_end, scale), None
+
+
+def attend(query, key, value, kv_start, kv_end, q_start, scale, window: int = 0, sinks=None, causal: bool = True):
     """The one kernel call of both layouts: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> [B, Lq, Hq, D];
     ``sinks`` [Hq]: gpt-oss's attention sinks (``s_aux``). With autograd recording, the autograd
-    Function: the same forward bits, plus its backward."""
+    Function: the same forward bits, plus its backward (``causal=False``: bidirectional self-attention's,
+    the forward then run with q_start past every key)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
-        return attention_autograd(query, key, value, kv_start, kv_end, q_start, scale, window=window, sinks=sinks)
+        return attention_autograd(query, key, value, kv_start, kv_end, q_start, scale, window=window, sinks=sinks,
+                                  causal=causal)
     return attention(query, key, value, kv_start, kv_end, q_start, scale, window=window, sinks=sinks)
 
 
@@ -101,10 +120,12 @@ def attend_bidirectional(query, key, value, kv_start, kv_end, scale, half_window
     ahead = length if half_window is None else half_window
     q_start = torch.full((batch,), ahead, dtype=torch.int32, device=query.device)
     window = 0 if half_window is None else 2 * half_window + 1
-    return attend(query, key, value, kv_start, kv_end, q_start, scale, window)
+    # Without a window the backward is the bidirectional one: as causal, every query would sit past the row.
+    return attend(query, key, value, kv_start, kv_end, q_start, scale, window, causal=half_window is not None)
 
 
 def register() -> None:
     """Register both functions; global registration selects nothing until a model asks for it."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, invariant_attention)
+    AttentionInterface.register(ENCODER_ATTN_IMPLEMENTATION, encoder_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, invariant_mask)

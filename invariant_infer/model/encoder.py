@@ -2,9 +2,9 @@
 a model of an encoder family (``families.encoder_adapter``).
 
   * every ``nn.Linear`` -> the invariant linear (the caller's forward, as on decoders);
-  * every ``nn.LayerNorm`` -> the one-row-per-reduction ``layer_norm`` kernel (forward only);
+  * every ``nn.LayerNorm`` -> the one-row-per-reduction ``layer_norm`` kernel;
   * each layer's intermediate activation (exact or tanh GELU) -> the ``gelu`` kernel;
-  * self-attention -> the ``invariant`` attention function, bidirectional: a pre-hook on the base model
+  * self-attention -> the ``invariant_encoder`` attention function, bidirectional: a pre-hook on the base model
     hands it each row's bounds (first real key, end of real keys) with the first query placed past every
     key (``q_start`` = the row width), so every query of a row sees every real key of its row, in KV
     blocks aligned to the row's first real token (the causal kernel run as non-causal, as the vision
@@ -13,8 +13,10 @@ a model of an encoder family (``families.encoder_adapter``).
     ``cumsum(mask)``, pads at ``padding_idx``, as it derives them from ``input_ids != padding_idx``);
   * the pooler and XLM-R's classification head take each row's first real token (the first column under
     right padding, as stock; under left padding stock would take a pad) and run tanh as a kernel.
-The model runs in eval mode and without autograd recording: LayerNorm, tanh and tanh-GELU have no
-backward kernel, so training is refused by the support table (``encoder``).
+While autograd records (grad enabled, an input or parameter requiring grad), each op runs its
+autograd version: the same forward bits, with backward kernels whose per-row gradients (d inputs_embeds,
+each row's share of a parameter's gradient) do not depend on the other rows of the batch. Train mode is
+refused (``encoder_train_mode``): dropout's draws depend on the batch's shape.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from torch import nn
 
 from . import attention as attention_interface
 from ..errors import NonInvariantInputError, UnsupportedModelError
-from ..kernels import gelu, layer_norm
-from ..kernels.tanh import tanh
+from ..kernels import gelu, gelu_autograd, layer_norm, layer_norm_autograd
+from ..kernels.tanh import tanh, tanh_autograd
 from .families.encoder_adapter import GELU_FORMS, EncoderAdapter
 from .input_checks import bind_forward_arguments
 from .kinds import model_kinds
@@ -92,12 +94,26 @@ def check_encoder(model: nn.Module, adapter: EncoderAdapter) -> nn.Module:
 
 # ---- per-module forwards ---------------------------------------------------------------------------
 
+def _records_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    if _records_grad(x, self.weight, self.bias):
+        return layer_norm_autograd(x, self.weight, self.bias, self.eps)
     return layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def _gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    return gelu_autograd(x, approximate=approximate) if _records_grad(x) else gelu(x, approximate=approximate)
+
+
+def _tanh(x: torch.Tensor) -> torch.Tensor:
+    return tanh_autograd(x) if _records_grad(x) else tanh(x)
+
+
 def _intermediate_forward(self, hidden_states: torch.Tensor, approximate: str) -> torch.Tensor:
-    return gelu(self.dense(hidden_states), approximate=approximate)
+    return _gelu(self.dense(hidden_states), approximate)
 
 
 def _first_tokens(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -110,22 +126,21 @@ def _first_tokens(hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _pooler_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return tanh(self.dense(_first_tokens(hidden_states)))
+    return _tanh(self.dense(_first_tokens(hidden_states)))
 
 
 def _classification_head_forward(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
     # Dropout is the identity in eval mode (train mode is refused at the entry).
-    return self.out_proj(tanh(self.dense(_first_tokens(features))))
+    return self.out_proj(_tanh(self.dense(_first_tokens(features))))
 
 
 # ---- input handling ------------------------------------------------------------------------------
 
 def _refuse_training(model: nn.Module) -> None:
+    """Train mode is refused (dropout); eval-mode forwards with autograd recording run (see the module)."""
     if model.training:
-        raise NonInvariantInputError(f"{type(model).__name__} is in train mode: dropout is random per position, not "
-                                     "batch-invariant; call model.eval()")
-    if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
-        require(model_kinds(model), "training", model.config.model_type)
+        recording = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+        require("encoder_train_mode", "training" if recording else "model", type(model).__name__)
 
 
 def _tokens(kwargs: dict) -> torch.Tensor | None:
@@ -238,5 +253,5 @@ def patch_encoder(model: nn.Module, adapter: EncoderAdapter, linear_forward, set
               base.register_forward_hook(_exit_hook, with_kwargs=True, always_call=True)]
     attention_interface.register()
     previous = model.config._attn_implementation
-    model.set_attn_implementation(attention_interface.ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(attention_interface.ENCODER_ATTN_IMPLEMENTATION)
     return hooks, previous

@@ -14,7 +14,7 @@
   * ``ModernBertForSequenceClassification``: the pooling on the kernels (the row's first real token for
     "cls", where stock takes the first column, a pad under left padding; the pooling kernel for "mean"),
     then dense, the gelu kernel and the norm of the head, then the classifier.
-Inference only, as the other encoders (``encoder``): LayerNorm has no backward kernel here.
+Inference only (``modernbert_training``): the GeGLU MLP and the head run forward-only kernels.
 """
 from __future__ import annotations
 
@@ -132,11 +132,11 @@ def _base_pre_hook(module, args, kwargs):
     """On the base model: each row's positions and attention bounds from its own mask."""
     kwargs = bind_forward_arguments(module, args, kwargs)
     _refuse_training(module)
-    if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+    embeds = kwargs.get("inputs_embeds")
+    if torch.is_grad_enabled() and (any(p.requires_grad for p in module.parameters())
+                                    or (isinstance(embeds, torch.Tensor) and embeds.requires_grad)):
         # Whatever the encoder row allows: the GeGLU and the head run forward-only kernels here.
-        raise NonInvariantInputError("modernbert: training is not supported; its MLP and head run forward-only "
-                                     "kernels. Call it under torch.no_grad() / torch.inference_mode(), or freeze "
-                                     "every parameter (model.requires_grad_(False))")
+        require("modernbert_training", "training", "modernbert")
     tokens = _tokens(kwargs)
     if tokens is None:
         return (), kwargs

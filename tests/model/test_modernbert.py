@@ -290,6 +290,10 @@ def test_training_and_train_mode_are_refused(checkpoints):
     ids = torch.tensor([[5, 6, 7, 8]])
     with pytest.raises(NonInvariantInputError, match="training|backward"):
         model(input_ids=ids)  # grad enabled, parameters requiring grad
+    model.requires_grad_(False)  # frozen weights, a gradient wanted for the inputs: still a backward
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    with pytest.raises(NonInvariantInputError, match="training|backward"):
+        model(inputs_embeds=embeds, attention_mask=torch.ones_like(ids))
     model.train()
     with torch.no_grad(), pytest.raises(NonInvariantInputError, match="train mode"):
         model(input_ids=ids)
