@@ -177,8 +177,14 @@ def encoder():
     return random_model(random_config("bert", "tiny"))
 
 
-def encoder_backward():
-    model = make_invariant(encoder())
+def encoder_in_train_mode(grad: bool):
+    model = make_invariant(encoder()).train()
+    with torch.set_grad_enabled(grad):
+        model(input_ids=torch.tensor([[5, 6]]))
+
+
+def modernbert_backward():
+    model = make_invariant(random_model(random_config("modernbert", "tiny")))
     with torch.enable_grad():
         model(input_ids=torch.tensor([[5, 6]]))
 
@@ -259,14 +265,15 @@ TRIGGERS = {
     ("encoder", "generate"): lambda tmp: make_invariant(encoder()).generate(input_ids=torch.tensor([[5, 6]])),
     ("encoder", "engine"): lambda tmp: engine_support(encoder()),
     ("encoder", "speculative"): lambda tmp: engine_support(encoder(), speculative={"method": "ngram"}),
-    ("encoder", "serve"): lambda tmp: command_check(save_encoder_checkpoint, "serve", tmp),
     ("encoder", "ray"): lambda tmp: command_check(save_encoder_checkpoint, "ray", tmp),
     ("encoder", "tensor_parallel"): lambda tmp: sharded_encoder(),
-    ("encoder", "training"): lambda tmp: encoder_backward(),
     ("encoder", "trl"): lambda tmp: trl_check(encoder()),
     ("encoder", "scoring"): lambda tmp: __import__("invariant_infer").score_sequences(make_invariant(encoder()),
                                                                                       [[5, 6, 7]]),
     ("encoder_packed_rows", "model"): lambda tmp: encoder_packed_rows(),
+    ("encoder_train_mode", "model"): lambda tmp: encoder_in_train_mode(grad=False),
+    ("encoder_train_mode", "training"): lambda tmp: encoder_in_train_mode(grad=True),
+    ("modernbert_training", "training"): lambda tmp: modernbert_backward(),
 }
 
 

@@ -102,14 +102,17 @@ KINDS = [
     _row("lora", "LoRA adapters", title="PEFT LoRA adapters (unmerged; the engine's adapter slots)",
          refused=_no("adapters are scored in one process; run the job without --ray", ("ray",), JobError)),
     _row("encoder", "encoders",
-         title="encoders (BERT, XLM-RoBERTa: `AutoModel`, `...ForSequenceClassification`)",
+         title="encoders (BERT, XLM-RoBERTa, ModernBERT: `AutoModel`, `...ForSequenceClassification`)",
          refused=_no("encoders run through make_invariant only so far: call the patched model for its hidden states, "
-                     "pooler output or classification logits", ("engine", "speculative", "trl", "scoring"))
-         | _no("the commands load causal LMs and image-text-to-text models; load an encoder with transformers and "
-               "call make_invariant", ("ray", "serve"))
-         | _no("LayerNorm, tanh and the tanh GELU have no backward kernels yet: run encoders under torch.no_grad() / "
-               "torch.inference_mode(), or freeze every parameter (model.requires_grad_(False))", ("training",),
-               NonInvariantInputError)
+                     "pooler output or classification logits", ("engine", "speculative"))
+         | _no("score_sequences computes a causal LM's token logprobs; an encoder's embeddings or scores come from "
+               "`invariant-infer score` on its pooled checkpoint (a base model, ...ForSequenceClassification, a "
+               "sentence-transformers folder) or load_pooled_model", ("scoring",))
+         | _no("GRPO trains a causal LM that samples its rollouts; an encoder (a reward model, a cross-encoder) "
+               "runs in InvariantGRPOTrainer as one of its reward_funcs, which the trainer patches", ("trl",))
+         | _no("the commands load causal LMs, image-text-to-text models and pooled checkpoints (base models, "
+               "...ForSequenceClassification, sentence-transformers folders); load another encoder head with "
+               "transformers and call make_invariant", ("ray",))
          | _no("the encoder layers are not sharded yet; run them in one process", ("tensor_parallel",))
          | _no("encoders do not generate", ("generate",))),
 ]
@@ -170,13 +173,22 @@ FEATURES = [
     _row("encoder_packed_rows", "packed rows on encoders (cu_seq_lens_*, position_ids restarting)", feature=True,
          refused=_no("each row of an encoder's batch holds one sequence: pass padded rows with their attention_mask",
                      ("model",), NonInvariantInputError)),
+    _row("encoder_train_mode", "encoders in train mode (dropout)", feature=True,
+         refused=_no("dropout's draws depend on the batch's shape, so no row's output or gradient would be its own; "
+                     "train BERT and XLM-R in eval mode (model.eval(): backward runs, no dropout)",
+                     ("model", "training"), NonInvariantInputError)),
+    _row("modernbert_training", "ModernBERT training", feature=True,
+         refused=_no("its GeGLU MLP and head run forward-only kernels: run ModernBERT under torch.no_grad() / "
+                     "torch.inference_mode(), or freeze every parameter (model.requires_grad_(False)); BERT and "
+                     "XLM-R train in eval mode", ("training",), NonInvariantInputError)),
     _row("bidirectional_attention", "bidirectional attention (use_bidirectional_attention)", feature=True,
          refused=_no("only causal attention is supported")),
     _row("architecture_not_causal_lm", "sequence or token classification heads, encoders and base models",
          title="checkpoints whose architecture is not a causal LM or image-text-to-text model (classification "
                "heads, encoders, base `...Model` classes)", feature=True,
          refused=_no("invariant-infer runs causal LMs and image-text-to-text models; another head loaded as a causal "
-                     "LM would get a random LM head")),
+                     "LM would get a random LM head (serve, score and load_pooled_model take base models, "
+                     "...ForSequenceClassification and sentence-transformers folders as pooled models)")),
     _row("unsupported_model_type", "model types outside the supported families", feature=True,
          refused=_no("invariant-infer runs the supported families only; make_invariant patches only their layers "
                      "onto the invariant kernels")),
