@@ -1,6 +1,7 @@
 """Golden digests of the pooled kinds, part of ``benchmarks.golden_digests``: a BERT embedder (first-token
 pooling, normalised), an XLM-R cross-encoder (one relevance logit), a Qwen3 last-token embedder
-(normalised) and a Qwen3 reward model (one logit). Each is one layer whose weights and token ids come from
+(normalised), a Qwen3 reward model (one logit) and a ModernBERT embedder (mean pooling, normalised; a
+global and a sliding-window layer). Each is one layer whose weights and token ids come from
 the golden formula, written with ``save_pretrained``, read back with ``from_pretrained``, made invariant and
 run as ``PooledModel`` runs it (``forward_rows``, then ``embeddings`` for the embedders).
 
@@ -13,7 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from transformers import AutoModel, AutoModelForSequenceClassification, BertConfig, Qwen3Config, XLMRobertaConfig
+from transformers import (AutoModel, AutoModelForSequenceClassification, BertConfig, ModernBertConfig, Qwen3Config,
+                          XLMRobertaConfig)
 
 from benchmarks.golden_formula import digest, integers, parameter_values
 from invariant_infer.model.patch import make_invariant
@@ -25,6 +27,15 @@ _ENCODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, nu
 _QWEN3 = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
               vocab_size=256, max_position_embeddings=128, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
               tie_word_embeddings=False, attention_bias=False, pad_token_id=0)
+# Two layers: a global one and a local one whose window (8 tokens, 4 on each side) is shorter than the
+# 11-token sample, so the window shapes the bits.
+_MODERNBERT = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2, vocab_size=256,
+                   max_position_embeddings=128, global_attn_every_n_layers=2, local_attention=8, norm_eps=1e-5,
+                   norm_bias=False, attention_bias=False, mlp_bias=False, hidden_activation="gelu",
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                   pad_token_id=0, bos_token_id=2, eos_token_id=1, cls_token_id=2, sep_token_id=1,
+                   embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0)
 # kind -> (config class, every field that shapes the arithmetic, task, pooling mode, token types)
 POOLED_CONFIGS = {
     "bert_embedding": (BertConfig, dict(_ENCODER, max_position_embeddings=128, type_vocab_size=2, pad_token_id=0),
@@ -33,6 +44,8 @@ POOLED_CONFIGS = {
                                                  pad_token_id=1, num_labels=1), "score", None, False),
     "qwen3_lasttoken_embedding": (Qwen3Config, _QWEN3, "embed", "lasttoken", False),
     "qwen3_reward": (Qwen3Config, dict(_QWEN3, num_labels=1), "reward", None, False),
+    # mean pooling, normalised: as ModernBERT embedders ship (sentence-transformers' Pooling "mean", Normalize)
+    "modernbert_embedding": (ModernBertConfig, _MODERNBERT, "embed", "mean", False),
 }
 SAMPLE_LENGTHS = (6, 1, 11, 3)
 # name -> (members in batch order, padding side)

@@ -1,7 +1,8 @@
 """Tiny pooled checkpoints saved as users have them: a sentence-transformers embedder on BERT (cls pooling,
 Normalize), a Qwen3 last-token embedder (left padding, Normalize; Qwen3-Embedding's layout), an XLM-R
-cross-encoder (one label, saved by sentence-transformers' CrossEncoder) and a Qwen3 reward model (one label).
-One layer, random weights, each with a locally built tokenizer."""
+cross-encoder (one label, saved by sentence-transformers' CrossEncoder), a Qwen3 reward model (one label)
+and a ModernBERT mean-pooling embedder. One layer (ModernBERT: two), random weights, each with a locally
+built tokenizer."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,9 @@ TEXTS = ["the cat runs fast", "a dog", "model token batch score sequence invaria
          "prompt completion cat dog runs fast the a model token", "dog dog", "score", "batch batch the invariant"]
 PAIRS = [(TEXTS[i], TEXTS[(i + 3) % len(TEXTS)]) for i in range(len(TEXTS))]
 KINDS = ("bert-embedder", "qwen3-embedder", "xlm-roberta-cross-encoder", "qwen3-reward")
+# Built only where a (heavy) test asks: a ModernBERT embedder (mean pooling, Normalize, right padding; as
+# ModernBERT embedders ship) on the two-layer tiny preset, a global layer and an 8-token window one.
+MORE_KINDS = ("modernbert-embedder",)
 
 
 def save_wordpiece_tokenizer(path: Path) -> None:
@@ -64,7 +68,7 @@ def _sentence_transformer(base: Path, path: Path, mode: str, padding_side: str) 
 
 
 def save_pooled_checkpoint(kind: str, root: Path, seed: int = 0) -> Path:
-    """One of ``KINDS`` under ``root`` (its own folder); returns the folder users load."""
+    """One of ``KINDS`` or ``MORE_KINDS`` under ``root`` (its own folder); returns the folder users load."""
     root = Path(root)
     if kind == "bert-embedder":
         base = save_random_checkpoint(root / "bert-base", random_config("bert", "tiny", **ONE_LAYER), seed=seed)
@@ -89,4 +93,9 @@ def save_pooled_checkpoint(kind: str, root: Path, seed: int = 0) -> Path:
         pad = PreTrainedTokenizerFast.from_pretrained(path).pad_token_id
         config = random_config("qwen3", "tiny", num_labels=1, pad_token_id=pad, **ONE_LAYER)
         return save_random_checkpoint(path, config, seed=seed, auto_class=AutoModelForSequenceClassification)
-    raise ValueError(f"unknown pooled checkpoint kind {kind!r}; kinds: {KINDS}")
+    if kind == "modernbert-embedder":
+        base = save_random_checkpoint(root / "modernbert-base", random_config("modernbert", "tiny"), seed=seed,
+                                      auto_class=AutoModel)
+        save_bpe_tokenizer(base)
+        return _sentence_transformer(base, root / kind, "mean", "right")
+    raise ValueError(f"unknown pooled checkpoint kind {kind!r}; kinds: {KINDS + MORE_KINDS}")

@@ -92,6 +92,26 @@ def test_embeddings_equal_sentence_transformers_encode_on_the_invariant_model(po
     assert torch.equal(pooled.embeddings(pooled.forward_rows(rows_of(pooled))), want)
 
 
+@pytest.mark.heavy
+def test_modernbert_embedder_rows_alone_equal_batched_and_sentence_transformers_encode(tmp_path, monkeypatch):
+    """A sentence-transformers folder over ModernBERT (mean pooling, Normalize): embed task, each row alone ==
+    in a shuffled batch (texts longer than the 8-token window among them), == encode on the invariant model;
+    a batch-size-keyed linear breaks the first equality."""
+    import sentence_transformers as st
+    path = save_pooled_checkpoint("modernbert-embedder", tmp_path)
+    assert pooling_task_of(path) == "embed"
+    pooled = load_pooled_model(path, task="embed", device="cpu")
+    assert (pooled.pooling_mode, pooled.normalize, pooled.padding_side) == ("mean", True, "right")
+    rows = rows_of(pooled)
+    assert max(len(row.input_ids) for row in rows) > pooled.config.local_attention
+    assert batch_mismatches(pooled, rows) == 0
+    model = make_invariant(st.SentenceTransformer(str(path), device="cpu"))
+    want = model.encode(TEXTS, batch_size=len(TEXTS), convert_to_tensor=True)
+    assert torch.equal(pooled.embeddings(pooled.forward_rows(rows)), want)
+    monkeypatch.setattr("invariant_infer.model.patch.linear", m_dependent_linear)
+    assert batch_mismatches(load_pooled_model(path, task="embed", device="cpu"), rows_of(pooled, 4)) > 0
+
+
 def test_cross_encoder_scores_equal_sentence_transformers_predict_on_the_invariant_model(pooled_paths):
     import sentence_transformers as st
     pooled = load_pooled_model(pooled_paths["xlm-roberta-cross-encoder"], device="cpu")
