@@ -55,21 +55,45 @@ def base_encoder(model: nn.Module, adapter: EncoderAdapter) -> nn.Module:
     return base
 
 
-def check_encoder(model: nn.Module, adapter: EncoderAdapter) -> nn.Module:
-    """Refuse, by name, what the encoder forwards would not compute exactly; returns the base model."""
-    config = model.config
-    names = ", ".join(cls.__name__ for cls in adapter.architectures)
+def check_encoder_class(model: nn.Module, adapter: EncoderAdapter) -> nn.Module:
+    """The checks every encoder layout shares before its own: the class, the support table, the config;
+    returns the base model."""
     if type(model) not in adapter.architectures:
+        names = ", ".join(cls.__name__ for cls in adapter.architectures)
         raise UnsupportedModelError(f"{adapter.model_type}: {type(model).__name__} is not supported yet; "
                                     f"make_invariant runs {names} (AutoModel, AutoModelForSequenceClassification)")
     kinds = model_kinds(model)
     require(kinds, "model", adapter.model_type)
     if tp_layout(model) is not None:
         require(kinds, "tensor_parallel", adapter.model_type)
-    problem = adapter.refuse_config(config)
+    problem = adapter.refuse_config(model.config)
     if problem:
         raise UnsupportedModelError(f"{adapter.model_type}: {problem}")
-    base = base_encoder(model, adapter)
+    return base_encoder(model, adapter)
+
+
+def check_encoder_modules(model: nn.Module, layer_norm_bias: bool) -> None:
+    """Plain Linears, LayerNorms over the last dim with a weight (and a bias where ``layer_norm_bias``),
+    dense parameters of a supported dtype on CPU or CUDA."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+            raise UnsupportedModelError(f"{name} is {type(module).__name__}; only plain torch.nn.Linear layers are "
+                                        "supported on encoders")
+        if isinstance(module, nn.LayerNorm) and (type(module) is not nn.LayerNorm or module.weight is None
+                                                 or (layer_norm_bias and module.bias is None)
+                                                 or len(module.normalized_shape) != 1):
+            parts = "weight and bias" if layer_norm_bias else "a weight"
+            raise UnsupportedModelError(f"{name}: only a LayerNorm over the last dim with {parts} is supported")
+    for name, param in model.named_parameters():
+        if param.dtype not in SUPPORTED_DTYPES or param.device.type not in ("cpu", "cuda") \
+                or type(param.data) is not torch.Tensor:
+            raise UnsupportedModelError(f"parameter {name} is a {param.dtype} {type(param.data).__name__} on "
+                                        f"{param.device}; supported: dense {SUPPORTED_DTYPES} tensors on cpu or cuda")
+
+
+def check_encoder(model: nn.Module, adapter: EncoderAdapter) -> nn.Module:
+    """Refuse, by name, what the encoder forwards would not compute exactly; returns the base model."""
+    base = check_encoder_class(model, adapter)
     for index, layer in enumerate(base.encoder.layer):
         if type(layer) is not adapter.layer or type(layer.attention.self) is not adapter.self_attention \
                 or type(layer.intermediate) is not adapter.intermediate:
@@ -77,18 +101,7 @@ def check_encoder(model: nn.Module, adapter: EncoderAdapter) -> nn.Module:
                                         f"{adapter.layer.__name__} layout the adapter patches")
     if base.pooler is not None and type(base.pooler) is not adapter.pooler:
         raise UnsupportedModelError(f"{adapter.model_type}: the pooler is {type(base.pooler).__name__}")
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
-            raise UnsupportedModelError(f"{name} is {type(module).__name__}; only plain torch.nn.Linear layers are "
-                                        "supported on encoders")
-        if isinstance(module, nn.LayerNorm) and (type(module) is not nn.LayerNorm or module.weight is None
-                                                 or module.bias is None or len(module.normalized_shape) != 1):
-            raise UnsupportedModelError(f"{name}: only a LayerNorm over the last dim with weight and bias is supported")
-    for name, param in model.named_parameters():
-        if param.dtype not in SUPPORTED_DTYPES or param.device.type not in ("cpu", "cuda") \
-                or type(param.data) is not torch.Tensor:
-            raise UnsupportedModelError(f"parameter {name} is a {param.dtype} {type(param.data).__name__} on "
-                                        f"{param.device}; supported: dense {SUPPORTED_DTYPES} tensors on cpu or cuda")
+    check_encoder_modules(model, layer_norm_bias=True)
     return base
 
 

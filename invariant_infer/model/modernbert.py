@@ -28,15 +28,14 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from ..errors import NonInvariantInputError, UnsupportedModelError
 from ..kernels import gelu
 from .attention import attend_bidirectional, refuse_softcapping
-from .encoder import SUPPORTED_DTYPES, _layer_norm_forward, _padding_mask, _refuse_training, _tokens, base_encoder
+from .encoder import (_layer_norm_forward, _padding_mask, _refuse_training, _tokens, check_encoder_class,
+                      check_encoder_modules)
 from .families.encoder_adapter import GELU_FORMS, EncoderAdapter
 from .input_checks import bind_forward_arguments
-from .kinds import model_kinds
 from .padding import is_sequence_bounds, sequence_bounds
 from .pooling import pool
 from .rope import rotary_forward, set_rope_tables
 from .support import require
-from .tensor_parallel import tp_layout
 
 ATTN_IMPLEMENTATION = "invariant_modernbert"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -45,18 +44,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 def check_modernbert(model: nn.Module, adapter: EncoderAdapter) -> nn.Module:
     """Refuse, by name, what the ModernBERT forwards would not compute exactly; returns the base model."""
     config = model.config
-    if type(model) not in adapter.architectures:
-        names = ", ".join(cls.__name__ for cls in adapter.architectures)
-        raise UnsupportedModelError(f"{adapter.model_type}: {type(model).__name__} is not supported yet; "
-                                    f"make_invariant runs {names} (AutoModel, AutoModelForSequenceClassification)")
-    kinds = model_kinds(model)
-    require(kinds, "model", adapter.model_type)
-    if tp_layout(model) is not None:
-        require(kinds, "tensor_parallel", adapter.model_type)
-    problem = adapter.refuse_config(config)
-    if problem:
-        raise UnsupportedModelError(f"{adapter.model_type}: {problem}")
-    base = base_encoder(model, adapter)
+    base = check_encoder_class(model, adapter)
     for index, layer in enumerate(base.layers):
         local = config.layer_types[index] == "sliding_attention"
         if type(layer) is not adapter.layer or type(layer.attn) is not adapter.self_attention \
@@ -66,18 +54,7 @@ def check_modernbert(model: nn.Module, adapter: EncoderAdapter) -> nn.Module:
                                         f"{adapter.layer.__name__} layout the adapter patches")
     if model is not base and type(model.head) is not adapter.pooler:
         raise UnsupportedModelError(f"{adapter.model_type}: the head is {type(model.head).__name__}")
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
-            raise UnsupportedModelError(f"{name} is {type(module).__name__}; only plain torch.nn.Linear layers are "
-                                        "supported on encoders")
-        if isinstance(module, nn.LayerNorm) and (type(module) is not nn.LayerNorm or module.weight is None
-                                                 or len(module.normalized_shape) != 1):
-            raise UnsupportedModelError(f"{name}: only a LayerNorm over the last dim with a weight is supported")
-    for name, param in model.named_parameters():
-        if param.dtype not in SUPPORTED_DTYPES or param.device.type not in ("cpu", "cuda") \
-                or type(param.data) is not torch.Tensor:
-            raise UnsupportedModelError(f"parameter {name} is a {param.dtype} {type(param.data).__name__} on "
-                                        f"{param.device}; supported: dense {SUPPORTED_DTYPES} tensors on cpu or cuda")
+    check_encoder_modules(model, layer_norm_bias=False)
     return base
 
 
