@@ -103,6 +103,7 @@ def test_negative_control_a_scan_chunk_chosen_by_the_step(hybrid_models, monkeyp
     assert not all(same(mixed[i], alone[i]) for i in range(3))
 
 
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 def test_negative_control_a_step_that_forgets_the_unfinished_chunk(hybrid_models, monkeypatch):
     """Each step's scan starting at its own first token (the unfinished chunk's rows dropped, the
     boundary state kept): chunked prefill and decode no longer equal one forward."""
@@ -148,6 +149,7 @@ def test_a_prefix_hit_restores_the_state_a_miss_computes(hybrid_models, family, 
         assert same(a, b)
 
 
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 def test_negative_control_a_hit_without_its_state(hybrid_models, monkeypatch):
     """Pages hit but the slot's state not restored (left as the slot's last owner had it): other bits."""
     monkeypatch.setattr(linear_state_slots.LinearAttentionSlots, "restore", lambda self, index, slot: None)

@@ -51,6 +51,7 @@ def test_trainer_logprobs_equal_the_engines_at_any_micro_batch(checkpoint, dtype
         assert got == list(engine_logps), (micro_batch, side)
 
 
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 def test_negative_control_a_trainer_window_one_key_longer(checkpoint, monkeypatch):
     model = make_invariant(load_model(checkpoint, torch.float32))
     sequences, prompt_lengths, engine_logps = zip(*rollouts(model))

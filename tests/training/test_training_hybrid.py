@@ -58,6 +58,7 @@ def test_trainer_logprobs_equal_the_engines_at_any_micro_batch(checkpoint, dtype
         assert got == list(engine_logps), (micro_batch, side)
 
 
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 def test_negative_control_a_scan_chunk_chosen_by_the_micro_batch(checkpoint, monkeypatch):
     """fp32 (bf16 hidden states round much of a reordering away in a model this small), with slow
     decays (the random init's forget within a token or two, and the state then carries too little
@@ -126,6 +127,7 @@ def test_a_backward_through_a_continued_cache_is_refused(checkpoint):
         out.sum().backward()
 
 
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 def test_trl_grpo_logs_a_sampler_trainer_difference_of_zero(checkpoint, tmp_path):
     differences, changed = grpo_run(load_model(checkpoint, torch.float32), checkpoint, tmp_path, T)
     assert differences == [0.0, 0.0], differences

@@ -143,7 +143,7 @@ def fixed_batch(count: int = 5):
     return ([{"prompt": p} for p in prompt_rows], prompt_rows, completions, [[1] * (1 + i) for i in range(count)])
 
 
-@pytest.mark.parametrize("family", ["qwen3", "bert"])
+@pytest.mark.parametrize("family", [pytest.param("qwen3", marks=pytest.mark.heavy), "bert"])
 def test_reward_model_given_by_path_or_encoder_is_invariant(paths, tmp_path, family):
     """A path string (TRL loads AutoModelForSequenceClassification and the tokenizer beside it, then the trainer
     patches it); a BERT cross-encoder as the reward model."""
