@@ -135,11 +135,10 @@ def run(args) -> int:
         max_lora_rank=args.max_lora_rank, enforce_eager=args.enforce_eager)
     try:
         stopped = serve(options, rank_failed_status=exit_codes.RANK_FAILED, check=not args.skip_check)
-    except UnsupportedModelError as exc:  # a pooled checkpoint its loader refuses by name
-        print(f"invariant-infer serve: {exc}", file=sys.stderr)
-        return exit_codes.UNSUPPORTED_MODEL
     except InvariantInferError as exc:  # settings, a model, an adapter or a TP size the engine refuses
         print(f"invariant-infer serve: {exc}", file=sys.stderr)
+        if task != "generate" and isinstance(exc, UnsupportedModelError):  # a pooled checkpoint's loader refused it
+            return exit_codes.UNSUPPORTED_MODEL
         return exit_codes.REFUSED
     return {"rank failed": exit_codes.RANK_FAILED, "check failed": exit_codes.NOT_INVARIANT}.get(stopped, exit_codes.OK)
 
