@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, BertTokenizerFast, PreTrainedTokenizerFast
 
 from helpers.tokenizer import BPE_WORDS, train_tokenizer

@@ -18,7 +18,7 @@ from invariant_infer.checkpoints.pooled_loading import load_pooled_model, poolin
 from invariant_infer.errors import InvalidArgumentError, UnsupportedModelError
 from invariant_infer.model import pooling
 from invariant_infer.model.pooled_model import PooledInput
-from invariant_infer.testing.random_checkpoints import qwen2_config, random_config, save_random_checkpoint
+from invariant_infer.testing.random_checkpoints import qwen2_config, save_random_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ same at two --max-batch-tokens, after a resume from a torn file, on --ray and th
 each row equals its row computed alone (``PooledModel``). Options pooled checkpoints do not take are refused."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
