@@ -87,6 +87,7 @@ def test_any_schedule_equals_alone_generate_and_score(hybrid_models, family, bud
                            scored[i].token_logprobs), i
 
 
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 def test_negative_control_a_scan_chunk_chosen_by_the_step(hybrid_models, monkeypatch):
     """Chunks of 32 whenever a step holds more than one sequence: the mixed run's bits change. (At a
     budget of 200 the 66-token prompt is prefilled beside another; at 7 only one step holds a segment

@@ -196,6 +196,7 @@ def test_abort_mid_speculation_frees_every_page(models):
     assert engine.step() == []
 
 
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 def test_negative_control_a_row_count_dependent_verify_changes_the_output(monkeypatch):
     """Projections that pick BLOCK_K by M: a verify forward of k + 1 = 9 rows takes another config than
     a decode step's 1 row, and the comparison above catches it; with the engine's own projections

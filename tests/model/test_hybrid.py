@@ -109,7 +109,7 @@ def test_generate_decode_equals_prefill_and_a_batch_equals_each_prompt_alone(fam
         assert torch.equal(batched[row], alone[row]), row
 
 
-@pytest.mark.fast_cells(ids=["qwen3_5_text"])
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 @pytest.mark.parametrize("family", LAYOUT_FAMILIES)
 def test_a_prefill_cut_anywhere_through_the_cache_equals_one_forward(family_checkpoints, family):
     """The prompt fed through the cache in pieces (before, at and after the chunk boundary), as a

@@ -130,6 +130,7 @@ def test_dequantization_equals_compressed_tensors_and_logits_match_float64(check
     assert ((got - want).abs().max() / want.abs().max()).item() < LOGIT_TOLERANCE[scheme]
 
 
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 def test_negative_control_per_tensor_dynamic_scale(checkpoints):
     """Stock compressed-tensors with a per-tensor dynamic activation scale: rows change with their batch.
     make_invariant replaces it by a per-token scale (warning), or refuses it with strict=True."""

@@ -87,6 +87,7 @@ def test_negative_control_sampled_placeholders(checkpoint, tmp_path):
         trainer.train()
 
 
+@pytest.mark.heavy  # the fast tier keeps to its 10 minutes
 @pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)  # one family is enough here
 def test_negative_control_m_dependent_rollouts(checkpoint, tmp_path, monkeypatch):
     """Rollout logprobs from a GEMM whose K tile depends on the row count (the engine's decode steps of a
