@@ -48,19 +48,23 @@ def create_app(async_engine: AsyncEngine, tokenizer, options: ServerOptions | No
     """The app for an engine (with its tokenizer)."""
     options = options or ServerOptions()
     server = ServerState(async_engine, tokenizer, options)
+    # pooling_refusals: 400s naming the task on the pooling routes
+    return build_app(server, options, async_engine.shutdown, (api, lora_api, pooling_refusals, public))
 
+
+def build_app(server, options: ServerOptions, shutdown, routers) -> FastAPI:
+    """The FastAPI app both servers run: ``server`` as its state, the error handlers, the body limit and
+    the request metrics (outermost: they count the 413s too), ``routers`` in order, ``shutdown`` on exit."""
     @asynccontextmanager
     async def lifespan(app):
         yield
-        async_engine.shutdown()
+        shutdown()
 
     app = FastAPI(title="invariant-infer", lifespan=lifespan)
     app.state.server = server
     install_handlers(app)
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
-    app.add_middleware(RequestMetrics, metrics=server.metrics)  # outermost: counts the 413s too
-    app.include_router(api)
-    app.include_router(lora_api)
-    app.include_router(pooling_refusals)  # 400s naming the task
-    app.include_router(public)
+    app.add_middleware(RequestMetrics, metrics=server.metrics)
+    for router in routers:
+        app.include_router(router)
     return app

@@ -5,15 +5,12 @@ traffic: rows alone against the same rows in padded batches, bitwise."""
 from __future__ import annotations
 
 import sys
-from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI
 
 from ..engine.pooling_engine import PoolingEngine
-from .app import BodyLimit
-from .errors import install_handlers
-from .metrics import RequestMetrics
+from .app import build_app
 from .pooling_routes import generation_refusals, pooling_api
 from .pooling_state import PoolingServerState
 from .routes import public
@@ -25,21 +22,8 @@ CHECK_TEXTS = ("a", "the quick brown fox jumps over the lazy dog", "hello world,
 def create_pooling_app(engine: PoolingEngine, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
     server = PoolingServerState(engine, options)
-
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        engine.shutdown()
-
-    app = FastAPI(title="invariant-infer", lifespan=lifespan)
-    app.state.server = server
-    install_handlers(app)
-    app.add_middleware(BodyLimit, limit=options.max_body_bytes)
-    app.add_middleware(RequestMetrics, metrics=server.metrics)
-    app.include_router(pooling_api)
-    app.include_router(generation_refusals)
-    app.include_router(public)  # /health, /metrics (``PoolingMetrics.render``)
-    return app
+    # public: /health, /metrics (``PoolingMetrics.render``)
+    return build_app(server, options, engine.shutdown, (pooling_api, generation_refusals, public))
 
 
 def check_pooled_rows(model) -> list[tuple[str, bool]]:
