@@ -11,7 +11,7 @@ import secrets
 import time
 
 import torch
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from .errors import JSON, bad
 from .pooling_protocol import (ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
@@ -92,13 +92,9 @@ async def _score(body: ScoreRequest, server: PoolingServerState, route: str):
 
 
 @pooling_api.post("/score")
-async def score(body: ScoreRequest, server: PoolingServerState = Depends(server_state)):
-    return await _score(body, server, "/score")
-
-
 @pooling_api.post("/v1/score")
-async def score_v1(body: ScoreRequest, server: PoolingServerState = Depends(server_state)):
-    return await _score(body, server, "/v1/score")
+async def score(body: ScoreRequest, request: Request, server: PoolingServerState = Depends(server_state)):
+    return await _score(body, server, request.scope["route"].path)
 
 
 async def _rerank(body: RerankRequest, server: PoolingServerState, route: str):
@@ -114,13 +110,9 @@ async def _rerank(body: RerankRequest, server: PoolingServerState, route: str):
 
 
 @pooling_api.post("/rerank")
-async def rerank(body: RerankRequest, server: PoolingServerState = Depends(server_state)):
-    return await _rerank(body, server, "/rerank")
-
-
 @pooling_api.post("/v1/rerank")
-async def rerank_v1(body: RerankRequest, server: PoolingServerState = Depends(server_state)):
-    return await _rerank(body, server, "/v1/rerank")
+async def rerank(body: RerankRequest, request: Request, server: PoolingServerState = Depends(server_state)):
+    return await _rerank(body, server, request.scope["route"].path)
 
 
 @pooling_api.post("/classify")
