@@ -2,7 +2,7 @@
 the reward model (right-padded, read at the last non-pad token); each completion's reward there is bitwise the
 reward TRL's own path gives it scored alone (batch of 1), and in another order and batch size. The reward
 model is a tiny Qwen3ForSequenceClassification (one label) saved and loaded back, passed as a model and as a
-path; a BERT cross-encoder as reward model; a family make_invariant does not patch is refused by name.
+path; a BERT cross-encoder as reward model; a family make_invariant does not patch is refused by name, leaving no model patched.
 Negative control: the reward model's linears on a linear whose K tile follows the row count moves rewards."""
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def paths(tmp_path_factory):
     return out
 
 
-def trainer_for(paths, tmp_path, reward, cls=InvariantGRPOTrainer, **kwargs):
+def trainer_for(paths, tmp_path, reward, cls=InvariantGRPOTrainer, model=None, **kwargs):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(paths["policy"])
-    model = load_model(paths["policy"], torch.float32)
+    model = model if model is not None else load_model(paths["policy"], torch.float32)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, *STOP_IDS]
     # One generation of 4 (2 prompts x 2) per step, trained in micro-batches of 2.
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=2,
@@ -160,6 +160,10 @@ def test_reward_model_given_by_path_or_encoder_is_invariant(paths, tmp_path, fam
 def test_reward_model_of_an_unpatched_family_is_refused_by_name(paths, tmp_path):
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320, num_labels=1)
     reward = GPT2ForSequenceClassification(config)
-    with pytest.raises(UnsupportedModelError, match=r"reward_funcs\[0\] .*GPT2ForSequenceClassification.*'gpt2'"):
-        trainer_for(paths, tmp_path, reward,
-                    reward_processing_classes=PreTrainedTokenizerFast.from_pretrained(paths["qwen3"]))
+    supported = load_reward(paths["qwen3"])
+    policy = load_model(paths["policy"], torch.float32)
+    with pytest.raises(UnsupportedModelError, match=r"reward_funcs\[1\] .*GPT2ForSequenceClassification.*'gpt2'"):
+        trainer_for(paths, tmp_path, [supported, reward], model=policy,
+                    reward_processing_classes=[PreTrainedTokenizerFast.from_pretrained(paths["qwen3"])] * 2)
+    # Nothing stays patched: the reward model before the refused one is restored, the policy never patched.
+    assert not is_invariant(supported) and not is_invariant(policy)

@@ -44,7 +44,7 @@ from ...errors import (InternalError, RequestFailedError, UnsupportedModelError,
                        UnsupportedTRLError)
 from ...model.kinds import model_kinds
 from ...model.lora import unwrap_peft
-from ...model.patch import make_invariant
+from ...model.patch import make_invariant, restore
 from ...model.support import require
 from ..logprobs import scored_positions, token_logprobs
 
@@ -121,16 +121,21 @@ def check_trainable(model) -> None:
 
 def make_reward_models_invariant(reward_funcs: list, names: list[str]) -> None:
     """``make_invariant`` on every model among ``reward_funcs`` (TRL has loaded the ids and paths by now); a
-    model it cannot patch is refused with its index and name (``UnsupportedModelError``)."""
+    model it cannot patch is refused with its index and name (``UnsupportedModelError``), the models patched
+    before it restored."""
+    patched = []
     for index, (reward, name) in enumerate(zip(reward_funcs, names)):
         if not isinstance(reward, torch.nn.Module):  # a Python function: its own business
             continue
         try:
             make_invariant(reward)
         except UnsupportedModelError as error:
+            for model in patched:
+                restore(model)
             raise UnsupportedModelError(
                 f"reward_funcs[{index}] ({name}, {type(reward).__name__}): InvariantGRPOTrainer scores with "
                 f"reward models make_invariant patches; {error}") from error
+        patched.append(reward)
 
 
 class _NoVLLM:
@@ -224,12 +229,13 @@ class InvariantGRPOTrainer(GRPOTrainer):
             raise UnsupportedTRLError("InvariantGRPOTrainer does not support: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
         check_trainable(self.model)
-        make_invariant(self.model)
-        if self.ref_model is not None:
-            make_invariant(self.accelerator.unwrap_model(self.ref_model))
+        # The reward models first: a refused one leaves the caller's policy and reference models unpatched.
         # TRL scores all the generation batch's completions in one forward of each reward model.
         make_reward_models_invariant([self.accelerator.unwrap_model(r) if isinstance(r, torch.nn.Module) else r
                                       for r in self.reward_funcs], self.reward_func_names)
+        make_invariant(self.model)
+        if self.ref_model is not None:
+            make_invariant(self.accelerator.unwrap_model(self.ref_model))
         # TRL compares rollout and training logprobs on its vLLM branch only: take it, with the engine
         # (``_generate_single_turn`` below) doing vLLM's part.
         self.use_vllm, self.vllm_mode = True, "invariant-engine"
