@@ -77,7 +77,7 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def is_vision_language(path: str) -> bool:
+def is_vision_language_checkpoint(path: str) -> bool:
     """Whether the checkpoint at ``path`` loads as a vision-language model (``vision_language_config``)."""
     try:
         config = AutoConfig.from_pretrained(path)

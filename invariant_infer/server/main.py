@@ -30,7 +30,7 @@ import sys
 import uvicorn
 
 from ..engine import AsyncEngine, Engine
-from ..checkpoints.loading import is_vision_language, load_model, load_processor, load_tokenizer
+from ..checkpoints.loading import is_vision_language_checkpoint, load_model, load_processor, load_tokenizer
 from ..errors import CheckpointLoadError, InvalidArgumentError, InvariantInferError, LoraAdapterError
 from ..parallel import TensorParallelRanks
 from ..parallel.forced_exit import FORCED_EXIT_AFTER_S, exit_later
@@ -111,8 +111,8 @@ def build_engine(options: ServerOptions, ranks: TensorParallelRanks | None = Non
     tokenizer = load_tokenizer(options.tokenizer or options.model)
     serves_loras = options.enable_lora or bool(options.lora_modules)
     # A vision-language checkpoint's engine takes its image processor beside the tokenizer (image_url parts).
-    processing = load_processor(options.model, tokenizer) if ranks is None and is_vision_language(options.model) \
-        else tokenizer
+    vision = ranks is None and is_vision_language_checkpoint(options.model)
+    processing = load_processor(options.model, tokenizer) if vision else tokenizer
     engine = Engine(model, processing, max_num_seqs=options.max_num_seqs,
                     max_num_batched_tokens=options.max_num_batched_tokens, kv_cache_memory=options.kv_cache_memory,
                     enable_prefix_caching=options.enable_prefix_caching, kernels=options.kernels, executor=ranks,

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5Config, Qwen3_
 
 from helpers.scoring_rows import read_rows, write_jsonl
 from invariant_infer import make_invariant, score_sequences
-from invariant_infer.checkpoints.loading import is_vision_language, vision_language_config
+from invariant_infer.checkpoints.loading import is_vision_language_checkpoint, vision_language_config
 from invariant_infer.cli import exit_codes
 from invariant_infer.cli import score as scoring_cli
 from invariant_infer.errors import JobError
@@ -38,7 +38,7 @@ def multimodal_checkpoint(tmp_path_factory):
 def test_the_one_rule_says_a_qwen3_5_checkpoint_is_not_vision_language(multimodal_checkpoint):
     config = AutoConfig.from_pretrained(multimodal_checkpoint)
     assert config.vision_config is not None  # control: a rule reading vision_config would say vision-language
-    assert not vision_language_config(config) and not is_vision_language(str(multimodal_checkpoint))
+    assert not vision_language_config(config) and not is_vision_language_checkpoint(str(multimodal_checkpoint))
     assert vision_language_config(random_config("qwen2_5_vl", "tiny"))
 
 

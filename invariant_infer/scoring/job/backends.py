@@ -12,7 +12,8 @@ from transformers import AutoConfig
 
 from .ray import DEFAULT_BATCH_ROWS, DEFAULT_MAX_RESTARTS, require_ray, score_requests
 from ...errors import DeviceError, JobError, ScoringRequestError, TensorParallelError, UnsupportedModelError
-from ...checkpoints.loading import is_vision_language, load_model, load_processor, vision_language_config
+from ...checkpoints.loading import (is_vision_language_checkpoint, load_model, load_processor,
+                                    vision_language_config)
 from ...checkpoints.pooled_loading import describe_pooled_model, load_pooled_model
 from ...model.pooled_model import PooledInput
 from ..pooled import PooledResult, score_pooled_group
@@ -66,7 +67,8 @@ class LocalBackend:
         try:
             if tensor_parallel_size == 1:
                 model = load_model(path, dtype=dtype, device=device)
-                image_processor = load_processor(path, None).image_processor if is_vision_language(path) else None
+                image_processor = (load_processor(path, None).image_processor
+                                   if is_vision_language_checkpoint(path) else None)
                 return cls(model, loras=loras, image_processor=image_processor)
             if loras:
                 _require_for_job("peft_model", "tensor_parallel", "--lora")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...checkpoints.loading import DTYPES, LazyTokenizer, is_vision_language, load_model, load_processor
+from ...checkpoints.loading import DTYPES, LazyTokenizer, is_vision_language_checkpoint, load_model, load_processor
 from ...checkpoints.pooled_loading import load_pooled_model
 from ...model.pooled_model import PooledInput
 from ..pooled import PooledResult, check_pooled_input, parse_pooled_request, score_pooled_group
@@ -99,7 +99,8 @@ class _Scorer:
         self.model = load_model(model, dtype=dtype, device=device)
         self.tokenizer = LazyTokenizer(tokenizer or model)
         self.max_batch_tokens, self.ledger = max_batch_tokens, ledger
-        self.image_processor = load_processor(model, None).image_processor if is_vision_language(model) else None
+        self.image_processor = (load_processor(model, None).image_processor
+                                if is_vision_language_checkpoint(model) else None)
 
     def _request(self, row: dict) -> tuple[list[int], int, Any]:
         """(ids, prompt length, the processed images or None) of a row; its images (``request_images``:
