@@ -4,8 +4,8 @@ bias, RoPE on the first half of each head (``partial_rotary_factor`` 0.5), per-h
 of routed experts plus an ungated shared MLP (``shared_experts``). The router is DeepSeek-V3's: fp32
 logits, sigmoid scores, experts chosen by score + ``e_score_correction_bias`` among the ``topk_group``
 best of ``n_group`` groups, weighted by their scores (renormalised when ``norm_topk_prob``) times
-``routed_scaling_factor``. The multi-token-prediction layers of the checkpoints are not loaded by
-transformers, so nothing here runs them."""
+``routed_scaling_factor``. The causal LM does not load the checkpoints' multi-token-prediction layers;
+``generate(use_mtp=True)`` is refused with the other assisted decoding."""
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeExperts, Glm4MoeMLP, Glm4MoeMoE, Glm4MoeRMSNorm,
                                                             Glm4MoeTopkRouter)
