@@ -67,7 +67,7 @@ _PER_CHANNEL_TP = ("their activation scale spans the whole row, which a row-para
 # The kinds matrix: one row per kind, in this order in the docs.
 KINDS = [
     _row("dense", "dense models", title="dense (Qwen2 / 2.5, Qwen3, Llama 3.x, Mistral, Gemma 3)"),
-    _row("moe", "mixture-of-experts models", title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss)",
+    _row("moe", "mixture-of-experts models", title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5)",
          refused=_no("the experts' K trees are not split across ranks; run the model in one process (no tp_plan, "
                      "tensor parallel size 1)", ("tensor_parallel",))
          | _no("MoE training is not supported: the invariant router and experts have no backward (and the router "

@@ -28,6 +28,7 @@ TINY_LINEAR = LinearStateSpec(conv_dim=2 * 2 * 16 + 4 * 32, conv_kernel=4, num_v
 TINY_SPECS = {
     "gemma3_text": (WINDOW24(1, 32), FULL(1, 32)),
     "gpt_oss": (WINDOW24(2, 32), FULL(2, 32)),
+    "glm4_moe": (FULL(2, 32),) * 2,
     "llama": (FULL(2, 16),) * 2,
     "mistral": (FULL(1, 16),) * 2,  # sliding_window None
     "mixtral": (FULL(1, 16),) * 2,
