@@ -41,7 +41,7 @@ from transformers import AttentionInterface
 from ..model.checks import base_model
 from ..model.cache_specs import linear_attention_layers
 from ..model.families import rope_position_axes, text_config
-from ..model.logits import head_logits
+from ..model.logits import head_logits, logit_softcap
 from ..kernels import attention_config, token_logprobs
 from ..model.padding import sequence_bounds
 from ..model.prompt_inputs import decoder_token_inputs
@@ -81,6 +81,7 @@ class ModelRunner:
         self.position_axes = rope_position_axes(model.config)
         self.lm_head = model.get_output_embeddings()
         self.device, self.dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        self.softcap = logit_softcap(model.config)  # Gemma 4 caps its final logits
         self.num_layers = config.num_hidden_layers
         layout = tp_layout(model)
         self.tp_size = layout.size if layout else 1
@@ -373,7 +374,8 @@ class ModelRunner:
         """Logits [R, V] (model dtype) of hidden rows [R, H]. Under tensor parallelism, the sharded
         head's own forward: its slice, then an all-gather (copies)."""
         return head_logits(hidden, self.lm_head.weight, self.lm_head.bias,
-                           head=self.lm_head if self.tp_size > 1 else None, invariant=self.invariant)
+                           head=self.lm_head if self.tp_size > 1 else None, invariant=self.invariant,
+                           softcap=self.softcap)
 
     @torch.inference_mode()
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels import linear, token_logprobs, token_logprobs_autograd
+from ..kernels.tanh import tanh, tanh_autograd
 
 # Elements of one logits chunk: 32 Mi (64 MiB in bf16); a Qwen2.5 vocab gives 220 rows a chunk.
 LOGITS_CHUNK_ELEMENTS = 1 << 25
@@ -29,14 +30,31 @@ def logits_chunk_rows(vocab_size: int, chunk_rows: int | None = None) -> int:
 
 
 def head_logits(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                head=None, invariant: bool = True) -> torch.Tensor:
+                head=None, invariant: bool = True, softcap: float | None = None) -> torch.Tensor:
     """Logits [R, V] (model dtype) of hidden rows [R, H]: ``head(rows)`` when a head module is given,
-    else the invariant linear kernel (``invariant=False``: torch's, for stock benchmarks)."""
+    else the invariant linear kernel (``invariant=False``: torch's, for stock benchmarks); then
+    ``softcap_logits`` where the model caps its logits."""
     if head is not None:
-        return head(rows)
-    if invariant:
-        return linear(rows, weight, bias)
-    return F.linear(rows, weight, bias)
+        logits = head(rows)
+    elif invariant:
+        logits = linear(rows, weight, bias)
+    else:
+        logits = F.linear(rows, weight, bias)
+    return logits if softcap is None else softcap_logits(logits, softcap)
+
+
+def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma's final logit softcapping) in transformers' three roundings,
+    each element alone: the divide and multiply are exact per element, tanh is a kernel."""
+    scaled = logits / cap
+    capped = tanh_autograd(scaled) if torch.is_grad_enabled() and scaled.requires_grad else tanh(scaled)
+    return capped * cap
+
+
+def logit_softcap(config) -> float | None:
+    """The cap a causal LM's config applies to its final logits (Gemma 4), or None."""
+    from .families import text_config
+    return getattr(text_config(config), "final_logit_softcapping", None)
 
 
 def _chunks(total: int, chunk_rows: int) -> Iterator[tuple[int, int]]:
@@ -46,7 +64,7 @@ def _chunks(total: int, chunk_rows: int) -> Iterator[tuple[int, int]]:
 
 def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, *,
                                lm_head_bias: torch.Tensor | None = None, chunk_rows: int | None = None,
-                               head=None) -> tuple[torch.Tensor, torch.Tensor]:
+                               head=None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states [T, H] and the tokens they predict [T] -> (fp32 [T] logprobs, bool [T]
     is-argmax), a chunk of rows at a time (see the module's docstring)."""
     chunk_rows = logits_chunk_rows(lm_head_weight.shape[0], chunk_rows)
@@ -54,7 +72,7 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     logprobs = torch.empty(total, device=hidden.device, dtype=torch.float32)
     is_argmax = torch.empty(total, device=hidden.device, dtype=torch.bool)
     for start, end in _chunks(total, chunk_rows):
-        logits = head_logits(hidden[start:end], lm_head_weight, lm_head_bias, head=head)
+        logits = head_logits(hidden[start:end], lm_head_weight, lm_head_bias, head=head, softcap=softcap)
         logprobs[start:end], is_argmax[start:end] = token_logprobs(logits, targets[start:end])
         del logits
     return logprobs, is_argmax

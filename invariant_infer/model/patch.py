@@ -122,6 +122,9 @@ def _zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.T
 
 def _fp32_scaled_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     eps = self.variance_epsilon
+    if not getattr(self, "with_scale", True):  # Gemma 4's v_norm: no weight, so x * rsqrt(ms) * 1.0
+        ones = torch.ones(hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
+        return rms_norm(hidden_states, ones, eps, scale_in_fp32=True)
 
     def reference(x, weight):  # gpt-oss's own formula
         x = x.float()
@@ -355,6 +358,8 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
             _set_forward(module, router_forward)
         elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
             _set_forward(module, experts_interface.shared_expert_block_forward)
+        elif type(module) in adapter.module_forwards:
+            _set_forward(module, adapter.module_forwards[type(module)])
         elif adapter.vision is not None and type(module) is adapter.vision.tower:
             adapter.vision.prepare(module)
             _set_forward(module, adapter.vision.forward)

@@ -167,6 +167,18 @@ FEATURES = [
          feature=True, refused=_no("they are not supported yet; load the checkpoint with use_sliding_window=False")),
     _row("logit_softcapping", "logit softcapping (attn_logit_softcapping, final_logit_softcapping)", feature=True,
          refused=_no("logit softcapping is not supported yet; the kernels never drop it silently")),
+    _row("gemma4_moe", "Gemma 4's mixture of experts (gemma4_text with enable_moe_block: 26B-A4B)", feature=True,
+         refused=_no("its router (an unweighted RMSNorm, a learned scale, per-expert scales on the renormalised "
+                     "top-k) and the dense MLP beside its experts are not on the invariant kernels yet; the dense "
+                     "Gemma 4 models run")),
+    _row("gemma4_text_training", "Gemma 4 (gemma4_text)", kinds=("gemma4_text",), feature=True,
+         refused=_no("its backward (per-layer inputs, KV-shared layers, softcapped logits) is not tested yet; run it "
+                     "under torch.no_grad() / torch.inference_mode()", ("training", "trl"),
+                     errors={"trl": UnsupportedTRLError})
+         | _no("its global layers' own head_dim and KV heads are not sharded yet; run it in one process",
+               ("tensor_parallel",))
+         | _no("a draft's rejected tokens and the KV-shared layers are not tested together yet; run it without "
+               "speculative", ("speculative",))),
     _row("softcap_argument", "attention logit softcapping (softcap)", feature=True,
          refused=_no("invariant attention has no softcapping yet, and never drops it", ("model", "engine"),
                      NonInvariantInputError)),
