@@ -121,7 +121,7 @@ def _zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.T
 
 
 def _fp32_scaled_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    eps = self.variance_epsilon
+    eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps  # Gemma 4 in transformers 5.17: eps
     if not getattr(self, "with_scale", True):  # Gemma 4's v_norm: no weight, so x * rsqrt(ms) * 1.0
         ones = torch.ones(hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
         return rms_norm(hidden_states, ones, eps, scale_in_fp32=True)

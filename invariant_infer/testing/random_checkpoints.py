@@ -50,6 +50,9 @@ def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = t
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith("LayerNorm.weight"):  # an encoder's LayerNorms (their biases are drawn above)
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith(".layer_scalar"):  # Gemma 4's per-layer output scale starts at one
+                buffer.uniform_(0.5, 1.5)
     return model
 
 

@@ -1,0 +1,159 @@
+"""Gemma 4's text model (``gemma4_text``, dense), the tiny preset with every feature at once: sliding
+(16 keys) and global layers, the global ones with their own head_dim and KV heads and K = V, two
+layers reading the first two's K/V, per-layer inputs, the per-layer scalar and softcapped logits.
+Each row is bitwise itself alone in any padded batch and packed (ids and embeddings); fp32 logits are
+within tolerance of stock float64, which references with full rotary on the global layers, without
+the window, without KV sharing or without softcapping all miss; bf16 errs no more than stock bf16;
+``generate`` past the window gives each row's bits alone and each step one forward's; the engine's
+requests equal alone with prefix hits. Negative control: an M-dependent linear. The MoE variant is
+refused by name."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers.controls import m_dependent_linear
+from helpers.models import batch_mismatches, load_model, make_samples
+from invariant_infer import UnsupportedModelError, make_invariant
+from invariant_infer.model.logits import softcap_logits
+from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
+from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
+                                 assert_generate_past_the_window_equals_prefill_and_alone,
+                                 assert_rows_equal_alone_in_any_batch_and_packed)
+
+FAMILY = "gemma4_text"
+LENGTHS = (9, 1, 26, 5)  # past the 16-key window
+RELATIVE_TOLERANCE = 2e-4  # of the logits' scale (their largest magnitude), fp32 against stock float64
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_random_checkpoint(tmp_path_factory.mktemp("gemma4"), random_config(FAMILY, "tiny"), seed=1)
+
+
+def test_rows_equal_alone_in_any_batch_and_packed(checkpoint):
+    assert_rows_equal_alone_in_any_batch_and_packed(make_invariant(load_model(checkpoint, torch.bfloat16)), LENGTHS)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rows_equal_alone_in_other_dtypes(checkpoint, dtype):
+    assert_rows_equal_alone_in_any_batch_and_packed(make_invariant(load_model(checkpoint, dtype)), LENGTHS)
+
+
+@pytest.mark.heavy
+def test_embedding_rows_equal_alone_in_any_batch(checkpoint):
+    """inputs_embeds: the per-layer inputs come from the ids transformers recovers from them."""
+    model = make_invariant(load_model(checkpoint, torch.bfloat16))
+    samples = make_samples(model.config.vocab_size, LENGTHS)
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        assert batch_mismatches(model, samples) == []
+        for sample in samples:
+            by_ids = model(input_ids=sample[None]).logits
+            by_embeds = model(inputs_embeds=embed(sample[None])).logits
+            assert torch.equal(by_ids, by_embeds)
+
+
+@pytest.mark.heavy
+def test_negative_control_an_m_dependent_linear_is_caught(checkpoint, monkeypatch):
+    import invariant_infer.model.patch as patch_module
+    monkeypatch.setattr(patch_module, "linear", m_dependent_linear)
+    model = make_invariant(load_model(checkpoint, torch.bfloat16))
+    with torch.no_grad():
+        assert batch_mismatches(model, make_samples(model.config.vocab_size, LENGTHS)) != []
+
+
+def test_softcapping_is_per_element_and_batch_invariant():
+    """cap * tanh(logits / cap) of a row is the same bits alone and in any batch of rows."""
+    torch.manual_seed(0)
+    rows = torch.randn(37, 523, dtype=torch.bfloat16) * 20
+    batch = softcap_logits(rows, 5.0)
+    assert all(torch.equal(batch[i], softcap_logits(rows[i:i + 1], 5.0)[0]) for i in (0, 17, 36))
+    assert torch.equal(batch[5:9], softcap_logits(rows[5:9], 5.0))
+    exact = 5.0 * torch.tanh(rows.double() / 5.0)
+    assert (batch.double() - exact).abs().max() <= 5.0 * 2 ** -7  # bf16's rounding of |values| under 5
+    assert batch.abs().max() <= 5.0
+
+
+def _full_rotary_on_global_layers(reference):
+    """The global layers rotated over their whole head_dim (the released RoPE rotates a quarter)."""
+    rotary = reference.model.rotary_emb
+    dim = reference.config.per_layer_config[1].head_dim
+    theta = reference.config.rope_parameters["full_attention"]["rope_theta"]
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rotary.full_attention_inv_freq = inv.to(rotary.full_attention_inv_freq.dtype)
+
+
+def _no_window(reference):
+    reference.config.sliding_window = 4096
+    for layer in reference.model.layers:
+        layer.self_attn.sliding_window = None
+
+
+def _no_kv_sharing(reference):
+    """Each layer its own K/V: the sharing layers project their own, with their source's weights."""
+    sources = {2: 0, 3: 1}
+    for layer, source in sources.items():
+        attention, own = reference.model.layers[layer].self_attn, reference.model.layers[source].self_attn
+        for name in ("k_proj", "v_proj", "k_norm", "v_norm"):
+            setattr(attention, name, copy.deepcopy(getattr(own, name)))
+        attention.is_kv_shared_layer = False
+
+
+def _no_softcapping(reference):
+    reference.config.final_logit_softcapping = None
+
+
+def test_accuracy_against_float64_and_what_its_tolerance_catches(checkpoint):
+    stock = load_model(checkpoint, torch.float32)
+    model = make_invariant(copy.deepcopy(stock))
+    ids = make_samples(model.config.vocab_size, (60,))[0][None]
+
+    def reference_logits(change=None):
+        reference = copy.deepcopy(stock).double()
+        if change is not None:
+            change(reference)
+        with torch.no_grad():
+            return reference(ids, use_cache=False).logits  # no cache: the KV-shared layers own none
+    exact = reference_logits()
+    with torch.no_grad():
+        ours = model(ids).logits.double()
+    tolerance = RELATIVE_TOLERANCE * exact.abs().max().item()
+    assert (ours - exact).abs().max().item() < tolerance
+    for change in (_full_rotary_on_global_layers, _no_window, _no_kv_sharing, _no_softcapping):
+        assert (ours - reference_logits(change)).abs().max().item() > 10 * tolerance, change.__name__
+
+
+@pytest.mark.heavy
+def test_bf16_errs_no_more_than_twice_stock_bf16(checkpoint):
+    stock = load_model(checkpoint, torch.bfloat16)
+    model = make_invariant(copy.deepcopy(stock))
+    ids = make_samples(model.config.vocab_size, (60,))[0][None]
+    with torch.no_grad():
+        exact = load_model(checkpoint, torch.float32).double()(ids).logits
+        ours = (model(ids).logits.double() - exact).abs().max().item()
+        theirs = (stock(ids).logits.double() - exact).abs().max().item()
+    assert ours <= 2 * theirs
+
+
+@pytest.mark.fast_cells(ids=["dynamic"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
+    assert_generate_past_the_window_equals_prefill_and_alone(make_invariant(load_model(checkpoint, torch.bfloat16)),
+                                                             cache, new_tokens=6)
+
+
+@pytest.mark.heavy
+def test_engine_requests_equal_alone_with_prefix_hits(checkpoint):
+    assert_engine_requests_equal_alone_with_prefix_hits(make_invariant(load_model(checkpoint, torch.bfloat16)),
+                                                        new_tokens=4, alone_prompt_logprobs=True)
+
+
+def test_the_moe_variant_is_refused_by_name():
+    model = random_model(random_config(FAMILY, "tiny", enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                       moe_intermediate_size=32))
+    with pytest.raises(UnsupportedModelError, match="gemma4_text: .*mixture of experts.*enable_moe_block"):
+        make_invariant(model)
