@@ -86,7 +86,7 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _attention_shape(config, layer: int) -> tuple[int, int]:
+def attention_shape(config, layer: int) -> tuple[int, int]:
     """(KV heads, head_dim) of an attention layer: the config's, or its per-layer override (Gemma 4's
     global layers: ``per_layer_config[layer]``)."""
     overrides = getattr(config, "per_layer_config", None)  # every config has the view (transformers 5.17 on)
@@ -125,7 +125,7 @@ def cache_specs(config) -> tuple[LayerCacheSpec, ...]:
     sources = kv_source_layers(text)
     specs: list[LayerCacheSpec] = []
     for layer, kind in enumerate(kinds[:text.num_hidden_layers]):
-        heads, head_dim = _attention_shape(text, layer)
+        heads, head_dim = attention_shape(text, layer)
         if layer in sources:
             specs.append(SharedKVSpec(sources[layer]))
         elif kind == "linear_attention":

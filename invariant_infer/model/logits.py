@@ -53,8 +53,8 @@ def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 def logit_softcap(config) -> float | None:
     """The cap a causal LM's config applies to its final logits (Gemma 4), or None."""
-    from .families import text_config
-    return getattr(text_config(config), "final_logit_softcapping", None)
+    text = getattr(config, "text_config", None) or config
+    return getattr(text, "final_logit_softcapping", None)
 
 
 def _chunks(total: int, chunk_rows: int) -> Iterator[tuple[int, int]]:

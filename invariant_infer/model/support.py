@@ -66,7 +66,7 @@ _PER_CHANNEL_TP = ("their activation scale spans the whole row, which a row-para
 
 # The kinds matrix: one row per kind, in this order in the docs.
 KINDS = [
-    _row("dense", "dense models", title="dense (Qwen2 / 2.5, Qwen3, Llama 3.x, Mistral, Gemma 3)"),
+    _row("dense", "dense models", title="dense (Qwen2 / 2.5, Qwen3, Llama 3.x, Mistral, Gemma 3, Gemma 4 text)"),
     _row("moe", "mixture-of-experts models", title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss)",
          refused=_no("the experts' K trees are not split across ranks; run the model in one process (no tp_plan, "
                      "tensor parallel size 1)", ("tensor_parallel",))
@@ -84,7 +84,8 @@ KINDS = [
                      "without speculative", ("speculative",))
          | _no("the vision tower is not sharded yet; run them in one process", ("tensor_parallel",))),
     _row("windowed", "sliding-window layers and attention sinks",
-         title="sliding windows, attention sinks (Gemma 3, windowed Mistral / Mixtral, gpt-oss, `use_sliding_window`)"),
+         title="sliding windows, attention sinks (Gemma 3, Gemma 4, windowed Mistral / Mixtral, gpt-oss, "
+               "`use_sliding_window`)"),
     _row("fp8_dynamic", "compressed-tensors FP8 checkpoints with per-channel or per-tensor scales",
          title="compressed-tensors FP8_DYNAMIC (and FP8: per-channel, per-tensor scales)",
          refused=_no(_PER_CHANNEL_TP, ("tensor_parallel",))),

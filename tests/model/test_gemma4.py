@@ -157,3 +157,16 @@ def test_the_moe_variant_is_refused_by_name():
                                        moe_intermediate_size=32))
     with pytest.raises(UnsupportedModelError, match="gemma4_text: .*mixture of experts.*enable_moe_block"):
         make_invariant(model)
+
+
+@pytest.mark.heavy
+def test_embeddings_find_their_ids_where_sqrt_hidden_is_not_a_bf16_number():
+    """hidden 48: the embedding module scales by sqrt(48) rounded to bf16 (6.9375), so transformers'
+    reverse lookup (unrounded 6.928...) matches no row; the invariant path finds each id exactly."""
+    model = make_invariant(random_model(random_config(FAMILY, "tiny", hidden_size=48), seed=2, dtype=torch.bfloat16))
+    ids = make_samples(model.config.vocab_size, (12,))[0][None]
+    embeds = model.get_input_embeddings()(ids)
+    with torch.no_grad():
+        assert torch.equal(model(inputs_embeds=embeds).logits, model(input_ids=ids).logits)
+        with pytest.raises(RuntimeError, match="do not exactly match"):
+            model.model.get_per_layer_inputs(None, embeds)  # transformers' own lookup
