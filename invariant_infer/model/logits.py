@@ -78,13 +78,17 @@ def token_logprobs_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     return logprobs, is_argmax
 
 
-def _head_logprobs(rows: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float):
-    return token_logprobs_autograd(head(rows), targets, temperature)
+def _head_logprobs(rows: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float,
+                   softcap: float | None = None):
+    logits = head(rows)
+    return token_logprobs_autograd(logits if softcap is None else softcap_logits(logits, softcap), targets, temperature)
 
 
 def token_logprobs_from_hidden_autograd(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, *,
-                                        temperature: float = 1.0, chunk_rows: int | None = None) -> torch.Tensor:
-    """fp32 [T] logprobs of ``targets`` under softmax(head(hidden) / temperature), differentiable.
+                                        temperature: float = 1.0, chunk_rows: int | None = None,
+                                        softcap: float | None = None) -> torch.Tensor:
+    """fp32 [T] logprobs of ``targets`` under softmax(head(hidden) / temperature) (the logits softcapped
+    first where ``softcap`` is given), differentiable.
     With grad, each chunk's head and logprobs are recomputed in the backward (same kernels, same
     bits), so only one chunk's logits live at a time for autograd too."""
     chunk_rows = logits_chunk_rows(head.weight.shape[0], chunk_rows)
@@ -93,7 +97,8 @@ def token_logprobs_from_hidden_autograd(hidden: torch.Tensor, targets: torch.Ten
     for start, end in _chunks(hidden.shape[0], chunk_rows):
         part, part_targets = hidden[start:end], targets[start:end]
         if differentiable:
-            pieces.append(checkpoint(_head_logprobs, part, part_targets, head, temperature, use_reentrant=False))
+            pieces.append(checkpoint(_head_logprobs, part, part_targets, head, temperature, softcap,
+                                     use_reentrant=False))
         else:
-            pieces.append(_head_logprobs(part, part_targets, head, temperature))
+            pieces.append(_head_logprobs(part, part_targets, head, temperature, softcap))
     return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)

@@ -10,6 +10,7 @@ refused by name."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -60,8 +61,9 @@ def test_embedding_rows_equal_alone_in_any_batch(checkpoint):
 @pytest.mark.heavy
 def test_negative_control_an_m_dependent_linear_is_caught(checkpoint, monkeypatch):
     import invariant_infer.model.patch as patch_module
-    monkeypatch.setattr(patch_module, "linear", m_dependent_linear)
-    model = make_invariant(load_model(checkpoint, torch.bfloat16))
+    # BLOCK_K by M: a row alone has at most 26 tokens, a batch of them more.
+    monkeypatch.setattr(patch_module, "linear", functools.partial(m_dependent_linear, small_m=30))
+    model = make_invariant(load_model(checkpoint, torch.float32))
     with torch.no_grad():
         assert batch_mismatches(model, make_samples(model.config.vocab_size, LENGTHS)) != []
 
@@ -179,3 +181,29 @@ def test_the_multimodal_model_is_refused_by_name():
     model.config = Gemma4Config(text_config=random_config(FAMILY, "tiny").to_dict())
     with pytest.raises(UnsupportedModelError, match="got model_type 'gemma4'"):
         make_invariant(model)
+
+
+@pytest.mark.heavy
+def test_engine_equals_generate_token_logprobs_and_scoring(checkpoint):
+    """Greedy engine outputs (softcapped logits) equal ``model.generate``'s tokens and its logits' logprobs,
+    the trainer-side ``token_logprobs`` and ``score_sequences``, prompts past the window."""
+    from helpers.engine_runs import trainer_logprobs
+    from invariant_infer import score_sequences
+    from invariant_infer.engine import Engine, SamplingParams
+    from invariant_infer.kernels import token_logprobs
+    model = make_invariant(load_model(checkpoint, torch.bfloat16))
+    prompts = [s.tolist() for s in make_samples(model.config.vocab_size, (30, 3, 21), seed=5)]
+    outs = Engine(model, max_num_seqs=2, max_num_batched_tokens=16).generate(
+        prompts, SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        alone = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                               output_scores=True, return_dict_in_generate=True)
+        assert alone.sequences[0, len(prompt):].tolist() == out.token_ids
+        logits = torch.stack([score[0] for score in alone.scores]).to(torch.bfloat16)  # exact: bf16 logits as fp32
+        assert token_logprobs(logits, torch.tensor(out.token_ids))[0].tolist() == out.logprobs
+    sequences = [o.prompt_token_ids + o.token_ids for o in outs]
+    lengths = [len(o.prompt_token_ids) for o in outs]
+    with torch.no_grad():
+        assert trainer_logprobs(model, sequences, lengths, 3, "left", 1.0) == [o.logprobs for o in outs]
+    scored = score_sequences(model, sequences, prompt_lengths=lengths)
+    assert [r.logprobs.tolist() for r in scored] == [o.logprobs for o in outs]
