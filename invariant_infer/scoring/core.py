@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, RequestError, TensorParallelError, raise_if_device_failure
-from ..model.logits import LOGITS_CHUNK_ELEMENTS, logit_softcap, token_logprobs_from_hidden  # noqa: F401  (its public home)
+from ..model.logits import logit_softcap
+from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
 from ..model.lora import unwrap_peft
 from ..model.families import is_vision_language, text_config
 from ..model.image_inputs import PromptImages, expanded_position, prepare_prompt_images, split_multimodal

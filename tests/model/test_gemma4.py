@@ -206,4 +206,5 @@ def test_engine_equals_generate_token_logprobs_and_scoring(checkpoint):
     with torch.no_grad():
         assert trainer_logprobs(model, sequences, lengths, 3, "left", 1.0) == [o.logprobs for o in outs]
     scored = score_sequences(model, sequences, prompt_lengths=lengths)
-    assert [r.logprobs.tolist() for r in scored] == [o.logprobs for o in outs]
+    assert [r.token_logprobs.tolist() for r in scored] == [o.logprobs for o in outs]
+    assert all(r.greedy for r in scored)  # greedy tokens: each the argmax of its softcapped logits
