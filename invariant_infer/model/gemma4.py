@@ -87,7 +87,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     embeds = kwargs.get("inputs_embeds")
     if input_ids is None and embeds is not None and base.hidden_size_per_layer_input \
             and kwargs.get("per_layer_inputs") is None:
-        kwargs["per_layer_inputs"] = base.get_per_layer_inputs(token_ids_of_embeddings(base.embed_tokens, embeds))
+        kwargs["per_layer_inputs"] = base.get_per_layer_inputs(token_ids_of_embeddings(base.embed_tokens, embeds), None)
     outputs = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden = outputs.last_hidden_state
     kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
