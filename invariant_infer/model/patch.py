@@ -172,6 +172,10 @@ def _base_pre_hook(module, args, kwargs):
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not is_sequence_bounds(mask):
         raise NonInvariantInputError("4-D attention masks are not supported; pass the 2-D padding mask")
+    if kwargs.get("logits_to_keep"):  # only Gemma 4's decoder takes it (transformers 5.25 on)
+        raise NonInvariantInputError(
+            "logits_to_keep on the decoder: it would cut the KV-shared layers' rows while the attention bounds still "
+            "describe every query; call the causal LM (which keeps rows after the decoder) or slice the output")
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")

@@ -141,7 +141,7 @@ def test_bf16_errs_no_more_than_twice_stock_bf16(checkpoint):
     assert ours <= 2 * theirs
 
 
-@pytest.mark.fast_cells(ids=["dynamic"])
+@pytest.mark.heavy  # the fast tier decodes past a window (dynamic cache) in tests/model/test_sliding_window.py
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
     assert_generate_past_the_window_equals_prefill_and_alone(make_invariant(load_model(checkpoint, torch.bfloat16)),
@@ -208,3 +208,13 @@ def test_engine_equals_generate_token_logprobs_and_scoring(checkpoint):
     scored = score_sequences(model, sequences, prompt_lengths=lengths)
     assert [r.token_logprobs.tolist() for r in scored] == [o.logprobs for o in outs]
     assert all(r.greedy for r in scored)  # greedy tokens: each the argmax of its softcapped logits
+
+
+def test_logits_to_keep_on_the_decoder_is_refused():
+    """transformers 5.25's decoder cuts the KV-shared layers' rows to ``logits_to_keep``, which per-row
+    attention bounds cannot follow; the causal LM keeps rows after the decoder instead (generate's path)."""
+    from invariant_infer import NonInvariantInputError
+    model = make_invariant(random_model(random_config(FAMILY, "tiny")))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad(), pytest.raises(NonInvariantInputError, match="logits_to_keep"):
+        model.model(input_ids=ids, logits_to_keep=1)
