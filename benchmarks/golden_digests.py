@@ -96,6 +96,19 @@ CONFIGS = {
                         attn_logit_softcapping=None, final_logit_softcapping=None,
                         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                                          "full_attention": dict(rope_type="default", rope_theta=1000000.0)}),
+    # Gemma 4: a sliding layer (4 keys, 2 KV heads of 16) and a global one (1 KV head of 32, K = V,
+    # proportional RoPE), then a global layer reading the second's K/V; per-layer inputs of 8; the final
+    # logits softcapped at 2 (so the cap bends them).
+    "gemma4_text": dict(_COMMON, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
+                                                                   "full_attention"],
+                        sliding_window=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                        attention_k_eq_v=True, num_kv_shared_layers=1, use_double_wide_mlp=False,
+                        vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, final_logit_softcapping=2.0,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                        enable_moe_block=False, use_bidirectional_attention=None,
+                        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                         "full_attention": dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                                                rope_theta=1000000.0)}),
     # Sinks in both layers, one sliding (4 keys) and one full; yarn RoPE; experts with biases.
     "gpt_oss": dict(_COMMON, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                     sliding_window=4, head_dim=32, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4,

@@ -144,6 +144,12 @@ def moe_backward():
         model(input_ids=torch.tensor([[5, 6]]))
 
 
+def gemma4_backward():
+    model = make_invariant(tiny("gemma4_text"))
+    with torch.enable_grad():
+        model(input_ids=torch.tensor([[5, 6]]))
+
+
 def command_check(save, surface: str, tmp_path):
     """A command's check of a saved checkpoint's architecture before it loads anything (serve, score --ray)."""
     from invariant_infer.checkpoints.loading import check_architecture
@@ -256,6 +262,13 @@ TRIGGERS = {
     ("trainable_vision_tower", "trl"): lambda tmp: trainable_tower_trl(),
     ("vision_language_sliding_window", "*"): lambda tmp: make_invariant(vision_language(use_sliding_window=True)),
     ("logit_softcapping", "*"): lambda tmp: make_invariant(tiny("gemma3_text", final_logit_softcapping=30.0)),
+    ("gemma4_moe", "*"): lambda tmp: make_invariant(tiny("gemma4_text", enable_moe_block=True, num_experts=4,
+                                                         top_k_experts=2, moe_intermediate_size=32)),
+    ("gemma4_text_training", "training"): lambda tmp: gemma4_backward(),
+    ("gemma4_text_training", "trl"): lambda tmp: trl_check(tiny("gemma4_text")),
+    ("gemma4_text_training", "tensor_parallel"):
+        lambda tmp: tensor_parallel_before_start(random_config("gemma4_text", "tiny"), tmp),
+    ("gemma4_text_training", "speculative"): lambda tmp: engine(tiny("gemma4_text"), speculative=NGRAM),
     ("softcap_argument", "model"): lambda tmp: softcap_in_attention("model"),
     ("softcap_argument", "engine"): lambda tmp: softcap_in_attention("engine"),
     ("bidirectional_attention", "*"): lambda tmp: make_invariant(tiny("gemma3_text", use_bidirectional_attention=True)),

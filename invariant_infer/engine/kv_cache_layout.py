@@ -13,7 +13,15 @@ or larger where the counts allow.
 
 Position ``j`` of every group shares one K and one V tensor ``[pages, page_size, Hkv, D]``: layer
 (group g, position j) reads and writes tensor j through group g's block table. Linear-attention
-layers hold no pages (their state is per sequence: ``linear_state``).
+layers hold no pages (their state is per sequence: ``linear_state``); a layer that reads another
+layer's K/V (``SharedKVSpec``, Gemma 4) holds none either and reads its source's tensors.
+
+Specs of different K/V shapes (Gemma 4's global layers: their own head_dim and KV heads) keep the
+one pool by a page-bytes rule: a spec's groups hold as many layers as make a page the same bytes as
+every other group's (Gemma 4 31B: 5 sliding layers of 16 x 256 or 10 global ones of 4 x 512 per
+group), so any free page still serves any group. The pages are then one buffer ``[pages, page
+bytes]`` that each group views in its own shape (``allocate``); a layout whose specs all have one
+shape keeps its contiguous per-position tensors. Specs whose bytes admit no such sizes are refused.
 
 ``pages_held`` is a request's page need per spec, the engine's own accounting (admission refusal,
 benchmarks): full attention holds every page of its context; a window holds the pages its next
@@ -29,7 +37,7 @@ from functools import reduce
 import torch
 
 from ..errors import UnsupportedModelError
-from ..model.cache_specs import AttentionSpec, SlidingWindowSpec, cache_specs
+from ..model.cache_specs import AttentionSpec, SharedKVSpec, SlidingWindowSpec, cache_specs
 
 
 @dataclass(frozen=True)
@@ -41,23 +49,55 @@ class KVCacheGroup:
 @dataclass(frozen=True)
 class KVCacheLayout:
     groups: tuple[KVCacheGroup, ...]
-    group_size: int   # layers per group: K/V tensors per position
+    group_size: int   # K/V tensors per position: the most layers a group holds
+    # {layer: its source layer} for the layers that read another's K/V and hold no pages
+    shared: tuple[tuple[int, int], ...] = ()
 
     @property
     def group_specs(self) -> tuple[AttentionSpec, ...]:
         return tuple(group.spec for group in self.groups)
 
     def place(self, layer: int) -> tuple[int, int] | None:
-        """(group, position) of an attention layer; None for a layer without pages."""
+        """(group, position) of an attention layer (a KV-shared layer: its source's); None for a layer
+        without pages."""
+        layer = dict(self.shared).get(layer, layer)
         for g, group in enumerate(self.groups):
             if layer in group.layers:
                 return g, group.layers.index(layer)
         return None
 
+    def writes_kv(self, layer: int) -> bool:
+        """Whether the layer writes its K/V into the pages (a KV-shared layer reads its source's)."""
+        return layer not in dict(self.shared)
+
     def page_bytes(self, dtype: torch.dtype, page_size: int, tp_size: int = 1) -> int:
-        """Bytes of one page on one rank (a rank holds 1 / tp_size of the KV heads)."""
-        spec = self.groups[0].spec
-        return self.group_size * page_size * spec.kv_bytes_per_token(dtype, tp_size)
+        """Bytes of one page on one rank (a rank holds 1 / tp_size of the KV heads): the same for every group."""
+        group = self.groups[0]
+        return len(group.layers) * page_size * group.spec.kv_bytes_per_token(dtype, tp_size)
+
+    def allocate(self, num_pages: int, page_size: int, dtype: torch.dtype, device, num_layers: int, tp_size: int = 1):
+        """(K caches, V caches) per decoder layer, ``[num_pages, page_size, Hkv, D]`` each (None for a
+        layer without pages): one K and one V tensor per position when every spec has one shape, else
+        views of one ``[num_pages, page bytes]`` buffer, each group in its shape."""
+        shapes = {(spec.num_kv_heads // tp_size, spec.head_dim) for spec in self.group_specs}
+        if len(shapes) == 1:
+            shape = (num_pages, page_size, *next(iter(shapes)))
+            k_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.group_size)]
+            v_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.group_size)]
+            group_k, group_v = [k_tensors] * len(self.groups), [v_tensors] * len(self.groups)
+        else:
+            element = torch.empty((), dtype=dtype).element_size()
+            pages = torch.zeros(num_pages, self.page_bytes(dtype, page_size, tp_size) // element, dtype=dtype,
+                                device=device)
+            group_k, group_v = [], []
+            for group in self.groups:
+                view = pages.view(num_pages, len(group.layers), 2, page_size, group.spec.num_kv_heads // tp_size,
+                                  group.spec.head_dim)
+                group_k.append([view[:, j, 0] for j in range(len(group.layers))])
+                group_v.append([view[:, j, 1] for j in range(len(group.layers))])
+        places = [self.place(layer) for layer in range(num_layers)]
+        return ([group_k[p[0]][p[1]] if p else None for p in places],
+                [group_v[p[0]][p[1]] if p else None for p in places])
 
     def pages_for_request(self, context: int, page_size: int, chunk: int = 1) -> list[int]:
         """Per group, the most pages one request of ``context`` tokens holds at once, its steps
@@ -80,20 +120,35 @@ def pages_held(spec: AttentionSpec, context: int, page_size: int, chunk: int = 1
 def kv_cache_layout(config) -> KVCacheLayout:
     """The layout of a supported model's config (a vision-language config: its text model's)."""
     by_spec: dict[AttentionSpec, list[int]] = {}
+    shared = []
     for layer, spec in enumerate(cache_specs(config)):
         if isinstance(spec, AttentionSpec):
             by_spec.setdefault(spec, []).append(layer)
+        elif isinstance(spec, SharedKVSpec):
+            shared.append((layer, spec.source))
     if not by_spec:
         raise UnsupportedModelError("the engine needs at least one attention layer")
-    shapes = {(spec.num_kv_heads, spec.head_dim) for spec in by_spec}
-    if len(shapes) > 1:  # pages of one pool must have one size
-        raise UnsupportedModelError(f"attention layers of different K/V shapes {sorted(shapes)}: the engine's page "
-                                    "pool holds one shape")
-    if len(by_spec) == 1:
-        spec, layers = next(iter(by_spec.items()))
-        return KVCacheLayout((KVCacheGroup(spec, tuple(layers)),), len(layers))
-    size = reduce(math.gcd, (len(layers) for layers in by_spec.values()))
-    groups = [KVCacheGroup(spec, tuple(layers[i:i + size]))
-              for spec, layers in by_spec.items() for i in range(0, len(layers), size)]
-    return KVCacheLayout(tuple(groups), size)
+    sizes = _group_sizes({spec: len(layers) for spec, layers in by_spec.items()})
+    groups = [KVCacheGroup(spec, tuple(layers[i:i + sizes[spec]]))
+              for spec, layers in by_spec.items() for i in range(0, len(layers), sizes[spec])]
+    return KVCacheLayout(tuple(groups), max(sizes.values()), tuple(shared))
 
+
+def _group_sizes(counts: dict[AttentionSpec, int]) -> dict[AttentionSpec, int]:
+    """Layers per group for each spec: whole groups (a size divides the spec's layer count) whose
+    pages have equal bytes (size x the spec's bytes per token, the same for every spec), as large as
+    they come. One spec: all its layers; specs of one shape: the gcd of their counts."""
+    per_token = {spec: spec.kv_bytes_per_token(torch.float32) for spec in counts}
+    if len(set(per_token.values())) == 1:
+        size = reduce(math.gcd, counts.values())
+        return {spec: size for spec in counts}
+    first = next(iter(counts))
+    for size in range(counts[first], 0, -1):  # the largest first
+        page = size * per_token[first]
+        if counts[first] % size or any(page % b or counts[s] % (page // b) for s, b in per_token.items()):
+            continue
+        return {spec: page // per_token[spec] for spec in counts}
+    raise UnsupportedModelError(
+        "the engine's pages all hold the same bytes, and these attention layers' K/V shapes admit no groups of "
+        "whole layers with equal page bytes: " + ", ".join(
+            f"{n} layers of {s.num_kv_heads} x {s.head_dim}" for s, n in counts.items()))

@@ -39,9 +39,9 @@ import torch
 from transformers import AttentionInterface
 
 from ..model.checks import base_model
-from ..model.cache_specs import linear_attention_layers
+from ..model.cache_specs import attention_shape, linear_attention_layers
 from ..model.families import rope_position_axes, text_config
-from ..model.logits import head_logits
+from ..model.logits import head_logits, logit_softcap
 from ..kernels import attention_config, token_logprobs
 from ..model.padding import sequence_bounds
 from ..model.prompt_inputs import decoder_token_inputs
@@ -63,10 +63,6 @@ STOCK_ATTN_IMPLEMENTATION = "invariant_infer_paged_stock"
 _RUNNER_IDS = itertools.count()  # names a runner to the other ranks (one engine's KV pages there)
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, invariant: bool, max_num_seqs: int,
                  max_num_batched_tokens: int, decode_buckets: tuple[int, ...] = (), executor: Executor | None = None,
@@ -81,14 +77,13 @@ class ModelRunner:
         self.position_axes = rope_position_axes(model.config)
         self.lm_head = model.get_output_embeddings()
         self.device, self.dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        self.softcap = logit_softcap(model.config)  # Gemma 4 caps its final logits
         self.num_layers = config.num_hidden_layers
         layout = tp_layout(model)
         self.tp_size = layout.size if layout else 1
         if self.tp_size > 1 and not invariant:
             raise InvalidArgumentError("kernels='stock' runs one process only (stock tensor parallelism is not "
                                        "invariant)")
-        self.num_kv_heads = config.num_key_value_heads // self.tp_size  # this rank's shard of the KV heads
-        self.head_dim = _head_dim(config)
         self.page_size, self.num_pages = page_size, num_pages
         self.decode_buckets = sorted(set(decode_buckets))
         if any(type(b) is not int or b < 1 for b in self.decode_buckets):
@@ -100,17 +95,16 @@ class ModelRunner:
         max_bucket = max(self.decode_buckets, default=0)
         self.scratch_pages = -(-max_bucket // page_size)
         self.padding_rows = 0  # padding rows run, since start
-        shape = (num_pages + self.scratch_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        # One K and one V tensor per position in a KV cache group; layer (group g, position j) uses
-        # tensor j through group g's block table. Layers without pages get None.
+        # One K and one V tensor per position in a KV cache group (or each group's view of the pages);
+        # layer (group g, position j) uses tensor j through group g's block table, a KV-shared layer its
+        # source's. Layers without pages get None.
         self.layout = kv_cache_layout(model.config)
         self.num_groups = len(self.layout.groups)
-        k_tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layout.group_size)]
-        v_tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layout.group_size)]
+        self.k_caches, self.v_caches = self.layout.allocate(num_pages + self.scratch_pages, self.page_size, self.dtype,
+                                                            self.device, self.num_layers, self.tp_size)
         places = [self.layout.place(layer) for layer in range(self.num_layers)]
-        self.k_caches = [k_tensors[p[1]] if p else None for p in places]  # per layer
-        self.v_caches = [v_tensors[p[1]] if p else None for p in places]
         self.layer_groups = [p[0] if p else None for p in places]
+        self.writes_kv = [self.layout.writes_kv(layer) for layer in range(self.num_layers)]
         # Step metadata lives in buffers allocated once (a captured graph reads fixed addresses).
         max_tokens, max_seqs = max(max_num_batched_tokens, max_bucket), max(max_num_seqs, max_bucket)
         max_pages = self.max_pages = -(-config.max_position_embeddings // page_size)
@@ -168,9 +162,11 @@ class ModelRunner:
 
     @staticmethod
     def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:
-        """The attention kernel's KV block: a page never splits one."""
+        """The attention kernel's KV block: a page never splits one (the largest block, a power of two,
+        where layers have different head_dims)."""
         config = text_config(config)
-        return attention_config(device.type, dtype, _head_dim(config)).block_n
+        head_dims = {attention_shape(config, layer)[1] for layer in range(config.num_hidden_layers)}
+        return max(attention_config(device.type, dtype, d).block_n for d in head_dims)
 
     def bucket(self, chunks: list[ScheduledChunk]) -> int:
         """Rows of the step: a decode-only step is padded to the smallest bucket that holds it."""
@@ -308,7 +304,8 @@ class ModelRunner:
         max_seq_len = width * self.page_size if m.graph_bucket else max(m.seq_lens, default=0)
         attention = PagedBatch(self.k_caches, self.v_caches, tuple(self.slot_mapping[:, :tokens].unbind(0)),
                                self.query_starts[:seqs + 1], self.seq_lens[:seqs], tuple(tables.unbind(0)),
-                               self.layer_groups, max_query_len, max_seq_len, starts, m.seq_lens, self.invariant)
+                               self.layer_groups, self.writes_kv, max_query_len, max_seq_len, starts, m.seq_lens,
+                               self.invariant)
         linear = None
         if self.linear_slots is not None and m.graph_bucket:  # the graph lays the step out (_capture)
             self.linear_slots.copy_states(m.state_copies)
@@ -373,7 +370,8 @@ class ModelRunner:
         """Logits [R, V] (model dtype) of hidden rows [R, H]. Under tensor parallelism, the sharded
         head's own forward: its slice, then an all-gather (copies)."""
         return head_logits(hidden, self.lm_head.weight, self.lm_head.bias,
-                           head=self.lm_head if self.tp_size > 1 else None, invariant=self.invariant)
+                           head=self.lm_head if self.tp_size > 1 else None, invariant=self.invariant,
+                           softcap=self.softcap)
 
     @torch.inference_mode()
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor,

@@ -40,6 +40,7 @@ class PagedBatch:
     seq_lens: torch.Tensor         # int32 [S]: context length including this step's tokens
     block_tables: tuple[torch.Tensor, ...]  # per KV cache group, int32 [S, max_pages]
     layer_groups: list[int | None]  # each layer's KV cache group
+    writes_kv: list[bool]          # per layer: False where it reads another layer's K/V (written there)
     max_query_len: int
     max_seq_len: int               # the longest context: it lets a GPU run the KV chunks in parallel
     host_query_starts: list[int]
@@ -55,7 +56,8 @@ class PagedBatch:
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         group = self.layer_groups[layer_idx]
         block_tables = self.block_tables[group]
-        write_kv(k, v, k_cache, v_cache, self.slot_mappings[group])
+        if self.writes_kv[layer_idx]:
+            write_kv(k, v, k_cache, v_cache, self.slot_mappings[group])
         if self.invariant:
             out = paged_attention(q.contiguous(), k_cache, v_cache, self.query_starts, self.seq_lens,
                                   block_tables, scale, max_query_len=self.max_query_len, window=window,

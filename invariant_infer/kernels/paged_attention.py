@@ -230,8 +230,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values in the paged cache, exactly (a plain indexed copy).
 
-    k, v: [T, Hkv, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D], pages and offsets
-    mergeable into one slot dimension (contiguous ones are); slot_mapping: int [T], token t's
+    k, v: [T, Hkv, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D], each page's tokens
+    contiguous (pages may be strided apart); slot_mapping: int [T], token t's
     slot page * page_size + offset. Slots must be distinct and in range."""
     if k.shape != v.shape or k_cache.shape != v_cache.shape or k.dim() != 3 or k_cache.dim() != 4 \
             or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != (k.shape[0],):
@@ -242,7 +242,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise InvalidDtypeError(f"write_kv: dtypes differ: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, v_cache "
                                 f"{v_cache.dtype} (a cast here would change the bits attention reads)")
     slots = slot_mapping.long()
-    _, _, Hkv, D = k_cache.shape
+    _, page_size, Hkv, D = k_cache.shape
+    if k_cache.stride(0) != page_size * k_cache.stride(1):  # a view of pages that hold more (kv_cache_layout)
+        pages, offsets = slots // page_size, slots % page_size
+        k_cache[pages, offsets] = k
+        v_cache[pages, offsets] = v
+        return
     # view (never reshape): a copy would swallow the writes.
     k_cache.view(-1, Hkv, D).index_copy_(0, slots, k)
     v_cache.view(-1, Hkv, D).index_copy_(0, slots, v)

@@ -10,8 +10,11 @@ Kinds:
     inputs, the fp32 state at the last chunk boundary, and the unfinished chunk's rows), whatever the
     sequence's length.
 
-A further kind (a latent cache, or K/V read from another layer) is one more spec class here and one
-more manager in the engine; nothing else branches on the kind.
+  * ``SharedKVSpec``: no cache of its own; the layer attends over the K/V that an earlier layer
+    (``source``) computed and keeps (Gemma 4's ``num_kv_shared_layers``).
+
+A further kind (a latent cache) is one more spec class here and one more manager in the engine;
+nothing else branches on the kind.
 """
 from __future__ import annotations
 
@@ -70,11 +73,37 @@ class LinearStateSpec:
         return rows + conv + 4 * self.num_v_heads * self.head_k_dim * self.head_v_dim
 
 
-LayerCacheSpec = FullAttentionSpec | SlidingWindowSpec | LinearStateSpec
+@dataclass(frozen=True)
+class SharedKVSpec:
+    """A layer that reads layer ``source``'s K/V (same window, same shape) and keeps none of its own."""
+    source: int
+
+
+LayerCacheSpec = FullAttentionSpec | SlidingWindowSpec | LinearStateSpec | SharedKVSpec
 
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_shape(config, layer: int) -> tuple[int, int]:
+    """(KV heads, head_dim) of an attention layer: the config's, or its per-layer override (Gemma 4's
+    global layers: ``per_layer_config[layer]``)."""
+    overrides = getattr(config, "per_layer_config", None)  # every config has the view (transformers 5.17 on)
+    layer_config = overrides[layer] if overrides is not None else config
+    return (getattr(layer_config, "num_key_value_heads", None) or config.num_key_value_heads,
+            getattr(layer_config, "head_dim", None) or _head_dim(config))
+
+
+def kv_source_layers(config) -> dict[int, int]:
+    """{layer: the layer whose K/V it reads} for the layers that keep none (Gemma 4's last
+    ``num_kv_shared_layers``: each reads the last earlier layer of its type that keeps K/V)."""
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if not shared:
+        return {}
+    kinds = config.layer_types[:config.num_hidden_layers]
+    first = config.num_hidden_layers - shared
+    return {layer: max(i for i in range(first) if kinds[i] == kinds[layer]) for layer in range(first, len(kinds))}
 
 
 def _linear_state_spec(config) -> LinearStateSpec:
@@ -93,10 +122,13 @@ def cache_specs(config) -> tuple[LayerCacheSpec, ...]:
     kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     window = getattr(text, "sliding_window", None)
     every_layer = adapter.window_on_every_layer and window is not None
-    heads, head_dim = text.num_key_value_heads, _head_dim(text)
+    sources = kv_source_layers(text)
     specs: list[LayerCacheSpec] = []
-    for kind in kinds[:text.num_hidden_layers]:
-        if kind == "linear_attention":
+    for layer, kind in enumerate(kinds[:text.num_hidden_layers]):
+        heads, head_dim = attention_shape(text, layer)
+        if layer in sources:
+            specs.append(SharedKVSpec(sources[layer]))
+        elif kind == "linear_attention":
             specs.append(_linear_state_spec(text))
         elif window is not None and (kind == "sliding_attention" or every_layer):  # no window: full attention
             specs.append(SlidingWindowSpec(heads, head_dim, window=int(window)))

@@ -21,7 +21,7 @@ from .support import require
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 # RoPE types whose frequencies do not depend on the sequence length (dynamic/longrope do).
-STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -63,8 +63,12 @@ def config_kinds(config) -> set[str]:
         kinds.add("encoder")
     if is_vision_language(config) and getattr(text, "use_sliding_window", False):
         kinds.add("vision_language_sliding_window")
-    if any(getattr(text, name, None) is not None for name in ("attn_logit_softcapping", "final_logit_softcapping")):
+    capped = ["attn_logit_softcapping"] + ([] if adapter is not None and adapter.final_logit_softcapping
+                                           else ["final_logit_softcapping"])
+    if any(getattr(text, name, None) is not None for name in capped):
         kinds.add("logit_softcapping")
+    if model_type == "gemma4_text":
+        kinds.add("gemma4_moe" if getattr(text, "enable_moe_block", False) else "gemma4_text")
     if getattr(text, "use_bidirectional_attention", False):
         kinds.add("bidirectional_attention")
     return kinds

@@ -121,7 +121,10 @@ def _zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.T
 
 
 def _fp32_scaled_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    eps = self.variance_epsilon
+    eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps  # Gemma 4 in transformers 5.17: eps
+    if not getattr(self, "with_scale", True):  # Gemma 4's v_norm: no weight, so x * rsqrt(ms) * 1.0
+        ones = torch.ones(hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
+        return rms_norm(hidden_states, ones, eps, scale_in_fp32=True)
 
     def reference(x, weight):  # gpt-oss's own formula
         x = x.float()
@@ -169,6 +172,10 @@ def _base_pre_hook(module, args, kwargs):
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not is_sequence_bounds(mask):
         raise NonInvariantInputError("4-D attention masks are not supported; pass the 2-D padding mask")
+    if kwargs.get("logits_to_keep"):  # only Gemma 4's decoder takes it (transformers 5.25 on)
+        raise NonInvariantInputError(
+            "logits_to_keep on the decoder: it would cut the KV-shared layers' rows while the attention bounds still "
+            "describe every query; call the causal LM (which keeps rows after the decoder) or slice the output")
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
@@ -356,6 +363,8 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
             _set_forward(module, router_forward)
         elif block_forward is not None and type(module) is adapter.moe.block:
             _set_forward(module, block_forward)
+        elif type(module) in adapter.module_forwards:
+            _set_forward(module, adapter.module_forwards[type(module)])
         elif adapter.vision is not None and type(module) is adapter.vision.tower:
             adapter.vision.prepare(module)
             _set_forward(module, adapter.vision.forward)

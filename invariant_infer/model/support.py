@@ -66,7 +66,7 @@ _PER_CHANNEL_TP = ("their activation scale spans the whole row, which a row-para
 
 # The kinds matrix: one row per kind, in this order in the docs.
 KINDS = [
-    _row("dense", "dense models", title="dense (Qwen2 / 2.5, Qwen3, Llama 3.x, Mistral, Gemma 3)"),
+    _row("dense", "dense models", title="dense (Qwen2 / 2.5, Qwen3, Llama 3.x, Mistral, Gemma 3, Gemma 4 text)"),
     _row("moe", "mixture-of-experts models", title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5)",
          refused=_no("the experts' K trees are not split across ranks; run the model in one process (no tp_plan, "
                      "tensor parallel size 1)", ("tensor_parallel",))
@@ -84,7 +84,8 @@ KINDS = [
                      "without speculative", ("speculative",))
          | _no("the vision tower is not sharded yet; run them in one process", ("tensor_parallel",))),
     _row("windowed", "sliding-window layers and attention sinks",
-         title="sliding windows, attention sinks (Gemma 3, windowed Mistral / Mixtral, gpt-oss, `use_sliding_window`)"),
+         title="sliding windows, attention sinks (Gemma 3, Gemma 4, windowed Mistral / Mixtral, gpt-oss, "
+               "`use_sliding_window`)"),
     _row("fp8_dynamic", "compressed-tensors FP8 checkpoints with per-channel or per-tensor scales",
          title="compressed-tensors FP8_DYNAMIC (and FP8: per-channel, per-tensor scales)",
          refused=_no(_PER_CHANNEL_TP, ("tensor_parallel",))),
@@ -167,6 +168,18 @@ FEATURES = [
          feature=True, refused=_no("they are not supported yet; load the checkpoint with use_sliding_window=False")),
     _row("logit_softcapping", "logit softcapping (attn_logit_softcapping, final_logit_softcapping)", feature=True,
          refused=_no("logit softcapping is not supported yet; the kernels never drop it silently")),
+    _row("gemma4_moe", "Gemma 4's mixture of experts (gemma4_text with enable_moe_block: 26B-A4B)", feature=True,
+         refused=_no("its router (an unweighted RMSNorm, a learned scale, per-expert scales on the renormalised "
+                     "top-k) and the dense MLP beside its experts are not on the invariant kernels yet; the dense "
+                     "Gemma 4 models run")),
+    _row("gemma4_text_training", "Gemma 4 (gemma4_text)", kinds=("gemma4_text",), feature=True,
+         refused=_no("its backward (per-layer inputs, KV-shared layers, softcapped logits) is not tested yet; run it "
+                     "under torch.no_grad() / torch.inference_mode()", ("training", "trl"),
+                     errors={"trl": UnsupportedTRLError})
+         | _no("its global layers' own head_dim and KV heads are not sharded yet; run it in one process",
+               ("tensor_parallel",))
+         | _no("a draft's rejected tokens and the KV-shared layers are not tested together yet; run it without "
+               "speculative", ("speculative",))),
     _row("softcap_argument", "attention logit softcapping (softcap)", feature=True,
          refused=_no("invariant attention has no softcapping yet, and never drops it", ("model", "engine"),
                      NonInvariantInputError)),

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, RequestError, TensorParallelError, raise_if_device_failure
+from ..model.logits import logit_softcap
 from ..model.logits import LOGITS_CHUNK_ELEMENTS, token_logprobs_from_hidden  # noqa: F401  (its public home)
 from ..model.lora import unwrap_peft
 from ..model.families import is_vision_language, text_config
@@ -154,7 +155,8 @@ def score_batch_here(model, sequences: Sequence[Sequence[int]], prompt_lengths: 
                          **_image_inputs(images, device)).last_hidden_state
     logprobs, is_argmax = token_logprobs_from_hidden(
         hidden[rows_t, positions_t], lm_head.weight, ids[rows_t, positions_t + 1], lm_head_bias=lm_head.bias,
-        chunk_rows=chunk_rows, head=lm_head if tp_layout(model) is not None else None)
+        chunk_rows=chunk_rows, head=lm_head if tp_layout(model) is not None else None,
+        softcap=logit_softcap(model.config))
     logprobs, is_argmax = logprobs.cpu(), is_argmax.cpu()
     results, offset = [], 0
     for seq, start in zip(sequences, prompt_lengths):

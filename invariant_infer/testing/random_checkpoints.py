@@ -53,6 +53,8 @@ def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = t
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a sigmoid router's selection bias starts at zero
                 buffer.normal_(0.0, 0.05)
+            elif name.endswith(".layer_scalar"):  # Gemma 4's per-layer output scale starts at one
+                buffer.uniform_(0.5, 1.5)
     return model
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import InvalidArgumentError, NonInvariantInputError
 from ..model.families import is_vision_language
-from ..model.logits import token_logprobs_from_hidden_autograd
+from ..model.logits import logit_softcap, token_logprobs_from_hidden_autograd
 from ..model.lora import unwrap_peft
 from ..model.padding import positions_from_mask
 from ..model.patch import is_invariant
@@ -71,6 +71,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     rows = hidden[:, :-1][valid]
     targets = input_ids[:, 1:][valid]
     # A chunk of rows at a time, each recomputed in the backward: never [tokens x V] logits for autograd.
-    values = token_logprobs_from_hidden_autograd(rows, targets, model.get_output_embeddings(), temperature=temperature)
+    values = token_logprobs_from_hidden_autograd(rows, targets, model.get_output_embeddings(), temperature=temperature,
+                                                 softcap=logit_softcap(model.config))
     out = torch.zeros(valid.shape, dtype=torch.float32, device=values.device)
     return out.masked_scatter(valid, values)

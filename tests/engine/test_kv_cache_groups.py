@@ -121,3 +121,53 @@ def test_layers_of_equal_spec_form_groups_of_equal_size(family, overrides, group
     spec = layout.groups[0].spec
     per_token_layer = 2 * spec.num_kv_heads * spec.head_dim * 4
     assert layout.page_bytes(torch.float32, 64) == group_size * 64 * per_token_layer
+
+
+def _page_bytes_of_each_group(layout, dtype=torch.bfloat16, page=16) -> set[int]:
+    return {len(g.layers) * page * g.spec.kv_bytes_per_token(dtype) for g in layout.groups}
+
+
+def test_specs_of_different_shapes_group_so_every_page_has_the_same_bytes():
+    """Gemma 4 31B: 50 sliding layers of 16 KV heads x 256 and 10 global ones of 4 x 512 (half the
+    bytes a token): groups of 5 sliding or 10 global layers, so pages of one size serve both."""
+    layout = kv_cache_layout(random_config("gemma4_text", "gemma-4-31b"))
+    sizes = {(type(g.spec).__name__, len(g.layers)) for g in layout.groups}
+    assert sizes == {("SlidingWindowSpec", 5), ("FullAttentionSpec", 10)} and layout.group_size == 10
+    assert sum(len(g.layers) for g in layout.groups) == 60
+    assert _page_bytes_of_each_group(layout) == {layout.page_bytes(torch.bfloat16, 16)} == {5 * 16 * 2 * 16 * 256 * 2}
+
+
+def test_kv_shared_layers_hold_no_pages_and_read_their_sources():
+    """Gemma 4's tiny preset: layers 2 and 3 read layers 0's and 1's K/V (same tensors, no writes);
+    the sliding (2 x 16) and global (1 x 32) groups are views of one buffer of equal pages."""
+    layout = kv_cache_layout(random_config("gemma4_text", "tiny"))
+    assert [g.layers for g in layout.groups] == [(0,), (1,)] and dict(layout.shared) == {2: 0, 3: 1}
+    assert [layout.place(i) for i in range(4)] == [(0, 0), (1, 0), (0, 0), (1, 0)]
+    assert [layout.writes_kv(i) for i in range(4)] == [True, True, False, False]
+    k, v = layout.allocate(6, 4, torch.float32, "cpu", num_layers=4)
+    assert [tuple(t.shape) for t in k] == [(6, 4, 2, 16), (6, 4, 1, 32), (6, 4, 2, 16), (6, 4, 1, 32)]
+    assert k[2] is k[0] and v[3] is v[1]
+    assert k[0].untyped_storage().data_ptr() == k[1].untyped_storage().data_ptr()  # one pool of pages
+    # A page written through one group's view holds only that page's bytes: the other pages stay zero.
+    k[1][3].fill_(1.0)
+    v[1][3].fill_(2.0)
+    assert k[0][3].abs().sum() > 0 and k[0][:3].abs().sum() == 0 and k[0][4:].abs().sum() == 0
+
+
+def test_write_kv_into_a_groups_view_lands_in_its_pages():
+    from invariant_infer.kernels import write_kv
+    layout = kv_cache_layout(random_config("gemma4_text", "tiny"))
+    k_caches, v_caches = layout.allocate(5, 4, torch.float32, "cpu", num_layers=4)
+    keys, values = torch.randn(3, 1, 32), torch.randn(3, 1, 32)
+    write_kv(keys, values, k_caches[1], v_caches[1], torch.tensor([9, 2, 17]))
+    assert torch.equal(k_caches[1][2, 1], keys[0]) and torch.equal(v_caches[1][0, 2], values[1])
+    assert torch.equal(k_caches[1][4, 1], keys[2])
+
+
+def test_shapes_that_admit_no_equal_pages_are_refused_by_name():
+    """One sliding layer of 2 x 16 beside one global layer of 2 x 32: no whole groups give equal pages."""
+    from invariant_infer.errors import UnsupportedModelError
+    config = random_config("gemma4_text", "tiny", num_global_key_value_heads=2, num_kv_shared_layers=0,
+                           num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(UnsupportedModelError, match="equal page bytes: 1 layers of 2 x 16, 1 layers of 2 x 32"):
+        kv_cache_layout(config)

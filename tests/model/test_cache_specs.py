@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Qwen
 
 from invariant_infer import make_invariant
 from invariant_infer.errors import UnsupportedModelError
-from invariant_infer.model.cache_specs import (FullAttentionSpec, LinearStateSpec, SlidingWindowSpec, attention_layers,
-                                               cache_specs, is_hybrid, linear_attention_layers)
+from invariant_infer.model.cache_specs import (FullAttentionSpec, LinearStateSpec, SharedKVSpec, SlidingWindowSpec,
+                                               attention_layers, cache_specs, is_hybrid, linear_attention_layers)
 from invariant_infer.model.checks import base_model
 from invariant_infer.model.families import FAMILIES, is_vision_language
 from invariant_infer.model.kinds import config_kinds
@@ -27,6 +27,8 @@ TINY_LINEAR = LinearStateSpec(conv_dim=2 * 2 * 16 + 4 * 32, conv_kernel=4, num_v
 # hidden / heads, layer_types, sliding_window).
 TINY_SPECS = {
     "gemma3_text": (WINDOW24(1, 32), FULL(1, 32)),
+    # 4 layers: sliding (2 KV heads of 16, 16 keys), global (1 KV head of 32), then two reading theirs
+    "gemma4_text": (SlidingWindowSpec(2, 16, window=16), FULL(1, 32), SharedKVSpec(0), SharedKVSpec(1)),
     "gpt_oss": (WINDOW24(2, 32), FULL(2, 32)),
     "glm4_moe": (FULL(2, 32),) * 2,
     "llama": (FULL(2, 16),) * 2,
@@ -55,7 +57,8 @@ def test_tiny_preset_specs(family):
     assert specs == TINY_SPECS[family]
     linear = [i for i, spec in enumerate(TINY_SPECS[family]) if isinstance(spec, LinearStateSpec)]
     assert linear_attention_layers(config) == linear and is_hybrid(config) == bool(linear)
-    assert attention_layers(config) == [i for i in range(2) if i not in linear]
+    assert attention_layers(config) == [i for i, spec in enumerate(TINY_SPECS[family])
+                                        if i not in linear and not isinstance(spec, SharedKVSpec)]
 
 
 def test_real_presets():
@@ -63,6 +66,8 @@ def test_real_presets():
     assert len(gemma) == 62
     assert [i for i, spec in enumerate(gemma) if isinstance(spec, FULL)] == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
     assert {spec for spec in gemma if isinstance(spec, SlidingWindowSpec)} == {SlidingWindowSpec(16, 128, window=1024)}
+    gemma4 = cache_specs(random_config("gemma4_text", "gemma-4-31b"))  # the global layers' own KV heads and head_dim
+    assert gemma4 == ((SlidingWindowSpec(16, 256, window=1024),) * 5 + (FULL(4, 512),)) * 10
     gpt_oss = cache_specs(random_config("gpt_oss", "gpt-oss-20b"))
     assert gpt_oss == (SlidingWindowSpec(8, 64, window=128), FULL(8, 64)) * 12
     assert cache_specs(random_config("mistral", "mistral-7b-v0.1")) == (SlidingWindowSpec(8, 128, window=4096),) * 32

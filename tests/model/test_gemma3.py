@@ -90,12 +90,3 @@ def test_refusals_name_what_is_not_supported(field, value, match):
     with pytest.raises(UnsupportedModelError, match=f"gemma3_text: .*{field}.*{match}"):
         make_invariant(model)
 
-
-def test_gemma4_is_refused_by_name():
-    """Gemma 4 does not follow Gemma 3's pattern (layers that reuse another layer's KV, attention
-    logit softcapping, per-layer configs): its model type is refused, by name."""
-    from transformers import Gemma4TextConfig
-    model = torch.nn.Module()
-    model.config = Gemma4TextConfig()
-    with pytest.raises(UnsupportedModelError, match="got model_type 'gemma4_text'"):
-        make_invariant(model)

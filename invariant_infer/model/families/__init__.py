@@ -71,6 +71,9 @@ class FamilyAdapter:
     rms_norm: type                        # every RMSNorm: layer norms, the final norm, per-head norms
     mlp: type | None                      # gate/up/down MLP: silu(gate) * up is fused into down
     attention_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # Attention projections a layer may lack (None or absent): Gemma 4's layers that reuse another
+    # layer's K/V own no k/v projections, and its K = V layers no v_proj.
+    optional_projections: tuple[str, ...] = ()
     mlp_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     head_norms: tuple[str, ...] = ()      # RMSNorms inside attention, applied to each head before RoPE
     # Projections whose K tensor parallelism splits: they reduce K as the row-parallel tree.
@@ -101,6 +104,12 @@ class FamilyAdapter:
     # A configured ``sliding_window`` applies to every layer (Mistral, Mixtral); otherwise only to the
     # layers ``layer_types`` names "sliding_attention".
     window_on_every_layer: bool = False
+    # Module classes whose forward make_invariant replaces by the family's own (Gemma 4's decoder layer
+    # and causal LM head), by class.
+    module_forwards: dict[type, Callable] = field(default_factory=dict)
+    # The causal LM applies config.final_logit_softcapping after the lm_head on the invariant path
+    # (``model.logits.softcap_logits``), so the config field is supported rather than refused.
+    final_logit_softcapping: bool = False
 
     def is_sparse(self, layer: nn.Module) -> bool:
         return self.moe is not None and type(layer.mlp) is self.moe.block
@@ -118,7 +127,8 @@ class FamilyAdapter:
             found = {f"linear_attn.{name}": getattr(layer.linear_attn, name, None)
                      for name in self.linear_attention.projections}
         else:
-            found = {f"self_attn.{name}": getattr(layer.self_attn, name, None) for name in self.attention_projections}
+            found = {f"self_attn.{name}": getattr(layer.self_attn, name, None) for name in self.attention_projections
+                     if not (name in self.optional_projections and getattr(layer.self_attn, name, None) is None)}
         if not self.is_sparse(layer):
             found.update({f"mlp.{name}": getattr(mlp, name, None) for name in self.mlp_projections})
         return found
@@ -162,8 +172,8 @@ def rope_position_axes(config) -> int:
 
 
 # Each family module registers itself.
-from . import (gemma3, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen2_moe,  # noqa: E402,F401
-               qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
+from . import (gemma3, gemma4, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl,  # noqa: E402,F401
+               qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
 # Encoder families: their own adapter type and registry (``encoder_adapter``).
 from . import bert, modernbert, xlm_roberta  # noqa: E402,F401
 from .encoder_adapter import ENCODER_FAMILIES, EncoderAdapter, encoder_family_of  # noqa: E402
