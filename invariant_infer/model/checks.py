@@ -127,6 +127,13 @@ def multimodal_model(model: nn.Module) -> nn.Module:
     return model if hasattr(model, "visual") else getattr(model, "model", model)
 
 
+def unpatched_modules(model: nn.Module, adapter) -> set[nn.Module]:
+    """Every module under the multimodal model's ``adapter.unpatched_modules`` (towers that never run)."""
+    holder = model if hasattr(model, "language_model") else getattr(model, "model", model)
+    roots = [getattr(holder, name, None) for name in adapter.unpatched_modules]
+    return {module for root in roots if root is not None for module in root.modules()}
+
+
 def _check_vision(adapter, model: nn.Module) -> None:
     tower = getattr(multimodal_model(model), "visual", None)
     if type(tower) is not adapter.vision.tower:

@@ -67,7 +67,7 @@ def config_kinds(config) -> set[str]:
                                            else ["final_logit_softcapping"])
     if any(getattr(text, name, None) is not None for name in capped):
         kinds.add("logit_softcapping")
-    if model_type == "gemma4_text":
+    if model_type in ("gemma4_text", "gemma4"):  # gemma4: the multimodal checkpoint, its text model runs
         kinds.add("gemma4_moe" if getattr(text, "enable_moe_block", False) else "gemma4_text")
     if getattr(text, "use_bidirectional_attention", False):
         kinds.add("bidirectional_attention")

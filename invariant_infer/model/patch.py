@@ -48,7 +48,7 @@ from torch import nn
 from . import attention as attention_interface, experts as experts_interface
 from ..errors import NonInvariantInputError, NonInvariantOpError, UnsupportedModelError
 from .audit import audit
-from .checks import check_model, multimodal_model
+from .checks import check_model, multimodal_model, unpatched_modules
 from ..kernels import (gelu_tanh_mul, gelu_tanh_mul_autograd, linear, linear_autograd, rms_norm, rms_norm_autograd,
                        silu_mul, silu_mul_autograd, silu_mul_linear_autograd)
 from ..kernels.configs import row_parallel_config
@@ -81,7 +81,7 @@ class ModelPatch:
     """What ``make_invariant`` changed on the model as a whole (each patched module keeps its own
     ``ModuleState``); ``restore`` undoes it."""
     hooks: list                       # the pre-forward hook handles (base model; multimodal model)
-    attn_implementation: str | None   # the config's before the patch
+    attn_implementation: str | dict | None  # the config's before the patch (the text config's: {"text_config": ...})
     experts_implementation: str | None  # likewise, for MoE families (None: not changed)
     extensions: list                  # the (install, remove) pairs that ran
     reattach_decompression: Any       # puts compressed-tensors' decompression hooks back (None: none taken)
@@ -336,7 +336,10 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
 
     router_forward = experts_interface.router_forward(adapter.moe) if adapter.moe else None
     block_forward = experts_interface.sparse_block_forward(adapter.moe) if adapter.moe else None
+    unpatched = unpatched_modules(model, adapter)
     for module in model.modules():
+        if module in unpatched:
+            continue
         if module in sharded:
             _set_forward(module, sharded[module])
         elif module in quantized or module in experts:
@@ -379,8 +382,10 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
         hooks += install_entry_checks(model, base)  # the checks that read values, before the decoder runs
     if adapter.vision is not None:  # the multimodal model around the language model
         hooks.append(multimodal_model(model).register_forward_pre_hook(multimodal_pre_hook, with_kwargs=True))
-    previous_attn = model.config._attn_implementation
-    model.set_attn_implementation(attention_interface.ATTN_IMPLEMENTATION)
+    # Towers that never run keep their attention (Gemma 4's audio tower takes no other): the text model alone.
+    attention_of = (lambda name: {"text_config": name}) if adapter.unpatched_modules else (lambda name: name)
+    previous_attn = attention_of(text_config(model.config)._attn_implementation)
+    model.set_attn_implementation(attention_of(attention_interface.ATTN_IMPLEMENTATION))
     previous_experts = None
     if adapter.moe is not None:
         experts_interface.register()

@@ -180,6 +180,11 @@ FEATURES = [
                ("tensor_parallel",))
          | _no("a draft's rejected tokens and the KV-shared layers are not tested together yet; run it without "
                "speculative", ("speculative",))),
+    # raised by the gemma4 multimodal model's forwards (model.gemma4_multimodal) before any compute
+    _row("gemma4_images_audio", "images, videos and audio on Gemma 4 (model type gemma4: pixel_values, "
+         "pixel_values_videos, input_features)", feature=True,
+         refused=_no("Gemma 4's vision and audio towers are not on the invariant kernels yet; its text runs (input_ids "
+                     "or inputs_embeds with their attention_mask)", ("model",), NonInvariantInputError)),
     _row("softcap_argument", "attention logit softcapping (softcap)", feature=True,
          refused=_no("invariant attention has no softcapping yet, and never drops it", ("model", "engine"),
                      NonInvariantInputError)),

@@ -110,6 +110,9 @@ class FamilyAdapter:
     # The causal LM applies config.final_logit_softcapping after the lm_head on the invariant path
     # (``model.logits.softcap_logits``), so the config field is supported rather than refused.
     final_logit_softcapping: bool = False
+    # Submodules of the multimodal model (``model.model``) that never run and stay unpatched: Gemma 4's
+    # vision and audio towers, whose inputs are refused by name.
+    unpatched_modules: tuple[str, ...] = ()
 
     def is_sparse(self, layer: nn.Module) -> bool:
         return self.moe is not None and type(layer.mlp) is self.moe.block
@@ -172,8 +175,8 @@ def rope_position_axes(config) -> int:
 
 
 # Each family module registers itself.
-from . import (gemma3, gemma4, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl,  # noqa: E402,F401
-               qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
+from . import (gemma3, gemma4, gemma4_multimodal, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2,  # noqa: E402,F401
+               qwen2_5_vl, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
 # Encoder families: their own adapter type and registry (``encoder_adapter``).
 from . import bert, modernbert, xlm_roberta  # noqa: E402,F401
 from .encoder_adapter import ENCODER_FAMILIES, EncoderAdapter, encoder_family_of  # noqa: E402

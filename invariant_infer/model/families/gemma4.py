@@ -14,8 +14,9 @@
   invariant lm_head's logits, each element alone (the ``tanh`` kernel).
 
 Refused by name: the MoE variant (``enable_moe_block``: its router normalises, rescales and weights per
-expert unlike the project's routing), bidirectional attention, and ``Gemma4ForConditionalGeneration``
-(model type ``gemma4``: images and audio) as a model type outside the supported families."""
+expert unlike the project's routing) and bidirectional attention. The released checkpoints
+(``Gemma4ForConditionalGeneration``, model type ``gemma4``) run their text model through this adapter
+(``families.gemma4_multimodal``)."""
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import (Gemma4ForCausalLM, Gemma4RMSNorm, Gemma4TextDecoderLayer,
                                                         Gemma4TextMLP)
