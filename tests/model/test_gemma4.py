@@ -190,15 +190,6 @@ def test_embeddings_find_their_ids_where_sqrt_hidden_is_not_a_bf16_number():
             model.model.get_per_layer_inputs(None, embeds)  # transformers' own lookup
 
 
-def test_the_multimodal_model_is_refused_by_name():
-    """Gemma4ForConditionalGeneration (model type ``gemma4``: images and audio beside the text model)."""
-    from transformers import Gemma4Config
-    model = torch.nn.Module()
-    model.config = Gemma4Config(text_config=random_config(FAMILY, "tiny").to_dict())
-    with pytest.raises(UnsupportedModelError, match="got model_type 'gemma4'"):
-        make_invariant(model)
-
-
 @pytest.mark.heavy
 def test_engine_equals_generate_token_logprobs_and_scoring(checkpoint):
     """Greedy engine outputs (softcapped logits) equal ``model.generate``'s tokens and its logits' logprobs,

@@ -20,6 +20,7 @@ from helpers.models import batch_mismatches, load_model, make_samples
 from invariant_infer import NonInvariantInputError, make_invariant
 from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.model.attention import invariant_attention
+from invariant_infer.model.families import text_config
 from invariant_infer.model.padding import left_pad
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
@@ -51,7 +52,7 @@ def test_rows_equal_alone_in_any_batch_and_packed(checkpoints, family):
 
 
 def assert_rows_equal_alone_in_any_batch_and_packed(model, lengths) -> None:
-    samples = make_samples(model.config.vocab_size, lengths)
+    samples = make_samples(text_config(model.config).vocab_size, lengths)
     with torch.no_grad():
         assert batch_mismatches(model, samples) == []
         batch = DataCollatorWithFlattening()([{"input_ids": s.tolist()} for s in samples])
@@ -66,7 +67,7 @@ def assert_rows_equal_alone_in_any_batch_and_packed(model, lengths) -> None:
 def test_accuracy_against_float64_and_a_window_off_by_one_misses_it(checkpoints, family):
     stock = load_model(checkpoints(family), torch.float32)
     model = make_invariant(copy.deepcopy(stock))
-    ids = make_samples(model.config.vocab_size, (100,))[0][None]
+    ids = make_samples(text_config(model.config).vocab_size, (100,))[0][None]
 
     def error(window):
         reference = copy.deepcopy(stock).double()
@@ -87,7 +88,7 @@ def test_generate_past_the_window_equals_prefill_and_alone(checkpoints, cache):
 def assert_generate_past_the_window_equals_prefill_and_alone(model, cache: str, new_tokens: int) -> None:
     """Greedy ``generate`` of prompts of 70, 5 and 30 tokens, left-padded together: each row's
     tokens and scores are those of the prompt alone, and each step's logits one forward's."""
-    prompts = [s.tolist() for s in make_samples(model.config.vocab_size, (70, 5, 30))]
+    prompts = [s.tolist() for s in make_samples(text_config(model.config).vocab_size, (70, 5, 30))]
     options = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
                    return_dict_in_generate=True, cache_implementation=cache)
     ids, mask = left_pad(prompts)
@@ -114,7 +115,7 @@ def assert_engine_requests_equal_alone_with_prefix_hits(model, new_tokens: int, 
     """Two prompts sharing a 130-token prefix (two pages of 64 on CPU) and a short one, in an engine
     of 2 sequences and 13 tokens a step: prefix hits, and each request's outputs those alone
     (``alone_prompt_logprobs``: alone with prompt logprobs, which compute the whole prompt)."""
-    shared = make_samples(model.config.vocab_size, (130,), seed=3)[0].tolist()
+    shared = make_samples(text_config(model.config).vocab_size, (130,), seed=3)[0].tolist()
     prompts = [shared + [7, 8], [5, 6, 7], shared + [9], *extra_prompts]
     params = SamplingParams(max_tokens=new_tokens, logprobs=1, ignore_eos=True)
     alone_params = SamplingParams(max_tokens=new_tokens, logprobs=1, ignore_eos=True,
