@@ -273,7 +273,8 @@ def test_fuzz_covers_the_quantized_formats(tmp_path, monkeypatch):
 def test_formats_keep_the_dense_draws_and_refuse_fp32():
     """Without --formats the models, hence every draw of a seed, are the families'; fp32 is refused."""
     assert fuzz.parse([]).models == fuzz.TEXT_FAMILIES and fuzz.parse([]).dtypes == list(fuzz.DTYPES)
-    assert set(FAMILIES) - set(fuzz.TEXT_FAMILIES) == {"qwen2_5_vl", "qwen3_vl"}  # images are not token draws
+    # images are not token draws; gemma4's text model is drawn as gemma4_text
+    assert set(FAMILIES) - set(fuzz.TEXT_FAMILIES) == {"gemma4", "qwen2_5_vl", "qwen3_vl"}
     args = fuzz.parse(["--formats", "none,W4A16"])
     assert "qwen3_moe" in args.models and "qwen2:W4A16" in args.models and "qwen3_moe:W4A16" not in args.models
     with pytest.raises(SystemExit):

@@ -21,7 +21,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # DeltaNet), Gemma, gpt-oss, GLM-4.5 and vision-language families have their own tests (tests/model/test_moe.py,
 # test_hybrid.py, test_gemma3.py, test_gpt_oss.py, test_glm4_moe.py), so CI time does not multiply.
 GEMMA_FAMILY_NAMES = ["gemma3_text"]
-GEMMA4_FAMILY_NAMES = ["gemma4_text"]  # tests/model/test_gemma4.py (not tensor parallel)
+GEMMA4_FAMILY_NAMES = ["gemma4_text", "gemma4"]  # tests/model/test_gemma4.py, test_gemma4_multimodal.py (not TP)
 GPT_OSS_FAMILY_NAMES = ["gpt_oss"]
 GLM4_MOE_FAMILY_NAMES = ["glm4_moe"]  # its own tests (test_glm4_moe.py); the engine schedule test runs it too
 VISION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.vision is not None)  # own tests
