@@ -90,7 +90,10 @@ def test_the_text_model_is_patched_and_the_towers_are_not(checkpoint):
     assert not is_vision_language(model.config) and auto_class_for(model.config) is AutoModelForCausalLM
     assert type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES["gemma4"]
     assert "vision_language" not in model_kinds(model) and "gemma4_text" in model_kinds(model)
+    configs = [model.config.text_config, model.config.vision_config, model.config.audio_config]
+    loaded = [config._attn_implementation for config in configs]
     make_invariant(model)
+    assert [config._attn_implementation for config in configs] == ["invariant"] + loaded[1:]  # the towers' as loaded
     towers = [model.model.vision_tower, model.model.audio_tower, model.model.embed_vision, model.model.embed_audio]
     assert not any("forward" in module.__dict__ for tower in towers for module in tower.modules())
     decoder = model.model.language_model
@@ -98,7 +101,7 @@ def test_the_text_model_is_patched_and_the_towers_are_not(checkpoint):
     assert "forward" in model.lm_head.__dict__ and "forward" in model.__dict__ and "forward" in model.model.__dict__
     restore(model)
     assert not any("forward" in module.__dict__ for module in model.modules())
-    assert model.config.text_config._attn_implementation == "sdpa" and model.config.audio_config._attn_implementation == "eager"
+    assert [config._attn_implementation for config in configs] == loaded
 
 
 @pytest.mark.heavy
