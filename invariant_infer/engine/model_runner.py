@@ -39,7 +39,7 @@ import torch
 from transformers import AttentionInterface
 
 from ..model.checks import base_model
-from ..model.cache_specs import linear_attention_layers
+from ..model.cache_specs import attention_head_dim, linear_attention_layers
 from ..model.families import rope_position_axes, text_config
 from ..model.logits import head_logits
 from ..kernels import attention_config, token_logprobs
@@ -63,10 +63,6 @@ STOCK_ATTN_IMPLEMENTATION = "invariant_infer_paged_stock"
 _RUNNER_IDS = itertools.count()  # names a runner to the other ranks (one engine's KV pages there)
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class ModelRunner:
     def __init__(self, model, *, num_pages: int, page_size: int, invariant: bool, max_num_seqs: int,
                  max_num_batched_tokens: int, decode_buckets: tuple[int, ...] = (), executor: Executor | None = None,
@@ -87,8 +83,12 @@ class ModelRunner:
         if self.tp_size > 1 and not invariant:
             raise InvalidArgumentError("kernels='stock' runs one process only (stock tensor parallelism is not "
                                        "invariant)")
-        self.num_kv_heads = config.num_key_value_heads // self.tp_size  # this rank's shard of the KV heads
-        self.head_dim = _head_dim(config)
+        # The KV cache layout (kv_cache_layout): its spec gives the pages' K/V shape (a latent spec: one
+        # tensor, read as K and V).
+        self.layout = kv_cache_layout(model.config)
+        spec = self.layout.groups[0].spec
+        self.num_kv_heads = spec.num_kv_heads // self.tp_size  # this rank's shard of the KV heads
+        self.head_dim = spec.head_dim
         self.page_size, self.num_pages = page_size, num_pages
         self.decode_buckets = sorted(set(decode_buckets))
         if any(type(b) is not int or b < 1 for b in self.decode_buckets):
@@ -103,10 +103,10 @@ class ModelRunner:
         shape = (num_pages + self.scratch_pages, self.page_size, self.num_kv_heads, self.head_dim)
         # One K and one V tensor per position in a KV cache group; layer (group g, position j) uses
         # tensor j through group g's block table. Layers without pages get None.
-        self.layout = kv_cache_layout(model.config)
         self.num_groups = len(self.layout.groups)
         k_tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layout.group_size)]
-        v_tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layout.group_size)]
+        v_tensors = k_tensors if spec.value_is_key else \
+            [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layout.group_size)]
         places = [self.layout.place(layer) for layer in range(self.num_layers)]
         self.k_caches = [k_tensors[p[1]] if p else None for p in places]  # per layer
         self.v_caches = [v_tensors[p[1]] if p else None for p in places]
@@ -169,8 +169,7 @@ class ModelRunner:
     @staticmethod
     def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:
         """The attention kernel's KV block: a page never splits one."""
-        config = text_config(config)
-        return attention_config(device.type, dtype, _head_dim(config)).block_n
+        return attention_config(device.type, dtype, attention_head_dim(config)).block_n
 
     def bucket(self, chunks: list[ScheduledChunk]) -> int:
         """Rows of the step: a decode-only step is padded to the smallest bucket that holds it."""

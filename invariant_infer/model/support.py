@@ -83,6 +83,15 @@ KINDS = [
          refused=_no("speculation does not carry the images' features and multimodal positions yet; run them "
                      "without speculative", ("speculative",))
          | _no("the vision tower is not sharded yet; run them in one process", ("tensor_parallel",))),
+    _row("latent_attention", "multi-head latent attention (MLA)",
+         title="multi-head latent attention, absorbed, the latent cached (DeepSeek-V3)",
+         refused=_no("the latent heads are not sharded yet; run the model in one process (tensor parallel size 1)",
+                     ("tensor_parallel",))
+         | _no("the absorbed attention's per-head products have no backward yet; run MLA models under "
+               "torch.no_grad() / torch.inference_mode()", ("training",))
+         | _no("the absorbed attention's per-head products have no backward yet", ("trl",), UnsupportedTRLError)
+         | _no("speculative decoding is not verified on the latent cache yet; run them without speculative",
+               ("speculative",))),
     _row("windowed", "sliding-window layers and attention sinks",
          title="sliding windows, attention sinks (Gemma 3, windowed Mistral / Mixtral, gpt-oss, `use_sliding_window`)"),
     _row("fp8_dynamic", "compressed-tensors FP8 checkpoints with per-channel or per-tensor scales",
@@ -130,6 +139,14 @@ FEATURES = [
     _row("stock_speculative", "kernels='stock'", kinds=("stock_kernels",), feature=True,
          refused=_no("speculative decoding is exact only with kernels='invariant' (stock kernels give a verify step "
                      "other logits than decode steps)", ("speculative",), SpeculativeConfigError)),
+    _row("stock_engine_latent_attention", "multi-head latent attention (MLA) with kernels='stock'",
+         kinds=("latent_attention", "stock_kernels"), feature=True,
+         refused=_no("the engine's pages hold the latent, which only the absorbed attention of kernels='invariant' "
+                     "reads; use kernels='invariant'", ("engine",))),
+    _row("latent_attention_quantized", "quantized checkpoints with multi-head latent attention (DeepSeek-V3's fp8)",
+         kinds=("latent_attention", "quantized"), feature=True,
+         refused=_no("the absorbed attention reads kv_b_proj as float weights, which a quantized checkpoint does not "
+                     "hold yet; dequantize the checkpoint to bf16 first")),
     _row("hybrid_lora", "LoRA adapters on models with Gated DeltaNet (linear attention) layers",
          kinds=("hybrid", "lora"), feature=True,
          refused=_no("LoRA on the Gated DeltaNet projections is not supported yet; run the base model",

@@ -76,6 +76,9 @@ class FamilyAdapter:
     # Attention whose output is gated by sigmoid(gate) from a doubled q_proj (Qwen3.5, Qwen3-Next):
     # its class, whose forward make_invariant replaces.
     gated_attention: type | None = None
+    # Multi-head latent attention (DeepSeek-V3): its class, whose forward make_invariant replaces by the
+    # absorbed one (``model.latent_attention``); its layers cache one latent per token (``cache_specs``).
+    latent_attention: type | None = None
     zero_centred_norms: bool = False      # every RMSNorm computes fp32 x (1 + weight) (Qwen3.5, Qwen3-Next, Gemma 3)
     # The MLP's activation: "silu" (config.hidden_act) or "gelu_tanh" (Gemma's hidden_activation
     # "gelu_pytorch_tanh").
@@ -110,7 +113,9 @@ class FamilyAdapter:
             found = {f"linear_attn.{name}": getattr(layer.linear_attn, name, None)
                      for name in self.linear_attention.projections}
         else:
-            found = {f"self_attn.{name}": getattr(layer.self_attn, name, None) for name in self.attention_projections}
+            # A projection the module holds as None is absent by its config (DeepSeek's q_proj beside q_a/q_b).
+            found = {f"self_attn.{name}": getattr(layer.self_attn, name, None) for name in self.attention_projections
+                     if not (hasattr(layer.self_attn, name) and getattr(layer.self_attn, name) is None)}
         if not self.is_sparse(layer):
             found.update({f"mlp.{name}": getattr(mlp, name, None) for name in self.mlp_projections})
         return found
@@ -154,7 +159,7 @@ def rope_position_axes(config) -> int:
 
 
 # Each family module registers itself.
-from . import (gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen3,  # noqa: E402,F401
+from . import (deepseek_v3, gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen3,  # noqa: E402,F401
                qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
 # Encoder families: their own adapter type and registry (``encoder_adapter``).
 from . import bert, modernbert, xlm_roberta  # noqa: E402,F401
