@@ -21,6 +21,7 @@ from .layer_norm import layer_norm
 from .layer_norm_autograd import LayerNormFunction, layer_norm_autograd
 from .linear import linear
 from .linear_autograd import LinearFunction, linear_autograd
+from .moe_group_routing import moe_group_routing
 from .moe_routing import moe_routing
 from .paged_attention import paged_attention, write_kv
 from .pooling import pool_tokens
@@ -40,7 +41,7 @@ __all__ = [
     "AttentionConfig", "attention", "attention_config",
     "AttentionBackwardConfig", "AttentionFunction", "attention_autograd", "attention_backward_config",
     "LinearConfig", "linear", "linear_config", "LinearFunction", "linear_autograd",
-    "grouped_linear", "grouped_silu_mul_linear", "moe_routing", "clamped_swiglu",
+    "grouped_linear", "grouped_silu_mul_linear", "moe_routing", "moe_group_routing", "clamped_swiglu",
     "paged_attention", "write_kv",
     "QuantizedLinearConfig", "QuantizedWeight", "dequantize_weight", "grouped_quantized_linear", "quantize_activations",
     "quantized_linear",

@@ -4,7 +4,8 @@ function registered with transformers' ``ExpertsInterface`` under the name ``inv
 Three places where stock MoE depends on the batch, and what runs here instead:
   * routing: the router linear on the invariant kernel, then ``route`` (the ``moe_routing``
     kernel): per token, softmax in fp32, the top-k (exact ties go to the lowest expert index),
-    renormalised in rank order;
+    renormalised in rank order; or, for ``MoeLayout.routing`` "grouped_sigmoid", fp32 logits and
+    the ``moe_group_routing`` kernel (sigmoid, group limit, selection bias, all per token);
   * experts: the (token, slot) pairs sorted by expert (stable), then ``expert_forward`` (the
     grouped kernels, one launch for all experts), whose every row is bitwise what that row
     alone gives through the linear kernel, however many rows its expert got;
@@ -20,7 +21,7 @@ from transformers.integrations.moe import ExpertsInterface
 from ..errors import UnsupportedModelError
 from .families import FamilyAdapter, MoeLayout
 from .support import require
-from ..kernels import clamped_swiglu, grouped_linear, grouped_silu_mul_linear, linear, moe_routing
+from ..kernels import clamped_swiglu, grouped_linear, grouped_silu_mul_linear, linear, moe_group_routing, moe_routing
 
 EXPERTS_IMPLEMENTATION = "invariant"
 # The expert layouts the experts function computes, by MoeLayout.activation. "silu": concatenated
@@ -102,14 +103,34 @@ def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
                                                                  self.down_proj, offsets))
 
 
+def _softmax_routing(layout: MoeLayout, router: nn.Module, x: torch.Tensor):
+    bias = getattr(router, "bias", None)  # gpt-oss's router has one
+    refuse_grad(x, router.weight, bias)
+    logits = linear(x, router.weight, bias)
+    weights, experts = route(logits, router.top_k, layout.normalize(router))
+    return logits, weights.to(logits.dtype) if layout.weights_in_logits_dtype else weights, experts
+
+
+def _grouped_sigmoid_routing(layout: MoeLayout, router: nn.Module, x: torch.Tensor):
+    """Glm4MoeTopkRouter / DeepseekV3TopkRouter: fp32 logits (inputs and weight upcast, as stock), then
+    ``moe_group_routing``; the weights stay fp32, as stock's."""
+    refuse_grad(x, router.weight)
+    logits = linear(x.float(), router.weight.float())
+    weights, experts = moe_group_routing(logits, router.e_score_correction_bias, router.top_k, router.num_group,
+                                         router.topk_group, layout.normalize(router), router.routed_scaling_factor)
+    return logits, weights, experts
+
+
+# MoeLayout.routing -> (layout, router, hidden [T, H]) -> (router logits, weights [T, k], experts [T, k]).
+ROUTINGS = {"softmax": _softmax_routing, "grouped_sigmoid": _grouped_sigmoid_routing}
+
+
 def router_forward(layout: MoeLayout):
     """The router forward of one family: (router logits, routing weights, expert indices), as stock."""
+    routing = ROUTINGS[layout.routing]
+
     def forward(self, hidden_states: torch.Tensor):
-        bias = getattr(self, "bias", None)  # gpt-oss's router has one
-        refuse_grad(hidden_states, self.weight, bias)
-        logits = linear(hidden_states.reshape(-1, self.hidden_dim), self.weight, bias)
-        weights, experts = route(logits, self.top_k, layout.normalize(self))
-        return logits, weights.to(logits.dtype) if layout.weights_in_logits_dtype else weights, experts
+        return routing(layout, self, hidden_states.reshape(-1, self.hidden_dim))
     return forward
 
 
@@ -129,6 +150,23 @@ def shared_expert_block_forward(self, hidden_states: torch.Tensor) -> torch.Tens
     return (routed + gate.to(shared.dtype) * shared).reshape(batch, length, hidden)
 
 
+def shared_experts_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A sparse block with an ungated shared MLP (GLM-4.5, DeepSeek-V3): routed experts + shared_experts(x),
+    the routed output cast to the hidden dtype before the add, as stock."""
+    batch, length, hidden = hidden_states.shape
+    x = hidden_states.view(-1, hidden)
+    _, weights, experts = self.gate(x)
+    routed = self.experts(x, experts, weights)
+    return (routed + self.shared_experts(x)).reshape(batch, length, hidden)
+
+
+def sparse_block_forward(layout: MoeLayout):
+    """The block forward make_invariant installs for a layout, or None where stock's block forward stays."""
+    if layout.shared_expert:
+        return shared_expert_block_forward
+    return shared_experts_block_forward if layout.ungated_shared_experts else None
+
+
 def _check_shared_expert(adapter: FamilyAdapter, block: nn.Module, where: str, quantized) -> None:
     shared, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
     if type(shared) is not adapter.mlp:
@@ -140,6 +178,17 @@ def _check_shared_expert(adapter: FamilyAdapter, block: nn.Module, where: str, q
                                         "layers and quantized checkpoints' layers are supported")
     if gate.out_features != 1:
         raise UnsupportedModelError(f"{where}.shared_expert_gate has {gate.out_features} outputs; expected 1")
+
+
+def _check_shared_experts(adapter: FamilyAdapter, block: nn.Module, where: str, quantized) -> None:
+    shared = getattr(block, "shared_experts", None)
+    if type(shared) is not adapter.mlp:
+        raise UnsupportedModelError(f"{where}.shared_experts is {type(shared).__name__}, not {adapter.mlp.__name__}")
+    for name in adapter.mlp_projections:
+        proj = getattr(shared, name, None)
+        if type(proj) is not nn.Linear and proj not in quantized:
+            raise UnsupportedModelError(f"{where}.shared_experts.{name} is {type(proj).__name__}; only plain "
+                                        "torch.nn.Linear layers and quantized checkpoints' layers are supported")
 
 
 def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str, quantized_experts=(),
@@ -154,6 +203,8 @@ def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str, qua
                                     f"{layout.router.__name__} router the invariant routing replaces")
     if layout.shared_expert:
         _check_shared_expert(adapter, block, where, quantized_layers)
+    if layout.ungated_shared_experts:
+        _check_shared_experts(adapter, block, where, quantized_layers)
     if getattr(experts, "_is_expert_parallel", False):
         raise UnsupportedModelError(f"{where}.experts is expert-parallel: expert parallelism is not supported "
                                     "(load the model on one device)")

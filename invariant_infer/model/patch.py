@@ -330,6 +330,7 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
     hub_kernels = _turn_off_hub_kernels(model)
 
     router_forward = experts_interface.router_forward(adapter.moe) if adapter.moe else None
+    block_forward = experts_interface.sparse_block_forward(adapter.moe) if adapter.moe else None
     for module in model.modules():
         if module in sharded:
             _set_forward(module, sharded[module])
@@ -357,8 +358,8 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
                          _quantized_mlp_forward if module.down_proj in quantized else _mlp_forward)
         elif adapter.moe is not None and type(module) is adapter.moe.router:
             _set_forward(module, router_forward)
-        elif adapter.moe is not None and adapter.moe.shared_expert and type(module) is adapter.moe.block:
-            _set_forward(module, experts_interface.shared_expert_block_forward)
+        elif block_forward is not None and type(module) is adapter.moe.block:
+            _set_forward(module, block_forward)
         elif adapter.vision is not None and type(module) is adapter.vision.tower:
             adapter.vision.prepare(module)
             _set_forward(module, adapter.vision.forward)

@@ -24,7 +24,7 @@ class MoeLayout:
     """The sparse MoE block of a family: the router (``block.gate``, or ``block.<router_attribute>``)
     and ``block.experts``."""
     block: type
-    router: type                          # .weight [E, hidden], .top_k, optionally .bias [E]
+    router: type                          # .weight [E, hidden], .top_k, optionally .bias [E] (see ``routing``)
     # @use_experts_implementation. "silu": gate_up_proj [E, 2I, H] ([gate; up]), down_proj [E, H, I],
     # no biases. "clamped_swiglu" (gpt-oss): gate_up_proj [E, H, 2I] with gate and up interleaved,
     # down_proj [E, I, H], biases, and (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
@@ -36,6 +36,14 @@ class MoeLayout:
     shared_expert: bool = False
     router_attribute: str = "gate"
     activation: str = "silu"
+    # How the router picks and weighs experts. "softmax": top-k of softmax(x @ W.T + bias), renormalised
+    # by ``normalize``. "grouped_sigmoid" (GLM-4.5, DeepSeek-V3): fp32 logits, sigmoid scores, experts
+    # picked by score + ``e_score_correction_bias`` among the ``topk_group`` best of ``num_group`` groups,
+    # weighted by their scores (renormalised by ``normalize``) times ``routed_scaling_factor``.
+    routing: str = "softmax"
+    # A dense MLP ``block.shared_experts`` (the family's ``mlp`` class) added unscaled to every token's
+    # routed output (GLM-4.5, DeepSeek-V3).
+    ungated_shared_experts: bool = False
 
 
 @dataclass(frozen=True)
