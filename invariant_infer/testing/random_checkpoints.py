@@ -50,6 +50,9 @@ def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = t
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith("LayerNorm.weight"):  # an encoder's LayerNorms (their biases are drawn above)
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a sigmoid router's selection bias starts at zero
+                buffer.normal_(0.0, 0.05)
     return model
 
 

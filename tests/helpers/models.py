@@ -29,7 +29,7 @@ FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
                       and name not in GEMMA_FAMILY_NAMES and name not in LATENT_ATTENTION_FAMILY_NAMES)
 MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
                           if adapter.moe is not None and adapter.linear_attention is None
-                          and name not in GPT_OSS_FAMILY_NAMES)
+                          and name not in GPT_OSS_FAMILY_NAMES and name not in LATENT_ATTENTION_FAMILY_NAMES)
 HYBRID_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is not None)
 
 

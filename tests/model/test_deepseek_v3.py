@@ -1,15 +1,16 @@
-"""DeepSeek-V3 with dense layers: multi-head latent attention run absorbed (the query through W_uk, one
-shared [latent, rope key] per token as key and value, the output through W_uv, per-head products on
-the grouped GEMM), interleaved yarn RoPE, and the latent cached. Each row is bitwise itself alone in
-any padded batch (left, right, ``inputs_embeds``) and packed; fp32 logits are within tolerance of stock
-float64 (which expands K and V), while references with the rope on the other layout or without yarn's
-mscale miss; bf16 stays within twice stock bf16's error; ``generate`` gives each row's bits alone and
+"""DeepSeek-V3: multi-head latent attention run absorbed (the query through W_uk, one shared [latent,
+rope key] per token as key and value, the output through W_uv, per-head products on the grouped GEMM),
+interleaved yarn RoPE, the latent cached, a dense first layer and a sparse one (group-limited sigmoid
+router with a selection bias and a routed scaling factor, routed experts plus an unscaled shared MLP).
+Each row is bitwise itself alone in any padded batch (left, right, ``inputs_embeds``) and packed; fp32
+logits are within tolerance of stock float64 (which expands K and V), while references with the rope
+on the other layout, without yarn's mscale, without the routing bias or without the routed scaling
+miss; bf16 stays within twice stock bf16's error; ``generate`` gives each row's bits alone and
 each step one forward's, with transformers' dynamic and static caches holding the latent; the engine's
 pages hold one latent vector per token and its requests equal alone with prefix hits, ``generate``,
 ``token_logprobs`` and ``score_sequences``.
-Negative controls: a batch-dependent per-head GEMM, and attention tiles picked by the query length.
-The MoE layers, tensor parallelism, training, quantized checkpoints and the stock engine are refused
-by name."""
+Negative control: a batch-dependent per-head GEMM. Tensor parallelism, training, quantized checkpoints
+and the stock engine are refused by name."""
 from __future__ import annotations
 
 import copy
@@ -66,6 +67,7 @@ def _errors_against_float64(checkpoint, dtype, changes=()):
 
     def reference(change=None):
         ref = copy.deepcopy(stock).double()
+        ref.set_experts_implementation("eager")  # grouped_mm has no float64
         if change is not None:
             change(ref)
         return ref(ids).logits
@@ -84,12 +86,20 @@ def test_accuracy_against_float64_and_what_its_tolerance_catches(checkpoint):
         for layer in reference.model.layers:
             layer.self_attn.scaling = layer.self_attn.qk_head_dim ** -0.5
 
-    error, _, scale, missed = _errors_against_float64(checkpoint, torch.float32,
-                                                      (rope_not_interleaved, no_yarn_mscale))
+    def no_routing_bias(reference):
+        for layer in reference.model.layers[reference.config.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+
+    def no_routed_scaling(reference):
+        for layer in reference.model.layers[reference.config.first_k_dense_replace:]:
+            layer.mlp.gate.routed_scaling_factor = 1.0
+
+    changes = (rope_not_interleaved, no_yarn_mscale, no_routing_bias, no_routed_scaling)
+    error, _, scale, missed = _errors_against_float64(checkpoint, torch.float32, changes)
     tolerance = 2e-4 * scale
     assert error < tolerance
-    for change, miss in zip(("rope_not_interleaved", "no_yarn_mscale"), missed):
-        assert miss > 10 * tolerance, change
+    for change, miss in zip(changes, missed):
+        assert miss > 10 * tolerance, change.__name__
 
 
 @pytest.mark.heavy
@@ -147,10 +157,8 @@ def test_engine_pages_hold_one_latent_per_token(checkpoint):
     assert all(k is v and k.shape[2:] == (1, 48) for k, v in zip(runner.k_caches, runner.v_caches))
 
 
-def test_moe_tensor_parallelism_training_quantized_and_stock_engine_are_refused_by_name(checkpoint):
-    with pytest.raises(UnsupportedModelError, match="deepseek_v3: the mixture-of-experts layers"):
-        make_invariant(random_model(random_config(FAMILY, "tiny", first_k_dense_replace=1)))
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism does not run multi-head latent attention"):
+def test_tensor_parallelism_training_quantized_and_stock_engine_are_refused_by_name(checkpoint):
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism does not run"):
         check_model(random_model(random_config(FAMILY, "tiny")), sharded=True)
     quantized = random_config(FAMILY, "tiny", quantization_config={"quant_method": "fp8",
                                                                    "weight_block_size": [128, 128]})
