@@ -67,6 +67,15 @@ _PER_CHANNEL_TP = ("their activation scale spans the whole row, which a row-para
 # The kinds matrix: one row per kind, in this order in the docs.
 KINDS = [
     _row("dense", "dense models", title="dense (Qwen2 / 2.5, Qwen3, Llama 3.x, Mistral, Gemma 3)"),
+    _row("latent_attention", "multi-head latent attention (MLA)",
+         title="multi-head latent attention, absorbed, the latent cached (DeepSeek-V3)",
+         refused=_no("the latent heads are not sharded yet; run the model in one process (tensor parallel size 1)",
+                     ("tensor_parallel",))
+         | _no("the absorbed attention's per-head products have no backward yet; run MLA models under "
+               "torch.no_grad() / torch.inference_mode()", ("training",))
+         | _no("the absorbed attention's per-head products have no backward yet", ("trl",), UnsupportedTRLError)
+         | _no("speculative decoding is not verified on the latent cache yet; run them without speculative",
+               ("speculative",))),
     _row("moe", "mixture-of-experts models", title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss)",
          refused=_no("the experts' K trees are not split across ranks; run the model in one process (no tp_plan, "
                      "tensor parallel size 1)", ("tensor_parallel",))
@@ -83,15 +92,6 @@ KINDS = [
          refused=_no("speculation does not carry the images' features and multimodal positions yet; run them "
                      "without speculative", ("speculative",))
          | _no("the vision tower is not sharded yet; run them in one process", ("tensor_parallel",))),
-    _row("latent_attention", "multi-head latent attention (MLA)",
-         title="multi-head latent attention, absorbed, the latent cached (DeepSeek-V3)",
-         refused=_no("the latent heads are not sharded yet; run the model in one process (tensor parallel size 1)",
-                     ("tensor_parallel",))
-         | _no("the absorbed attention's per-head products have no backward yet; run MLA models under "
-               "torch.no_grad() / torch.inference_mode()", ("training",))
-         | _no("the absorbed attention's per-head products have no backward yet", ("trl",), UnsupportedTRLError)
-         | _no("speculative decoding is not verified on the latent cache yet; run them without speculative",
-               ("speculative",))),
     _row("windowed", "sliding-window layers and attention sinks",
          title="sliding windows, attention sinks (Gemma 3, windowed Mistral / Mixtral, gpt-oss, `use_sliding_window`)"),
     _row("fp8_dynamic", "compressed-tensors FP8 checkpoints with per-channel or per-tensor scales",

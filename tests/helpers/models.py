@@ -18,11 +18,13 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 # Dense families of the Llama layout: the FAMILY-driven tests run over these. The MoE, hybrid (Gated
-# DeltaNet), Gemma, gpt-oss, latent-attention and vision-language families have their own tests (tests/model/test_moe.py,
-# test_hybrid.py, test_gemma3.py, test_gpt_oss.py, test_deepseek_v3.py), so CI time does not multiply.
+# DeltaNet), Gemma, gpt-oss, latent-attention and vision-language families have their own tests
+# (tests/model/test_moe.py, test_hybrid.py, test_gemma3.py, test_gpt_oss.py, test_deepseek_v3.py), so CI
+# time does not multiply.
 GEMMA_FAMILY_NAMES = ["gemma3_text"]
 GPT_OSS_FAMILY_NAMES = ["gpt_oss"]
-LATENT_ATTENTION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.latent_attention)  # own tests
+# own tests (test_deepseek_v3.py)
+LATENT_ATTENTION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.latent_attention)
 VISION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.vision is not None)  # own tests
 FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
                       if adapter.moe is None and adapter.linear_attention is None and adapter.vision is None
