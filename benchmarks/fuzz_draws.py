@@ -32,9 +32,10 @@ from .fuzz_quantized import batch_variant_quantized_layers, quant_overrides, spl
 # layer is a sparse block (qwen3_moe's dense ``mlp_only_layers=[1]`` is gone).
 FUZZ_OVERRIDES = dict(num_hidden_layers=1, vocab_size=128, num_attention_heads=2, num_key_value_heads=1)
 # The hybrid families keep their two layers: one Gated DeltaNet, one gated full attention; Gemma 3
-# and gpt-oss theirs: one sliding-window layer, one global.
+# and gpt-oss theirs: one sliding-window layer, one global; DeepSeek-V3 its dense layer and its sparse one.
 FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16), "qwen3_moe": dict(head_dim=16),
                     "gemma3_text": dict(num_hidden_layers=2), "gpt_oss": dict(num_hidden_layers=2),
+                    "deepseek_v3": dict(num_hidden_layers=2),
                     "qwen3_5_text": dict(num_hidden_layers=2), "qwen3_5_moe_text": dict(num_hidden_layers=2),
                     "qwen3_next": dict(num_hidden_layers=2)}
 SAMPLES_PER_POOL = 24
