@@ -225,7 +225,6 @@ TRIGGERS = {
         lambda tmp: tensor_parallel_before_start(random_config("deepseek_v3", "tiny"), tmp),
     ("latent_attention", "training"): lambda tmp: latent_attention_backward(),
     ("latent_attention", "trl"): lambda tmp: trl_check(tiny("deepseek_v3")),
-    ("latent_attention", "speculative"): lambda tmp: engine(tiny("deepseek_v3"), speculative=NGRAM),
     ("stock_engine_latent_attention", "engine"): lambda tmp: engine(tiny("deepseek_v3"), kernels="stock"),
     ("latent_attention_quantized", "*"):
         lambda tmp: make_invariant(with_quantization(tiny("deepseek_v3"), TRANSFORMERS_FP8)),

@@ -73,9 +73,7 @@ KINDS = [
                      ("tensor_parallel",))
          | _no("the absorbed attention's per-head products have no backward yet; run MLA models under "
                "torch.no_grad() / torch.inference_mode()", ("training",))
-         | _no("the absorbed attention's per-head products have no backward yet", ("trl",), UnsupportedTRLError)
-         | _no("speculative decoding is not verified on the latent cache yet; run them without speculative",
-               ("speculative",))),
+         | _no("the absorbed attention's per-head products have no backward yet", ("trl",), UnsupportedTRLError)),
     _row("moe", "mixture-of-experts models", title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss)",
          refused=_no("the experts' K trees are not split across ranks; run the model in one process (no tp_plan, "
                      "tensor parallel size 1)", ("tensor_parallel",))
