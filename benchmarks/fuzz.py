@@ -12,8 +12,10 @@ a 128-token vocabulary (FUZZ_OVERRIDES), written with ``save_pretrained`` and lo
 qwen2 q/k/v bias, untied head; qwen3 q/k head norms, head_dim 16 != 64 / 2, tied; llama3 RoPE
 scaling, attention and MLP biases, tied; mistral no sliding window, untied; the mixture-of-experts
 families a sparse block of 8 experts (qwen3_moe top-4 renormalised, head_dim 16; mixtral top-2,
-routing weights in fp32; qwen2_moe top-2 not renormalised, with its gated shared expert), so a batch
-crowds some experts and leaves others empty. A pool is one
+routing weights in fp32; qwen2_moe top-2 not renormalised, with its gated shared expert; glm4_moe
+top-2 of sigmoid scores picked with a selection bias from 1 of 2 groups, scaled by 2.5, with its ungated
+shared MLP, q/k head norms and RoPE on half of each head), so a batch crowds some experts and leaves
+others empty. A pool is one
 model per (family, dtype) and SAMPLES_PER_POOL samples per family, the same for every dtype
 (lengths 1, MAX_LEN, LONG_LEN, then uniform in 1..MAX_LEN); a sample's alone logits are
 computed on its first use and cached.

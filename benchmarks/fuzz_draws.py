@@ -29,7 +29,8 @@ from .fuzz_quantized import batch_variant_quantized_layers, quant_overrides, spl
 # vocabulary (one lm_head tile, as with 512): about 2x the batchings/s of 2 layers and 4 heads.
 # What makes each family different stays (see the module docstring); qwen3's and qwen3_moe's
 # head_dim 16 keeps head_dim != hidden / heads (64 / 2 = 32). With 1 layer every MoE family's one
-# layer is a sparse block (qwen3_moe's dense ``mlp_only_layers=[1]`` is gone).
+# layer is a sparse block (qwen3_moe's dense ``mlp_only_layers=[1]`` is gone; glm4_moe's dense first layer
+# by first_k_dense_replace=0).
 FUZZ_OVERRIDES = dict(num_hidden_layers=1, vocab_size=128, num_attention_heads=2, num_key_value_heads=1)
 # The hybrid families keep their two layers: one Gated DeltaNet, one gated full attention; Gemma 3
 # and gpt-oss theirs: one sliding-window layer, one global; DeepSeek-V3 its dense layer and its sparse one.
@@ -37,7 +38,7 @@ FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16), "qwen3_moe": dict(head_dim=16),
                     "gemma3_text": dict(num_hidden_layers=2), "gpt_oss": dict(num_hidden_layers=2),
                     "deepseek_v3": dict(num_hidden_layers=2),
                     "qwen3_5_text": dict(num_hidden_layers=2), "qwen3_5_moe_text": dict(num_hidden_layers=2),
-                    "qwen3_next": dict(num_hidden_layers=2)}
+                    "qwen3_next": dict(num_hidden_layers=2), "glm4_moe": dict(first_k_dense_replace=0)}
 SAMPLES_PER_POOL = 24
 MAX_LEN = 40
 # One longer sample per pool: on CPU the attention's KV block is 64 keys and blocks start at a

@@ -113,6 +113,13 @@ CONFIGS = {
                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
                                              beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
                                              original_max_position_embeddings=32)),
+    # A dense layer and a sparse one: 2 groups of 4 experts, one kept, top-2 by sigmoid score + selection
+    # bias (drawn from the formula, as a bias), scaled by 2.5; an ungated shared MLP; q/k norms; half-head RoPE.
+    "glm4_moe": dict(_COMMON, num_hidden_layers=2, first_k_dense_replace=1, head_dim=32, moe_intermediate_size=32,
+                     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                     rms_norm_eps=1e-5, tie_word_embeddings=False,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
 }
 # the vision-language families': benchmarks/golden_vision.py; the pooled kinds': benchmarks/golden_pooled.py
 FAMILY_NAMES = (*CONFIGS, *VISION_CONFIGS, *POOLED_CONFIGS)
@@ -141,6 +148,9 @@ def write_checkpoint(family: str, dtype: torch.dtype, path: Path, **overrides) -
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights appear once
             param.copy_(parameter_values(name, tuple(param.shape)))
+        for name, buffer in model.named_buffers():  # a sigmoid router's selection bias is a buffer
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(parameter_values(name, tuple(buffer.shape)))
     model.to(dtype).save_pretrained(path)
     return path
 

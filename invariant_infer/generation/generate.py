@@ -122,8 +122,10 @@ def _unsupported(options: dict, generation_config) -> str | None:
         return "contrastive search (penalty_alpha) is not supported"
     if get("dola_layers") is not None:
         return "DoLa decoding (dola_layers) is not supported"
-    if options.get("assistant_model") is not None or get("prompt_lookup_num_tokens") or get("assistant_early_exit"):
-        return "assisted / speculative decoding is not supported"
+    if (options.get("assistant_model") is not None or get("prompt_lookup_num_tokens") or get("assistant_early_exit")
+            or get("use_mtp")):
+        return "assisted / speculative decoding (an assistant model, prompt lookup, use_mtp: multi-token " \
+               "prediction) is not supported; the engine's speculative decoding is exact"
     if options.get("custom_generate") is not None:
         return "custom_generate is not supported"
     if options.get("negative_prompt_ids") is not None or (get("guidance_scale") or 1.0) != 1.0:

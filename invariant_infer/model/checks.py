@@ -83,7 +83,7 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
         if adapter.gated_attention is not None and type(layer.self_attn) is not adapter.gated_attention:
             raise UnsupportedModelError(f"layers.{index}.self_attn is {type(layer.self_attn).__name__}, not the "
                                         f"{adapter.gated_attention.__name__} the {adapter.model_type} adapter patches")
-        for name in adapter.head_norms:
+        for name in adapter.head_norms if getattr(text_config(config), "use_qk_norm", True) is not False else ():
             if type(getattr(layer.self_attn, name, None)) is not adapter.rms_norm:
                 raise UnsupportedModelError(f"layers.{index}.self_attn.{name} is not a {adapter.rms_norm.__name__}")
     for name, module in model.named_modules():  # lm_head, score heads, anything Linear-like

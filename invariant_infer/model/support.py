@@ -74,7 +74,8 @@ KINDS = [
          | _no("the absorbed attention's per-head products have no backward yet; run MLA models under "
                "torch.no_grad() / torch.inference_mode()", ("training",))
          | _no("the absorbed attention's per-head products have no backward yet", ("trl",), UnsupportedTRLError)),
-    _row("moe", "mixture-of-experts models", title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss)",
+    _row("moe", "mixture-of-experts models",
+         title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3)",
          refused=_no("the experts' K trees are not split across ranks; run the model in one process (no tp_plan, "
                      "tensor parallel size 1)", ("tensor_parallel",))
          | _no("MoE training is not supported: the invariant router and experts have no backward (and the router "

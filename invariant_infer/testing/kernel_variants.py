@@ -82,6 +82,10 @@ MODELS: dict[str, tuple[str, dict]] = {
     # groups); the absorbed latent attention's head dim 512 + 64
     "deepseek-v3": ("deepseek_v3", {**FAMILIES["deepseek_v3"].presets["deepseek-v3"], "num_hidden_layers": 2,
                                     "first_k_dense_replace": 1, "n_routed_experts": 16}),
+    # GLM-4.5-Air's dense first layer and a sparse one, with 8 of its 128 experts (the router's variant at 128
+    # experts: tests/kernels/test_moe_group_routing.py compiles it)
+    "glm-4.5-air": ("glm4_moe", {**FAMILIES["glm4_moe"].presets["glm-4.5-air"], "num_hidden_layers": 2,
+                                 "n_routed_experts": 8}),
 }
 # Quantized checkpoints: Qwen2.5-1.5B's layer widths, vocabulary cut to this (its lm_head stays dense).
 QUANTIZED_VOCAB = 4096
@@ -264,6 +268,7 @@ WORKLOADS: dict[str, Callable[[], None]] = {
     "gemma-3-4b": _dense("gemma-3-4b", ("forward", "training")),
     "qwen3-30b-a3b": _dense("qwen3-30b-a3b", ("forward", "engine")),
     "deepseek-v3": _dense("deepseek-v3", ("forward", "engine")),
+    "glm-4.5-air": _dense("glm-4.5-air", ("forward",)),
     **{f"compressed-tensors {scheme}": _quantized(scheme) for scheme in COMPRESSED_TENSORS_SCHEMES},
     "transformers fp8": _quantized("fp8"),
     "transformers fp8 moe": _quantized("moe-fp8"),

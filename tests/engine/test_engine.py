@@ -11,7 +11,7 @@ import invariant_infer.engine.sampler as sampler_module
 import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
 from helpers.engine_runs import run_schedule
-from helpers.models import FAMILY_NAMES, MOE_FAMILY_NAMES, load_model
+from helpers.models import FAMILY_NAMES, GLM4_MOE_FAMILY_NAMES, MOE_FAMILY_NAMES, load_model
 from helpers.tokenizer import train_tokenizer
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.engine import Engine, RequestError, SamplingParams
@@ -55,7 +55,7 @@ def family_models(family_checkpoints):
 
 
 @pytest.mark.fast_cells(ids=["qwen3_moe"])
-@pytest.mark.parametrize("family", FAMILY_NAMES + MOE_FAMILY_NAMES)
+@pytest.mark.parametrize("family", FAMILY_NAMES + MOE_FAMILY_NAMES + GLM4_MOE_FAMILY_NAMES)
 def test_any_schedule_equals_alone_generate_and_score(family_models, family):
     model = family_models(family)
     prompts = prompts_for(model.config.vocab_size, (9, 3, 14), seed=1)

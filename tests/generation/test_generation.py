@@ -206,6 +206,7 @@ def test_right_padding_is_rejected_before_decoding(model, prompts, monkeypatch):
 @pytest.mark.parametrize("options, match", [
     (dict(do_sample=True), "seeded_sampling"),
     (dict(num_beams=2), "beam search"),
+    (dict(use_mtp=True), "multi-token prediction"),
     (dict(min_length=20), "min_length"),
     (dict(cache_implementation="offloaded"), "cache_implementation"),
     (dict(do_sample=True, logits_processor=seeded_sampling([1, 2])), "do_sample=False"),

@@ -18,8 +18,8 @@ def model(tiny_checkpoint):
 
 def test_rejects_other_model_families():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128))
-    supported = (r"\['gemma3_text', 'gpt_oss', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_5_vl', 'qwen2_moe', "
-                 r"'qwen3', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next', 'qwen3_vl'\]")
+    supported = (r"\['gemma3_text', 'glm4_moe', 'gpt_oss', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen2_5_vl', "
+                 r"'qwen2_moe', 'qwen3', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next', 'qwen3_vl'\]")
     with pytest.raises(UnsupportedModelError, match=supported + ".*model_type 'gpt2'"):
         make_invariant(gpt2)
     assert not is_invariant(gpt2)

@@ -30,7 +30,7 @@ def models():
     return get
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", pytest.param("glm4_moe", marks=pytest.mark.heavy)])
 def test_a_padded_forward_reads_nothing_back_inside_the_decoder(models, family):
     model = models(family)
     ids, mask = left_pad(PROMPTS)
