@@ -30,6 +30,7 @@ TINY_SPECS = {
     "deepseek_v3": (LatentAttentionSpec(1, 32 + 16),) * 2,  # kv_lora_rank + qk_rope_head_dim, one tensor
     "gemma3_text": (WINDOW24(1, 32), FULL(1, 32)),
     "gpt_oss": (WINDOW24(2, 32), FULL(2, 32)),
+    "glm4_moe": (FULL(2, 32),) * 2,
     "llama": (FULL(2, 16),) * 2,
     "mistral": (FULL(1, 16),) * 2,  # sliding_window None
     "mixtral": (FULL(1, 16),) * 2,

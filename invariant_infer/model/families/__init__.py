@@ -168,7 +168,7 @@ def rope_position_axes(config) -> int:
 
 # Each family module registers itself.
 from . import (deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_5_vl,  # noqa: E402,F401
-               qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
+               qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
 # Encoder families: their own adapter type and registry (``encoder_adapter``).
 from . import bert, modernbert, xlm_roberta  # noqa: E402,F401
 from .encoder_adapter import ENCODER_FAMILIES, EncoderAdapter, encoder_family_of  # noqa: E402
