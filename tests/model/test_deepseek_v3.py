@@ -45,7 +45,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype, lengths", [(torch.bfloat16, SHORT_LENGTHS),
                                             pytest.param(torch.float32, LENGTHS, marks=pytest.mark.heavy),
-                                            pytest.param(torch.float16, LENGTHS, marks=pytest.mark.heavy)],
+                                            pytest.param(torch.float16, SHORT_LENGTHS, marks=pytest.mark.heavy)],
                          ids=["bf16", "fp32", "fp16"])
 def test_rows_equal_alone_in_any_batch_and_packed(checkpoint, dtype, lengths):
     assert_rows_equal_alone_in_any_batch_and_packed(make_invariant(load_model(checkpoint, dtype)), lengths)
