@@ -12,8 +12,11 @@ group, in sixes or fewer; gpt-oss (alternating) one sliding and one full group p
 or larger where the counts allow.
 
 Position ``j`` of every group shares one K and one V tensor ``[pages, page_size, Hkv, D]``: layer
-(group g, position j) reads and writes tensor j through group g's block table. Linear-attention
-layers hold no pages (their state is per sequence: ``linear_state``).
+(group g, position j) reads and writes tensor j through group g's block table; where the spec's
+values are its keys (``value_is_key``: multi-head latent attention's one latent per token) the two
+are one tensor, so a page holds the latent once. Its pages are managed as full attention's (every
+page of the context). Linear-attention layers hold no pages (their state is per sequence:
+``linear_state``).
 
 ``pages_held`` is a request's page need per spec, the engine's own accounting (admission refusal,
 benchmarks): full attention holds every page of its context; a window holds the pages its next
