@@ -23,7 +23,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # test_deepseek_v3.py), so CI time does not multiply.
 GEMMA_FAMILY_NAMES = ["gemma3_text"]
 GPT_OSS_FAMILY_NAMES = ["gpt_oss"]
-GLM4_MOE_FAMILY_NAMES = ["glm4_moe"]  # its own tests (test_glm4_moe.py); the engine schedule and speculation too
+GLM4_MOE_FAMILY_NAMES = ["glm4_moe"]  # its own tests (test_glm4_moe.py); the engine schedule test runs it too
 # own tests (test_deepseek_v3.py)
 LATENT_ATTENTION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.latent_attention)
 VISION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.vision is not None)  # own tests

@@ -8,7 +8,7 @@ forward's; the engine's requests equal alone with prefix hits, and ``token_logpr
 engine's logprobs; transformers' fp8 checkpoints keep their experts in fp8 and stay invariant.
 Negative control: a batch-dependent expert GEMM. Tensor parallelism and training are refused by
 name (the support table's MoE row). The engine schedule (chunked prefill, preemption, ``generate``,
-``score_sequences``) and speculation run it in tests/engine."""
+``score_sequences``) runs it in tests/engine/test_engine.py."""
 from __future__ import annotations
 
 import copy
