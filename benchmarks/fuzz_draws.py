@@ -33,9 +33,11 @@ from .fuzz_quantized import batch_variant_quantized_layers, quant_overrides, spl
 # by first_k_dense_replace=0).
 FUZZ_OVERRIDES = dict(num_hidden_layers=1, vocab_size=128, num_attention_heads=2, num_key_value_heads=1)
 # The hybrid families keep their two layers: one Gated DeltaNet, one gated full attention; Gemma 3
-# and gpt-oss theirs: one sliding-window layer, one global; Gemma 4 three (below).
+# and gpt-oss theirs: one sliding-window layer, one global; DeepSeek-V3 its dense layer and its sparse one;
+# Gemma 4 three (below).
 FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16), "qwen3_moe": dict(head_dim=16),
                     "gemma3_text": dict(num_hidden_layers=2), "gpt_oss": dict(num_hidden_layers=2),
+                    "deepseek_v3": dict(num_hidden_layers=2),
                     # Gemma 4: a sliding layer, a global one (its own head_dim, K = V), a global one reading its K/V
                     "gemma4_text": dict(num_hidden_layers=3, num_kv_shared_layers=1, use_double_wide_mlp=False,
                                         layer_types=["sliding_attention", "full_attention", "full_attention"]),

@@ -116,6 +116,16 @@ CONFIGS = {
                     swiglu_limit=7.0, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
                                                            beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                            original_max_position_embeddings=32)),
+    # Multi-head latent attention (absorbed; latent 32 + rope 16), interleaved yarn RoPE; a dense layer and a
+    # sparse one (8 experts in 2 groups, one group kept, top-2, scaled by 2.5, a shared expert).
+    "deepseek_v3": dict(_COMMON, num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, moe_intermediate_size=32,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False, attention_bias=False, rope_interleave=True,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
+                                             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                                             original_max_position_embeddings=32)),
     # A dense layer and a sparse one: 2 groups of 4 experts, one kept, top-2 by sigmoid score + selection
     # bias (drawn from the formula, as a bias), scaled by 2.5; an ungated shared MLP; q/k norms; half-head RoPE.
     "glm4_moe": dict(_COMMON, num_hidden_layers=2, first_k_dense_replace=1, head_dim=32, moe_intermediate_size=32,

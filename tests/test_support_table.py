@@ -150,6 +150,12 @@ def gemma4_backward():
         model(input_ids=torch.tensor([[5, 6]]))
 
 
+def latent_attention_backward():
+    model = make_invariant(tiny("deepseek_v3"))
+    with torch.enable_grad():
+        model(input_ids=torch.tensor([[5, 6]]))
+
+
 def command_check(save, surface: str, tmp_path):
     """A command's check of a saved checkpoint's architecture before it loads anything (serve, score --ray)."""
     from invariant_infer.checkpoints.loading import check_architecture
@@ -221,6 +227,13 @@ def softcap_in_attention(surface):
 # refuses it, and every surface runs make_invariant first). A trigger raises, or returns a refused CLI
 # run's (exit status, stderr).
 TRIGGERS = {
+    ("latent_attention", "tensor_parallel"):
+        lambda tmp: tensor_parallel_before_start(random_config("deepseek_v3", "tiny"), tmp),
+    ("latent_attention", "training"): lambda tmp: latent_attention_backward(),
+    ("latent_attention", "trl"): lambda tmp: trl_check(tiny("deepseek_v3")),
+    ("stock_engine_latent_attention", "engine"): lambda tmp: engine(tiny("deepseek_v3"), kernels="stock"),
+    ("latent_attention_quantized", "*"):
+        lambda tmp: make_invariant(with_quantization(tiny("deepseek_v3"), TRANSFORMERS_FP8)),
     ("moe", "tensor_parallel"): lambda tmp: tensor_parallel_before_start(random_config("qwen3_moe", "tiny"), tmp),
     ("moe", "training"): lambda tmp: moe_backward(),
     ("moe", "trl"): lambda tmp: trl_aux_loss(),

@@ -12,9 +12,12 @@ group, in sixes or fewer; gpt-oss (alternating) one sliding and one full group p
 or larger where the counts allow.
 
 Position ``j`` of every group shares one K and one V tensor ``[pages, page_size, Hkv, D]``: layer
-(group g, position j) reads and writes tensor j through group g's block table. Linear-attention
-layers hold no pages (their state is per sequence: ``linear_state``); a layer that reads another
-layer's K/V (``SharedKVSpec``, Gemma 4) holds none either and reads its source's tensors.
+(group g, position j) reads and writes tensor j through group g's block table; where the spec's
+values are its keys (``value_is_key``: multi-head latent attention's one latent per token) the two
+are one tensor, so a page holds the latent once. Its pages are managed as full attention's (every
+page of the context). Linear-attention layers hold no pages (their state is per sequence:
+``linear_state``); a layer that reads another layer's K/V (``SharedKVSpec``, Gemma 4) holds none
+either and reads its source's tensors.
 
 Specs of different K/V shapes (Gemma 4's global layers: their own head_dim and KV heads) keep the
 one pool by a page-bytes rule: a spec's groups hold as many layers as make a page the same bytes as
@@ -79,11 +82,13 @@ class KVCacheLayout:
         """(K caches, V caches) per decoder layer, ``[num_pages, page_size, Hkv, D]`` each (None for a
         layer without pages): one K and one V tensor per position when every spec has one shape, else
         views of one ``[num_pages, page bytes]`` buffer, each group in its shape."""
-        shapes = {(spec.num_kv_heads // tp_size, spec.head_dim) for spec in self.group_specs}
+        shapes = {(spec.num_kv_heads // tp_size, spec.head_dim, spec.value_is_key) for spec in self.group_specs}
         if len(shapes) == 1:
-            shape = (num_pages, page_size, *next(iter(shapes)))
+            heads, head_dim, value_is_key = next(iter(shapes))
+            shape = (num_pages, page_size, heads, head_dim)
             k_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.group_size)]
-            v_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.group_size)]
+            v_tensors = k_tensors if value_is_key else \
+                [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.group_size)]
             group_k, group_v = [k_tensors] * len(self.groups), [v_tensors] * len(self.groups)
         else:
             element = torch.empty((), dtype=dtype).element_size()
@@ -91,10 +96,11 @@ class KVCacheLayout:
                                 device=device)
             group_k, group_v = [], []
             for group in self.groups:
-                view = pages.view(num_pages, len(group.layers), 2, page_size, group.spec.num_kv_heads // tp_size,
-                                  group.spec.head_dim)
+                planes = 1 if group.spec.value_is_key else 2  # a latent: K and V are one tensor
+                view = pages.view(num_pages, len(group.layers), planes, page_size,
+                                  group.spec.num_kv_heads // tp_size, group.spec.head_dim)
                 group_k.append([view[:, j, 0] for j in range(len(group.layers))])
-                group_v.append([view[:, j, 1] for j in range(len(group.layers))])
+                group_v.append([view[:, j, planes - 1] for j in range(len(group.layers))])
         places = [self.place(layer) for layer in range(num_layers)]
         return ([group_k[p[0]][p[1]] if p else None for p in places],
                 [group_v[p[0]][p[1]] if p else None for p in places])

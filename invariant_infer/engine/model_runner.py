@@ -39,7 +39,7 @@ import torch
 from transformers import AttentionInterface
 
 from ..model.checks import base_model
-from ..model.cache_specs import attention_shape, linear_attention_layers
+from ..model.cache_specs import attention_head_dims, linear_attention_layers
 from ..model.families import rope_position_axes, text_config
 from ..model.logits import head_logits, logit_softcap
 from ..kernels import attention_config, token_logprobs
@@ -164,9 +164,7 @@ class ModelRunner:
     def page_size_for(config, device: torch.device, dtype: torch.dtype) -> int:
         """The attention kernel's KV block: a page never splits one (the largest block, a power of two,
         where layers have different head_dims)."""
-        config = text_config(config)
-        head_dims = {attention_shape(config, layer)[1] for layer in range(config.num_hidden_layers)}
-        return max(attention_config(device.type, dtype, d).block_n for d in head_dims)
+        return max(attention_config(device.type, dtype, d).block_n for d in attention_head_dims(config))
 
     def bucket(self, chunks: list[ScheduledChunk]) -> int:
         """Rows of the step: a decode-only step is padded to the smallest bucket that holds it."""

@@ -104,6 +104,9 @@ def attention_config(device_type: str, dtype: torch.dtype, head_dim: int) -> Att
     # blocks; a smaller chunk would fill more SMs at short contexts but cost prefill more merges.
     # A tile holds a chunk's (m, l, acc) and the running total's: from head_dim 128 on, 8 warps
     # compile without spills on sm_90 (206 registers at 128, 175 at 256; 4 warps need 255 and spill).
+    if head_dim > 256:  # DeepSeek-V3's absorbed latent (512 + 64, BLOCK_D 1024): 32 x 32 tiles need 194 KiB of
+        # shared memory, over sm_80's and sm_89's limits; 16 x 16 need 97 KiB, which every arch gives (they spill).
+        return AttentionConfig(block_m=16, block_n=16, num_warps=4, kv_chunk=512)
     if dtype == torch.float32 or head_dim > 128:
         return AttentionConfig(block_m=32, block_n=32, num_warps=8 if head_dim > 128 else 4, kv_chunk=512)
     return AttentionConfig(block_m=64, block_n=64, num_warps=8 if head_dim > 64 else 4, kv_chunk=512)

@@ -33,6 +33,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .interpreter_harness import interpreted, patched_interpreter
+from .interpreter_stack import call_on_fresh_chunk
 from .errors import InvalidArgumentError, KernelLaunchError
 
 PINNED_OPTIONS = {"enable_fp_fusion": True, "enable_reflect_ftz": True, "ptx_options": ""}
@@ -118,4 +119,4 @@ def launch(kernel, grid, device: torch.device, *args, **kwargs):
         kwargs.pop(name, None)
     with patched_interpreter():
         twin = kernel if isinstance(kernel, InterpretedFunction) else interpreted(kernel)
-        return twin[grid](*args, **kwargs)
+        return call_on_fresh_chunk(twin[grid], args, kwargs)  # no frame-chunk mapping per call

@@ -10,11 +10,13 @@ Kinds:
     inputs, the fp32 state at the last chunk boundary, and the unfinished chunk's rows), whatever the
     sequence's length.
 
+  * ``LatentAttentionSpec``: multi-head latent attention (DeepSeek-V3): one [kv_lora_rank +
+    qk_rope_head_dim] vector per token, the key every head shares and its own value (``value_is_key``);
   * ``SharedKVSpec``: no cache of its own; the layer attends over the K/V that an earlier layer
     (``source``) computed and keeps (Gemma 4's ``num_kv_shared_layers``).
 
-A further kind (a latent cache) is one more spec class here and one more manager in the engine;
-nothing else branches on the kind.
+A further kind is one more spec class here and one more manager in the engine; nothing else branches
+on the kind.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .families import family_of, text_config
+from .families import FAMILIES, family_of, text_config
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class AttentionSpec:
     """A layer that keeps K and V per token: ``num_kv_heads`` heads of ``head_dim`` each."""
     num_kv_heads: int
     head_dim: int
+    # Whether a layer's values are its keys (one tensor per token): its pages hold one tensor, read as both.
+    value_is_key = False
 
     def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1) -> int:
         """Bytes of one token's K and V on one rank (a rank holds 1 / tp_size of the KV heads)."""
@@ -56,6 +60,18 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class LatentAttentionSpec(AttentionSpec):
+    """Absorbed multi-head latent attention (``model.latent_attention``): every token's latent and rope key,
+    [c, k_rope] of ``head_dim`` = kv_lora_rank + qk_rope_head_dim, is the one key all heads share
+    (``num_kv_heads`` 1) and the value too, so a token holds one vector, not a K and a V."""
+    value_is_key = True
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """Bytes of one token's latent (unsharded: tensor parallelism does not run these layers)."""
+        return self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
 class LinearStateSpec:
     """A Gated DeltaNet layer's state per sequence (its size does not grow with the context)."""
     conv_dim: int          # channels of the short convolution (q, k and v)
@@ -79,7 +95,7 @@ class SharedKVSpec:
     source: int
 
 
-LayerCacheSpec = FullAttentionSpec | SlidingWindowSpec | LinearStateSpec | SharedKVSpec
+LayerCacheSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | LinearStateSpec | SharedKVSpec
 
 
 def _head_dim(config) -> int:
@@ -126,7 +142,9 @@ def cache_specs(config) -> tuple[LayerCacheSpec, ...]:
     specs: list[LayerCacheSpec] = []
     for layer, kind in enumerate(kinds[:text.num_hidden_layers]):
         heads, head_dim = attention_shape(text, layer)
-        if layer in sources:
+        if adapter.latent_attention is not None:
+            specs.append(LatentAttentionSpec(1, text.kv_lora_rank + text.qk_rope_head_dim))
+        elif layer in sources:
             specs.append(SharedKVSpec(sources[layer]))
         elif kind == "linear_attention":
             specs.append(_linear_state_spec(text))
@@ -135,6 +153,15 @@ def cache_specs(config) -> tuple[LayerCacheSpec, ...]:
         else:
             specs.append(FullAttentionSpec(heads, head_dim))
     return tuple(specs)
+
+
+def attention_head_dims(config) -> set[int]:
+    """The head dims the attention kernels run at (a latent layer's: latent + rope; Gemma 4's global
+    layers: their own): every attention layer's spec's; a config outside the registered families (a
+    vision-language model's text config): its own head dim."""
+    specs = [spec for spec in cache_specs(config) if isinstance(spec, AttentionSpec)] \
+        if getattr(config, "model_type", None) in FAMILIES else []
+    return {spec.head_dim for spec in specs} or {_head_dim(text_config(config))}
 
 
 def linear_attention_layers(config) -> list[int]:

@@ -55,6 +55,8 @@ def config_kinds(config) -> set[str]:
             kinds.add("hybrid")
         if is_vision_language(config):
             kinds.add("vision_language")
+        if adapter.latent_attention is not None:
+            kinds.add("latent_attention")
         if _windowed(adapter, config):
             kinds.add("windowed")
         if adapter.moe and quantization_method_of(config) == "compressed-tensors":

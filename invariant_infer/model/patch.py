@@ -11,7 +11,8 @@ What changes (and nothing process-wide):
     Triton RMSNorm;
   * every MLP of the family -> same projections, with silu(gate) * up fused into the down projection;
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
-  * attention -> the ``invariant`` attention and mask functions (see ``model.attention``);
+  * attention -> the ``invariant`` attention and mask functions (see ``model.attention``); DeepSeek-V3's
+    latent attention -> its absorbed forward on them (``model.latent_attention``);
   * in mixture-of-experts families, every router -> the invariant linear and routing, and the
     experts -> the ``invariant`` experts implementation (see ``model.experts``), and fp8 experts of
     transformers' fp8 format (``FP8Experts``) -> ``model.quantized_experts``; MoE forwards that
@@ -57,6 +58,7 @@ from .encoder import install_generate_refusal, patch_encoder, remove_generate_re
 from .families import encoder_family_of, text_config
 from .modernbert import patch_modernbert
 from .gated_attention import gated_attention_forward
+from .latent_attention import latent_attention_forward
 from .linear_attention import gated_delta_net_forward
 from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
 from .module_state import module_state, remove_state, state_of
@@ -359,6 +361,8 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
             _set_forward(module, gated_delta_net_forward)
         elif adapter.gated_attention is not None and type(module) is adapter.gated_attention:
             _set_forward(module, gated_attention_forward)
+        elif adapter.latent_attention is not None and type(module) is adapter.latent_attention:
+            _set_forward(module, latent_attention_forward)
         elif adapter.mlp is not None and type(module) is adapter.mlp:
             _set_forward(module, _gelu_tanh_mlp_forward if adapter.mlp_activation == "gelu_tanh" else
                          _quantized_mlp_forward if module.down_proj in quantized else _mlp_forward)

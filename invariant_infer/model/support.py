@@ -67,7 +67,15 @@ _PER_CHANNEL_TP = ("their activation scale spans the whole row, which a row-para
 # The kinds matrix: one row per kind, in this order in the docs.
 KINDS = [
     _row("dense", "dense models", title="dense (Qwen2 / 2.5, Qwen3, Llama 3.x, Mistral, Gemma 3, Gemma 4 text)"),
-    _row("moe", "mixture-of-experts models", title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5)",
+    _row("latent_attention", "multi-head latent attention (MLA)",
+         title="multi-head latent attention, absorbed, the latent cached (DeepSeek-V3)",
+         refused=_no("the latent heads are not sharded yet; run the model in one process (tensor parallel size 1)",
+                     ("tensor_parallel",))
+         | _no("the absorbed attention's per-head products have no backward yet; run MLA models under "
+               "torch.no_grad() / torch.inference_mode()", ("training",))
+         | _no("the absorbed attention's per-head products have no backward yet", ("trl",), UnsupportedTRLError)),
+    _row("moe", "mixture-of-experts models",
+         title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3)",
          refused=_no("the experts' K trees are not split across ranks; run the model in one process (no tp_plan, "
                      "tensor parallel size 1)", ("tensor_parallel",))
          | _no("MoE training is not supported: the invariant router and experts have no backward (and the router "
@@ -131,6 +139,14 @@ FEATURES = [
     _row("stock_speculative", "kernels='stock'", kinds=("stock_kernels",), feature=True,
          refused=_no("speculative decoding is exact only with kernels='invariant' (stock kernels give a verify step "
                      "other logits than decode steps)", ("speculative",), SpeculativeConfigError)),
+    _row("stock_engine_latent_attention", "multi-head latent attention (MLA) with kernels='stock'",
+         kinds=("latent_attention", "stock_kernels"), feature=True,
+         refused=_no("the engine's pages hold the latent, which only the absorbed attention of kernels='invariant' "
+                     "reads; use kernels='invariant'", ("engine",))),
+    _row("latent_attention_quantized", "quantized checkpoints with multi-head latent attention (DeepSeek-V3's fp8)",
+         kinds=("latent_attention", "quantized"), feature=True,
+         refused=_no("the absorbed attention reads kv_b_proj as float weights, which a quantized checkpoint does not "
+                     "hold yet; dequantize the checkpoint to bf16 first")),
     _row("hybrid_lora", "LoRA adapters on models with Gated DeltaNet (linear attention) layers",
          kinds=("hybrid", "lora"), feature=True,
          refused=_no("LoRA on the Gated DeltaNet projections is not supported yet; run the base model",

@@ -78,6 +78,10 @@ MODELS: dict[str, tuple[str, dict]] = {
     # Qwen3-30B-A3B's widths with 8 of its 128 experts (a variant does not depend on the expert count)
     "qwen3-30b-a3b": ("qwen3_moe", {**FAMILIES["qwen3_moe"].presets["qwen3-30b-a3b"], "num_hidden_layers": 1,
                                     "num_experts": 8}),
+    # DeepSeek-V3's widths: a dense layer and a sparse one with 16 of its 256 experts (2 in each of its 8
+    # groups); the absorbed latent attention's head dim 512 + 64
+    "deepseek-v3": ("deepseek_v3", {**FAMILIES["deepseek_v3"].presets["deepseek-v3"], "num_hidden_layers": 2,
+                                    "first_k_dense_replace": 1, "n_routed_experts": 16}),
     # GLM-4.5-Air's dense first layer and a sparse one, with 8 of its 128 experts (the router's variant at 128
     # experts: tests/kernels/test_moe_group_routing.py compiles it)
     "glm-4.5-air": ("glm4_moe", {**FAMILIES["glm4_moe"].presets["glm-4.5-air"], "num_hidden_layers": 2,
@@ -263,6 +267,7 @@ WORKLOADS: dict[str, Callable[[], None]] = {
     "qwen3-vl-2b": _dense("qwen3-vl-2b", ("vision",)),
     "gemma-3-4b": _dense("gemma-3-4b", ("forward", "training")),
     "qwen3-30b-a3b": _dense("qwen3-30b-a3b", ("forward", "engine")),
+    "deepseek-v3": _dense("deepseek-v3", ("forward", "engine")),
     "glm-4.5-air": _dense("glm-4.5-air", ("forward",)),
     **{f"compressed-tensors {scheme}": _quantized(scheme) for scheme in COMPRESSED_TENSORS_SCHEMES},
     "transformers fp8": _quantized("fp8"),

@@ -1,6 +1,8 @@
-"""``bash benchmarks/gpu_check.sh --dry-run`` as CI runs it (CPU, Triton interpreter, tiny shapes): every
-kind of section runs for real and passes, the records and the summary are complete; and the GPU-test
-selection on a small test tree with a file that needs a missing package and one that cannot be collected."""
+"""``bash benchmarks/gpu_check.sh --dry-run`` as CI runs it (CPU, Triton interpreter, tiny shapes), with the
+packages the GPU image lacks made unimportable, as a GPU machine sees the tree: every kind of section runs
+for real and passes, the records and the summary are complete, the GPU-test selection leaves out (and
+names) only the files needing those packages; and the selection on a small test tree with a file that
+needs a missing package and one that cannot be collected."""
 from __future__ import annotations
 
 import json
@@ -48,12 +50,21 @@ def run_to_end(argv, env, cwd, timeout):
             proc.wait()
 
 
+def gpu_image_site(folder: Path) -> Path:
+    """A sitecustomize.py that makes the packages the GPU image lacks unimportable (import x: not found)."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({list(GPU_IMAGE_LACKS)!r}))\n")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
     env = {k: v for k, v in os.environ.items() if k not in ("TOTAL_S", "ONLY", "SLICES", "EXTRA_PRESETS",
                                                             "DETAILS_DIR")}
-    env.update(OUT=str(out), PYTHON=sys.executable)
+    site = gpu_image_site(tmp_path_factory.mktemp("gpu-image") / "site")
+    env.update(OUT=str(out), PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     rc, log = run_to_end(["bash", "benchmarks/gpu_check.sh", "--dry-run"], env, ROOT, DRY_RUN_TIMEOUT_S)
     return rc, log, out
 
@@ -68,9 +79,11 @@ def test_dry_run_passes_with_every_section_recorded(dry_run):
         assert record["status"] == "ok" or (record["status"] == "skipped" and record["not_applicable"]), record
     by_name = {r["name"]: r for r in records}
     assert by_name["tensor_parallel"]["reason"] == "tensor parallelism needs two or more GPUs (found 0)"
-    tests = by_name["gpu_tests"]
-    assert tests["tests_selected"] > 0 and tests["left_out"] == [] and tests["collection_errors"] == []
-    assert tests["counts"] == {"skipped": tests["tests_selected"]}  # every GPU test collected, skipped on CPU
+    tests = by_name["gpu_tests"]  # the tree as the GPU image sees it: the files needing its missing packages left out
+    assert tests["tests_selected"] > 0 and tests["collection_errors"] == [] and tests["left_out"]
+    assert {e["missing_module"].split(".")[0] for e in tests["left_out"]} <= set(GPU_IMAGE_LACKS)
+    assert "tests/server" in {e["file"] for e in tests["left_out"]}  # its conftest.py imports openai
+    assert tests["counts"] == {"skipped": tests["tests_selected"]}  # every GPU test selected, skipped on CPU
     assert by_name["golden_digests"]["digests"] > 0 and by_name["golden_digests"]["part_errors"] == {}
     for name in ("ratios_matmul", "ratios_attention", "ratios_quant", "ratios_e2e", "ratios_engine", "rest_matmul"):
         assert by_name[name]["rows"] > 0 and by_name[name]["failed_items"] == 0
@@ -129,23 +142,3 @@ def test_gpu_test_selection_on_a_small_tree(tmp_path):
     assert subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, timeout=120).returncode == 1
     got = json.loads(record.read_text())
     assert [e["file"] for e in got["collection_errors"]] == ["tests/test_broken.py"] and got["tests_selected"] == 1
-
-
-def test_gpu_test_selection_without_the_extras_the_gpu_image_lacks(tmp_path):
-    """The real tree as the GPU image sees it: with the serve, Ray, lm-eval, TRL, PEFT, compressed-tensors and
-    openai packages made unimportable, the files needing them are left out and named, no other file fails to
-    collect, and GPU tests remain selected."""
-    blocker = tmp_path / "site"
-    blocker.mkdir()
-    blocked = f"import sys\nsys.modules.update(dict.fromkeys({list(GPU_IMAGE_LACKS)!r}))\n"  # import x: not found
-    (blocker / "sitecustomize.py").write_text(blocked)
-    record = tmp_path / "record.json"
-    env = {**os.environ, "GPU_CHECK_RECORD": str(record),
-           "PYTHONPATH": os.pathsep.join([str(blocker), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check_tests", "--out", str(tmp_path / "out"),
-                           "--select-only"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    got = json.loads(record.read_text())
-    assert proc.returncode == 0 and got["collection_errors"] == [], proc.stdout[-3000:]
-    assert got["tests_selected"] > 0 and got["left_out"]
-    assert {e["missing_module"].split(".")[0] for e in got["left_out"]} <= set(GPU_IMAGE_LACKS)
-    assert "tests/server" in {e["file"] for e in got["left_out"]}  # its conftest.py imports openai

@@ -18,19 +18,22 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 # Dense families of the Llama layout: the FAMILY-driven tests run over these. The MoE, hybrid (Gated
-# DeltaNet), Gemma, gpt-oss, GLM-4.5 and vision-language families have their own tests (tests/model/test_moe.py,
-# test_hybrid.py, test_gemma3.py, test_gpt_oss.py, test_glm4_moe.py), so CI time does not multiply.
+# DeltaNet), Gemma, gpt-oss, GLM-4.5, latent-attention and vision-language families have their own tests
+# (tests/model/test_moe.py, test_hybrid.py, test_gemma3.py, test_gpt_oss.py, test_glm4_moe.py,
+# test_deepseek_v3.py), so CI time does not multiply.
 GEMMA_FAMILY_NAMES = ["gemma3_text"]
 GEMMA4_FAMILY_NAMES = ["gemma4_text", "gemma4"]  # tests/model/test_gemma4.py, test_gemma4_multimodal.py (not TP)
 GPT_OSS_FAMILY_NAMES = ["gpt_oss"]
 GLM4_MOE_FAMILY_NAMES = ["glm4_moe"]  # its own tests (test_glm4_moe.py); the engine schedule test runs it too
+# own tests (test_deepseek_v3.py)
+LATENT_ATTENTION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.latent_attention)
 VISION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.vision is not None)  # own tests
 FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
                       if adapter.moe is None and adapter.linear_attention is None and adapter.vision is None
-                      and name not in GEMMA_FAMILY_NAMES + GEMMA4_FAMILY_NAMES)
+                      and name not in GEMMA_FAMILY_NAMES + GEMMA4_FAMILY_NAMES + LATENT_ATTENTION_FAMILY_NAMES)
 MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
                           if adapter.moe is not None and adapter.linear_attention is None
-                          and name not in GPT_OSS_FAMILY_NAMES + GLM4_MOE_FAMILY_NAMES)
+                          and name not in GPT_OSS_FAMILY_NAMES + GLM4_MOE_FAMILY_NAMES + LATENT_ATTENTION_FAMILY_NAMES)
 HYBRID_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is not None)
 
 

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Qwen
 
 from invariant_infer import make_invariant
 from invariant_infer.errors import UnsupportedModelError
-from invariant_infer.model.cache_specs import (FullAttentionSpec, LinearStateSpec, SharedKVSpec, SlidingWindowSpec,
-                                               attention_layers, cache_specs, is_hybrid, linear_attention_layers)
+from invariant_infer.model.cache_specs import (FullAttentionSpec, LatentAttentionSpec, LinearStateSpec, SharedKVSpec,
+                                               SlidingWindowSpec, attention_layers, cache_specs, is_hybrid,
+                                               linear_attention_layers)
 from invariant_infer.model.checks import base_model
 from invariant_infer.model.families import FAMILIES, is_vision_language
 from invariant_infer.model.kinds import config_kinds
@@ -26,6 +27,7 @@ TINY_LINEAR = LinearStateSpec(conv_dim=2 * 2 * 16 + 4 * 32, conv_kernel=4, num_v
 # Per family's tiny preset (2 layers): the specs, from the preset's fields (KV heads, head_dim or
 # hidden / heads, layer_types, sliding_window).
 TINY_SPECS = {
+    "deepseek_v3": (LatentAttentionSpec(1, 32 + 16),) * 2,  # kv_lora_rank + qk_rope_head_dim, one tensor
     "gemma3_text": (WINDOW24(1, 32), FULL(1, 32)),
     # 4 layers: sliding (2 KV heads of 16, 16 keys), global (1 KV head of 32), then two reading theirs
     "gemma4_text": (SlidingWindowSpec(2, 16, window=16), FULL(1, 32), SharedKVSpec(0), SharedKVSpec(1)),

@@ -85,10 +85,11 @@ def test_generate_past_the_window_equals_prefill_and_alone(checkpoints, cache):
         make_invariant(load_model(checkpoints("mistral"), torch.bfloat16)), cache, new_tokens=10)
 
 
-def assert_generate_past_the_window_equals_prefill_and_alone(model, cache: str, new_tokens: int) -> None:
-    """Greedy ``generate`` of prompts of 70, 5 and 30 tokens, left-padded together: each row's
+def assert_generate_past_the_window_equals_prefill_and_alone(model, cache: str, new_tokens: int,
+                                                             lengths=(70, 5, 30)) -> None:
+    """Greedy ``generate`` of prompts of ``lengths`` tokens, left-padded together: each row's
     tokens and scores are those of the prompt alone, and each step's logits one forward's."""
-    prompts = [s.tolist() for s in make_samples(text_config(model.config).vocab_size, (70, 5, 30))]
+    prompts = [s.tolist() for s in make_samples(text_config(model.config).vocab_size, lengths)]
     options = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
                    return_dict_in_generate=True, cache_implementation=cache)
     ids, mask = left_pad(prompts)

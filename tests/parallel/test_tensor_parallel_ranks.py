@@ -25,7 +25,7 @@ import torch
 from openai import OpenAI
 
 import tp_controls
-from helpers.servers import ServerProcess, run_bounded, run_concurrently
+from helpers.servers import ServerProcess, run_concurrently
 from helpers.tokenizer import save_tokenizer
 from invariant_infer.model import tensor_parallel
 from invariant_infer.model.tensor_parallel import tp_size_of
@@ -34,6 +34,7 @@ from invariant_infer.errors import TensorParallelError, UnsupportedModelError
 from invariant_infer.checkpoints.loading import load_model
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 from invariant_infer.scoring.core import score_sequences
+from invariant_infer import cli
 from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.parallel import TensorParallelRanks
 from invariant_infer.testing.engine_check import check_engine_invariance
@@ -129,13 +130,27 @@ def assert_same(expected, got) -> None:
     assert all(torch.equal(a, b) for a, b in zip(scores_1, scores_2))
 
 
+@pytest.fixture(scope="module")
+def one_process(checkpoint):
+    """engine_results of one process, computed once per (dtype, requests): the bf16 ones are both the
+    TP 2 cell's expectation and the control's."""
+    cache = {}
+
+    def get(dtype: str, requests: slice = slice(None)) -> tuple[list, list]:
+        key = (dtype, requests.start, requests.stop)
+        if key not in cache:
+            cache[key] = engine_results(load_model(checkpoint, dtype=dtype, device="cpu"), requests=requests)
+        return cache[key]
+    return get
+
+
 # fp32 at TP 2: the two-engines and serve tests below. TP 4 (four processes on the test machine's two
 # cores) runs the engine on the 2nd and 3rd requests only: the long prompt's prefill chunks beside the
 # short one's decode tokens, greedy and sampled with prompt and top logprobs.
 @pytest.mark.parametrize("size, dtype, requests", [(2, "bf16", slice(None)), (4, "fp32", slice(1, 3))],
                          ids=["2-bf16", "4-fp32"])
-def test_engine_and_scores_at_tp2_and_tp4_are_those_of_one_process(checkpoint, size, dtype, requests):
-    single = engine_results(load_model(checkpoint, dtype=dtype, device="cpu"), requests=requests)
+def test_engine_and_scores_at_tp2_and_tp4_are_those_of_one_process(checkpoint, one_process, size, dtype, requests):
+    single = one_process(dtype, requests)
     with TensorParallelRanks(checkpoint, size, dtype=dtype, device="cpu") as ranks:
         assert tp_size_of(ranks.model) == ranks.tensor_parallel_size == size and len(ranks.workers) == size - 1
         sharded = engine_results(ranks.model, ranks, requests)
@@ -189,8 +204,7 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
         assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
         return before, after, speculated
     model = load_model(checkpoint, dtype="fp32", device="cpu")
-    single = run(model)
-    assert single[2] == [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, speculated_params)]
+    single = run(model)  # speculation == plain decoding in one process: tests/engine/test_speculative.py
     draft_params = [SamplingParams(max_tokens=5, logprobs=1),
                     SamplingParams(max_tokens=5, temperature=0.9, seed=4, logprobs=1)]
     plain = [(o.token_ids, o.logprobs) for o in Engine(model).generate(other, draft_params)]
@@ -203,11 +217,11 @@ def test_two_engines_on_the_same_ranks_keep_their_own_kv_pages(checkpoint):
         assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
 
 
-def test_control_allreduce_exchange_at_tp2_differs(checkpoint, monkeypatch):
+def test_control_allreduce_exchange_at_tp2_differs(checkpoint, one_process, monkeypatch):
     """The TP 2 bf16 cell above with the control exchange: every rank (this one included) swaps it
     in; monkeypatch restores it here. The check serve runs at TP 2 fails its audit."""
     monkeypatch.setattr(tensor_parallel, "exchange_partials", tensor_parallel.exchange_partials)
-    single = engine_results(load_model(checkpoint, dtype="bf16", device="cpu"))
+    single = one_process("bf16")
     with TensorParallelRanks(checkpoint, 2, dtype="bf16", device="cpu",
                              rank_init=tp_controls.use_allreduce_exchange) as ranks:
         assert tensor_parallel.exchange_partials is tp_controls.allreduce_exchange
@@ -292,10 +306,6 @@ def score_command(checkpoint: str, inputs: Path, output: Path, *extra: str) -> l
     return [sys.executable, "-m", "invariant_infer.cli", "score", *score_args(checkpoint, inputs, output, *extra)]
 
 
-def run_command(command: list[str]) -> subprocess.CompletedProcess:
-    return run_bounded(command, COMMAND_TIMEOUT)
-
-
 def write_rows(path: Path, count: int) -> Path:
     generator = torch.Generator().manual_seed(4)
     with path.open("w") as f:
@@ -338,12 +348,9 @@ def score_in_process(capsys, checkpoint: str, inputs: Path, output: Path, *extra
 
 
 def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_dies(checkpoint, tmp_path, capsys):
+    """Every row of the TP 2 output (the faulted job's, then the resumed run's) is TP 1's bytes."""
     inputs = write_rows(tmp_path / "in.jsonl", ROWS)
     score_in_process(capsys, checkpoint, inputs, tmp_path / "tp1.jsonl")
-    sharded = score_in_process(capsys, checkpoint, inputs, tmp_path / "tp2.jsonl", "--tensor-parallel-size", "2",
-                               "--max-batch-tokens", "64", "--verify", "3")
-    assert "3 of 3 rows re-scored alone match" in sharded
-    assert (tmp_path / "tp2.jsonl").read_bytes() == (tmp_path / "tp1.jsonl").read_bytes()
 
     # A rank killed once rows are written: the command fails within seconds, naming it.
     output = tmp_path / "faulted.jsonl"
@@ -356,8 +363,9 @@ def test_score_command_at_tp2_writes_the_bytes_of_tp1_and_resumes_after_a_rank_d
     assert f"tensor-parallel rank 1 (pid {rank}) was killed by SIGKILL" in err and "re-run to resume" in err
     written = output.read_text().count("\n")
     assert 1 <= written < ROWS
-    resumed = score_in_process(capsys, checkpoint, inputs, output, "--tensor-parallel-size", "2")
-    assert f"{written} already in output" in resumed
+    resumed = score_in_process(capsys, checkpoint, inputs, output, "--tensor-parallel-size", "2",
+                               "--max-batch-tokens", "64", "--verify", "3")
+    assert f"{written} already in output" in resumed and "3 of 3 rows re-scored alone match" in resumed
     assert output.read_bytes() == (tmp_path / "tp1.jsonl").read_bytes()
 
 
@@ -373,9 +381,10 @@ def test_commands_refuse_a_size_before_starting_ranks(checkpoint, tmp_path, caps
     inputs = write_rows(tmp_path / "in.jsonl", 2)
     assert scoring_cli.main(score_args(checkpoint, inputs, tmp_path / "out.jsonl", "--tensor-parallel-size", "3")) == 2
     assert "Sizes that work for this model: [1, 2, 4]" in capsys.readouterr().err
-    serve = run_command([sys.executable, "-m", "invariant_infer.cli", "serve", "--model", checkpoint, "--port", "0",
-                         "--device", "cpu", "--tensor-parallel-size", "3"])
-    assert serve.returncode == 2 and "Sizes that work for this model: [1, 2, 4]" in serve.stderr
+    # the command's main in this process: it refuses before any rank or listener starts
+    assert cli.main(["serve", "--model", checkpoint, "--port", "0", "--device", "cpu", "--tensor-parallel-size", "3"]) == 2
+    assert "Sizes that work for this model: [1, 2, 4]" in capsys.readouterr().err
+    assert not ranks_of(os.getpid())
 
 
 # ---- invariant-infer serve ------------------------------------------------------------------------

@@ -87,6 +87,9 @@ class FamilyAdapter:
     # Attention whose output is gated by sigmoid(gate) from a doubled q_proj (Qwen3.5, Qwen3-Next):
     # its class, whose forward make_invariant replaces.
     gated_attention: type | None = None
+    # Multi-head latent attention (DeepSeek-V3): its class, whose forward make_invariant replaces by the
+    # absorbed one (``model.latent_attention``); its layers cache one latent per token (``cache_specs``).
+    latent_attention: type | None = None
     zero_centred_norms: bool = False      # every RMSNorm computes fp32 x (1 + weight) (Qwen3.5, Qwen3-Next, Gemma 3)
     # The MLP's activation: "silu" (config.hidden_act) or "gelu_tanh" (Gemma's hidden_activation
     # "gelu_pytorch_tanh").
@@ -130,8 +133,11 @@ class FamilyAdapter:
             found = {f"linear_attn.{name}": getattr(layer.linear_attn, name, None)
                      for name in self.linear_attention.projections}
         else:
+            # A projection the module holds as None, or an optional one it lacks, is absent by its config
+            # (DeepSeek's q_proj beside q_a/q_b; Gemma 4's KV-shared layers' k/v projections).
             found = {f"self_attn.{name}": getattr(layer.self_attn, name, None) for name in self.attention_projections
-                     if not (name in self.optional_projections and getattr(layer.self_attn, name, None) is None)}
+                     if not ((hasattr(layer.self_attn, name) or name in self.optional_projections)
+                             and getattr(layer.self_attn, name, None) is None)}
         if not self.is_sparse(layer):
             found.update({f"mlp.{name}": getattr(mlp, name, None) for name in self.mlp_projections})
         return found
@@ -175,8 +181,8 @@ def rope_position_axes(config) -> int:
 
 
 # Each family module registers itself.
-from . import (gemma3, gemma4, gemma4_multimodal, glm4_moe, gpt_oss, llama, mistral, mixtral, qwen2,  # noqa: E402,F401
-               qwen2_5_vl, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
+from . import (deepseek_v3, gemma3, gemma4, gemma4_multimodal, glm4_moe, gpt_oss, llama, mistral,  # noqa: E402,F401
+               mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_vl)
 # Encoder families: their own adapter type and registry (``encoder_adapter``).
 from . import bert, modernbert, xlm_roberta  # noqa: E402,F401
 from .encoder_adapter import ENCODER_FAMILIES, EncoderAdapter, encoder_family_of  # noqa: E402
