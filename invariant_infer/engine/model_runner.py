@@ -40,7 +40,7 @@ from transformers import AttentionInterface
 
 from ..model.checks import base_model
 from ..model.cache_specs import attention_head_dims, linear_attention_layers
-from ..model.families import rope_position_axes, text_config
+from ..model.families import attention_setting, rope_position_axes, text_config
 from ..model.logits import head_logits, logit_softcap
 from ..kernels import attention_config, token_logprobs
 from ..model.padding import sequence_bounds
@@ -139,8 +139,8 @@ class ModelRunner:
         self.state_copies = QueuedStateCopies()
         if not invariant:  # the stock baseline's paged attention, until the runner goes
             AttentionInterface.register(STOCK_ATTN_IMPLEMENTATION, paged_stock_attention)
-            weakref.finalize(self, model.set_attn_implementation, model.config._attn_implementation)
-            model.set_attn_implementation(STOCK_ATTN_IMPLEMENTATION)
+            weakref.finalize(self, model.set_attn_implementation, attention_setting(model.config))
+            model.set_attn_implementation(attention_setting(model.config, STOCK_ATTN_IMPLEMENTATION))
         # Every other rank builds the same runner over its shard, held there under runner_id.
         self.runner_id = next(_RUNNER_IDS)
         options = dict(num_pages=num_pages, page_size=page_size, invariant=invariant, max_num_seqs=max_num_seqs,

@@ -55,7 +55,7 @@ from ..kernels import (gelu_tanh_mul, gelu_tanh_mul_autograd, linear, linear_aut
 from ..kernels.configs import row_parallel_config
 from ..kernels.fused_linear import silu_mul_linear
 from .encoder import install_generate_refusal, patch_encoder, remove_generate_refusal
-from .families import encoder_family_of, text_config
+from .families import attention_setting, encoder_family_of, text_config
 from .modernbert import patch_modernbert
 from .gated_attention import gated_attention_forward
 from .latent_attention import latent_attention_forward
@@ -386,10 +386,8 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
         hooks += install_entry_checks(model, base)  # the checks that read values, before the decoder runs
     if adapter.vision is not None:  # the multimodal model around the language model
         hooks.append(multimodal_model(model).register_forward_pre_hook(multimodal_pre_hook, with_kwargs=True))
-    # Towers that never run keep their attention (Gemma 4's audio tower takes no other): the text model alone.
-    attention_of = (lambda name: {"text_config": name}) if adapter.unpatched_modules else (lambda name: name)
-    previous_attn = attention_of(text_config(model.config)._attn_implementation)
-    model.set_attn_implementation(attention_of(attention_interface.ATTN_IMPLEMENTATION))
+    previous_attn = attention_setting(model.config)  # towers that never run keep theirs
+    model.set_attn_implementation(attention_setting(model.config, attention_interface.ATTN_IMPLEMENTATION))
     previous_experts = None
     if adapter.moe is not None:
         experts_interface.register()

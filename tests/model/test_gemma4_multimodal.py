@@ -136,3 +136,21 @@ def test_generate_past_the_window_equals_prefill_and_alone(checkpoint):
 def test_engine_requests_equal_alone_with_prefix_hits(checkpoint):
     assert_engine_requests_equal_alone_with_prefix_hits(make_invariant(load_model(checkpoint, torch.bfloat16)),
                                                         new_tokens=4, alone_prompt_logprobs=True)
+
+
+@pytest.mark.heavy
+def test_the_stock_engine_baseline_sets_and_gives_back_the_text_models_attention_alone(checkpoint):
+    """The engine's stock baseline (kernels="stock") swaps the text model's attention, never the towers'
+    (the audio tower takes no other), and gives the text model's back once released."""
+    import gc
+    from invariant_infer.engine import Engine, SamplingParams
+    model = load_model(checkpoint, torch.bfloat16)
+    configs = [model.config.text_config, model.config.vision_config, model.config.audio_config]
+    loaded = [config._attn_implementation for config in configs]
+    engine = Engine(model, kernels="stock", max_num_seqs=2)
+    outs = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert [len(out.token_ids) for out in outs] == [2, 2]
+    assert [config._attn_implementation for config in configs[1:]] == loaded[1:]
+    del engine, outs
+    gc.collect()
+    assert [config._attn_implementation for config in configs] == loaded

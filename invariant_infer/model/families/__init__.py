@@ -173,6 +173,16 @@ def is_vision_language(config) -> bool:
     return adapter is not None and adapter.vision is not None
 
 
+def attention_setting(config, name: str | None = None):
+    """``set_attn_implementation``'s argument that puts attention ``name`` (None: the current one) on the
+    model, or on its text model alone where the family's towers never run (Gemma 4's audio tower takes no
+    other attention than its own)."""
+    adapter = FAMILIES.get(getattr(config, "model_type", None))
+    if adapter is not None and adapter.unpatched_modules:
+        return {"text_config": name or text_config(config)._attn_implementation}
+    return name or config._attn_implementation
+
+
 def rope_position_axes(config) -> int:
     """The rows of position ids the decoder's rope takes per token: 3 (temporal, height, width) for a
     multimodal rope (the family's ``mrope``), 1 otherwise."""
@@ -187,6 +197,6 @@ from . import (deepseek_v3, gemma3, gemma4, gemma4_multimodal, glm4_moe, gpt_oss
 from . import bert, modernbert, xlm_roberta  # noqa: E402,F401
 from .encoder_adapter import ENCODER_FAMILIES, EncoderAdapter, encoder_family_of  # noqa: E402
 
-__all__ = ["ENCODER_FAMILIES", "EncoderAdapter", "FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout",
+__all__ = ["ENCODER_FAMILIES", "attention_setting", "EncoderAdapter", "FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout",
            "VisionLayout", "encoder_family_of", "family_of", "is_vision_language", "register_family",
            "rope_position_axes", "text_config"]
