@@ -1,7 +1,9 @@
 """The forwards ``make_invariant`` replaces on Gemma 4's multimodal checkpoints (model type ``gemma4``;
 the family: ``families.gemma4_multimodal``), text only.
 
-* ``Gemma4Model``: images, videos and audio are refused by name before any compute; the language model
+* ``Gemma4Model``: images, videos and audio are refused by name before any compute (and token types
+  that mark any: ``mm_token_type_ids`` not all 0, which transformers reads for the bidirectional
+  attention of ``use_bidirectional_attention="vision"``, so text alone attends causally); the language model
   runs on the text as ``Gemma4ForCausalLM``'s decoder does, with the 2-D padding mask the invariant
   attention turns into per-row bounds (transformers' own forward builds a mask mapping first).
   Placeholder tokens (image, video, audio) become the pad token for the per-layer inputs, as
@@ -50,7 +52,11 @@ def multimodal_model_forward(self, input_ids=None, pixel_values=None, pixel_valu
     """``Gemma4Model.forward`` on text alone."""
     refuse_media({"pixel_values": pixel_values, "pixel_values_videos": pixel_values_videos,
                   "input_features": input_features, "input_features_mask": input_features_mask, **kwargs})
-    for name in MEDIA_ARGUMENTS + ("mm_token_type_ids",):  # token types: every text token attends causally
+    types = kwargs.pop("mm_token_type_ids", None)
+    if types is not None and not torch.compiler.is_compiling() and bool((types != 0).any()):
+        # transformers would attend bidirectionally within such blocks (use_bidirectional_attention "vision")
+        require("gemma4_images_audio", "model", "mm_token_type_ids (image, video or audio tokens)")
+    for name in MEDIA_ARGUMENTS:
         kwargs.pop(name, None)
     return_dict = kwargs.pop("return_dict", None)
     text = self.language_model

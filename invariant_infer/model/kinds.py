@@ -71,7 +71,9 @@ def config_kinds(config) -> set[str]:
         kinds.add("logit_softcapping")
     if model_type in ("gemma4_text", "gemma4"):  # gemma4: the multimodal checkpoint, its text model runs
         kinds.add("gemma4_moe" if getattr(text, "enable_moe_block", False) else "gemma4_text")
-    if getattr(text, "use_bidirectional_attention", False):
+    # "vision": only image tokens attend bidirectionally, and gemma4 runs no image (its text attends causally)
+    if getattr(text, "use_bidirectional_attention", False) and not (
+            model_type == "gemma4" and text.use_bidirectional_attention == "vision"):
         kinds.add("bidirectional_attention")
     return kinds
 

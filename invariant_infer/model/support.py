@@ -198,7 +198,7 @@ FEATURES = [
                "speculative", ("speculative",))),
     # raised by the gemma4 multimodal model's forwards (model.gemma4_multimodal) before any compute
     _row("gemma4_images_audio", "images, videos and audio on Gemma 4 (model type gemma4: pixel_values, "
-         "pixel_values_videos, input_features)", feature=True,
+         "pixel_values_videos, input_features, mm_token_type_ids marking any)", feature=True,
          refused=_no("Gemma 4's vision and audio towers are not on the invariant kernels yet; its text runs (input_ids "
                      "or inputs_embeds with their attention_mask)", ("model",), NonInvariantInputError)),
     _row("softcap_argument", "attention logit softcapping (softcap)", feature=True,

@@ -19,7 +19,7 @@ from invariant_infer import NonInvariantInputError, make_invariant
 from invariant_infer.checkpoints.loading import auto_class_for
 from invariant_infer.model.families import is_vision_language
 from invariant_infer.model.kinds import model_kinds
-from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
+from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
 from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
                                  assert_generate_past_the_window_equals_prefill_and_alone)
 
@@ -154,3 +154,21 @@ def test_the_stock_engine_baseline_sets_and_gives_back_the_text_models_attention
     del engine, outs
     gc.collect()
     assert [config._attn_implementation for config in configs] == loaded
+
+
+def test_vision_bidirectional_attention_leaves_text_causal_and_image_token_types_are_refused():
+    """use_bidirectional_attention="vision" (image tokens attend each other both ways) runs: text rows
+    attend causally, as transformers' own forward does given text token types (all 0); token types
+    marking an image are refused by name."""
+    config = random_config(FAMILY, "tiny")
+    config.text_config.use_bidirectional_attention = "vision"
+    stock = random_model(config)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = stock(input_ids=ids, mm_token_type_ids=torch.zeros_like(ids)).logits
+        model = make_invariant(stock)
+        ours = model(input_ids=ids, mm_token_type_ids=torch.zeros_like(ids)).logits
+        assert torch.equal(ours, model(input_ids=ids).logits)
+        assert (ours - expected).abs().max() < 1e-4 * expected.abs().max()  # fp32: stock's numbers
+        with pytest.raises(NonInvariantInputError, match="mm_token_type_ids"):
+            model(input_ids=ids, mm_token_type_ids=torch.tensor([[0, 1, 1, 0, 0]]))
