@@ -359,8 +359,8 @@ def replay_command(args, index: int) -> str:
 
 # The families the engine runs (not yet the hybrid ones, with Gated DeltaNet layers; gemma4's text model
 # is gemma4_text's, drawn as that).
-ENGINE_FAMILIES = sorted(name for name, adapter in FAMILIES.items()
-                         if adapter.linear_attention is None and adapter.vision is None and not adapter.unpatched_modules)
+ENGINE_FAMILIES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is None
+                         and adapter.vision is None and not adapter.unpatched_modules)
 
 
 def parse(argv=None):

@@ -30,8 +30,8 @@ LAYERS = [
 # registers itself with the package.
 ALLOWED_CYCLE_EDGES = {(f"invariant_infer.model.families.{name}", "invariant_infer.model.families")
                        for name in ("deepseek_v3", "gemma3", "gemma4", "gemma4_multimodal", "glm4_moe", "gpt_oss",
-                                    "llama", "mistral", "mixtral", "qwen2", "qwen2_5_vl", "qwen2_moe", "qwen3", "qwen3_vl",
-                                    "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next")}
+                                    "llama", "mistral", "mixtral", "qwen2", "qwen2_5_vl", "qwen2_moe", "qwen3",
+                                    "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next")}
 
 
 def module_files() -> dict[str, Path]:

@@ -283,7 +283,8 @@ TRIGGERS = {
         lambda tmp: tensor_parallel_before_start(random_config("gemma4_text", "tiny"), tmp),
     ("gemma4_text_training", "speculative"): lambda tmp: engine(tiny("gemma4_text"), speculative=NGRAM),
     ("gemma4_images_audio", "model"):
-        lambda tmp: make_invariant(tiny("gemma4"))(input_ids=torch.tensor([[5, 6]]), pixel_values=torch.zeros(1, 4, 768)),
+        lambda tmp: make_invariant(tiny("gemma4"))(input_ids=torch.tensor([[5, 6]]),
+                                                   pixel_values=torch.zeros(1, 4, 768)),
     ("softcap_argument", "model"): lambda tmp: softcap_in_attention("model"),
     ("softcap_argument", "engine"): lambda tmp: softcap_in_attention("engine"),
     ("bidirectional_attention", "*"): lambda tmp: make_invariant(tiny("gemma3_text", use_bidirectional_attention=True)),

@@ -197,6 +197,6 @@ from . import (deepseek_v3, gemma3, gemma4, gemma4_multimodal, glm4_moe, gpt_oss
 from . import bert, modernbert, xlm_roberta  # noqa: E402,F401
 from .encoder_adapter import ENCODER_FAMILIES, EncoderAdapter, encoder_family_of  # noqa: E402
 
-__all__ = ["ENCODER_FAMILIES", "attention_setting", "EncoderAdapter", "FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout",
-           "VisionLayout", "encoder_family_of", "family_of", "is_vision_language", "register_family",
-           "rope_position_axes", "text_config"]
+__all__ = ["ENCODER_FAMILIES", "EncoderAdapter", "FAMILIES", "FamilyAdapter", "LinearAttentionLayout", "MoeLayout",
+           "VisionLayout", "attention_setting", "encoder_family_of", "family_of", "is_vision_language",
+           "register_family", "rope_position_axes", "text_config"]
