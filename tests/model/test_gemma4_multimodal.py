@@ -172,3 +172,15 @@ def test_vision_bidirectional_attention_leaves_text_causal_and_image_token_types
         assert (ours - expected).abs().max() < 1e-4 * expected.abs().max()  # fp32: stock's numbers
         with pytest.raises(NonInvariantInputError, match="mm_token_type_ids"):
             model(input_ids=ids, mm_token_type_ids=torch.tensor([[0, 1, 1, 0, 0]]))
+
+
+@pytest.mark.heavy
+def test_scoring_equals_the_text_models(checkpoint, text_checkpoint):
+    """score_sequences of a batch of rows: each row's token logprobs are the text model's bits."""
+    from invariant_infer import score_sequences
+    model = make_invariant(load_model(checkpoint, torch.bfloat16))
+    text = make_invariant(load_model(text_checkpoint, torch.bfloat16))
+    sequences = [s.tolist() for s in make_samples(model.config.text_config.vocab_size, (21, 4, 12), seed=3)]
+    ours = score_sequences(model, sequences, prompt_lengths=[5, 1, 3])
+    theirs = score_sequences(text, sequences, prompt_lengths=[5, 1, 3])
+    assert [r.token_logprobs.tolist() for r in ours] == [r.token_logprobs.tolist() for r in theirs]
