@@ -2,8 +2,9 @@
 audio towers beside the text model), text only. A tiny random checkpoint whose text_config is
 ``gemma4_text``'s tiny preset, saved and loaded back as users load one: each row is bitwise itself alone
 in a padded batch and equal to the same weights run as ``Gemma4ForCausalLM``; ``generate`` and the
-engine give each row its bits alone. Images and audio are refused by name before any compute, and the
-towers stay unpatched. Negative control: an M-dependent linear."""
+engine give each row its bits alone, scoring the text model's. Images and audio are refused by name
+before any compute, and the towers stay unpatched (their attention too, also under the engine's stock
+baseline). Negative control: an M-dependent linear."""
 from __future__ import annotations
 
 import functools
