@@ -243,7 +243,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                 f"{v_cache.dtype} (a cast here would change the bits attention reads)")
     slots = slot_mapping.long()
     _, page_size, Hkv, D = k_cache.shape
-    if k_cache.stride(0) != page_size * k_cache.stride(1):  # a view of pages that hold more (kv_cache_layout)
+    page_contiguous = k_cache.stride()[1:] == (Hkv * D, D, 1) and v_cache.stride() == k_cache.stride()
+    if page_contiguous and k_cache.stride(0) != page_size * k_cache.stride(1):  # pages holding more (kv_cache_layout)
         pages, offsets = slots // page_size, slots % page_size
         k_cache[pages, offsets] = k
         v_cache[pages, offsets] = v
