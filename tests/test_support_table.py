@@ -275,8 +275,6 @@ TRIGGERS = {
     ("trainable_vision_tower", "trl"): lambda tmp: trainable_tower_trl(),
     ("vision_language_sliding_window", "*"): lambda tmp: make_invariant(vision_language(use_sliding_window=True)),
     ("logit_softcapping", "*"): lambda tmp: make_invariant(tiny("gemma3_text", final_logit_softcapping=30.0)),
-    ("gemma4_moe", "*"): lambda tmp: make_invariant(tiny("gemma4_text", enable_moe_block=True, num_experts=4,
-                                                         top_k_experts=2, moe_intermediate_size=32)),
     ("gemma4_text_training", "training"): lambda tmp: gemma4_backward(),
     ("gemma4_text_training", "trl"): lambda tmp: trl_check(tiny("gemma4_text")),
     ("gemma4_text_training", "tensor_parallel"):

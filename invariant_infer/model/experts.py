@@ -11,6 +11,9 @@ Three places where stock MoE depends on the batch, and what runs here instead:
     alone gives through the linear kernel, however many rows its expert got;
   * combine: each token's k expert outputs weighted and summed in top-k rank order in fp32,
     then cast once (``combine``); no index_add_ / scatter-add, whose order depends on the batch.
+
+A family's ``MoeLayout`` and ``FamilyAdapter`` are read here by attribute, not imported: Gemma 4's
+layer forward, which its family module imports, runs its experts through this module.
 """
 from __future__ import annotations
 
@@ -19,9 +22,9 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from ..errors import UnsupportedModelError
-from .families import FamilyAdapter, MoeLayout
 from .support import require
-from ..kernels import clamped_swiglu, grouped_linear, grouped_silu_mul_linear, linear, moe_group_routing, moe_routing
+from ..kernels import (clamped_swiglu, gelu_tanh_mul, grouped_linear, grouped_silu_mul_linear, linear,
+                       moe_group_routing, moe_routing)
 
 EXPERTS_IMPLEMENTATION = "invariant"
 # The expert layouts the experts function computes, by MoeLayout.activation. "silu": concatenated
@@ -53,6 +56,16 @@ def expert_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
     gate_up = grouped_linear(x, gate_up_proj, offsets, offsets_valid=True)
     return grouped_silu_mul_linear(gate_up[:, :intermediate], gate_up[:, intermediate:], down_proj, offsets,
                                    offsets_valid=True)
+
+
+def gelu_tanh_expert_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                             offsets: torch.Tensor) -> torch.Tensor:
+    """Gemma 4's experts on rows sorted by expert: [gate; up] = gate_up_proj[e] @ row, then
+    gelu_tanh(gate) * up (the elementwise kernel: each element alone), then down_proj[e] @ it."""
+    intermediate = down_proj.shape[2]
+    gate_up = grouped_linear(x, gate_up_proj, offsets, offsets_valid=True)
+    hidden = gelu_tanh_mul(gate_up[:, :intermediate].contiguous(), gate_up[:, intermediate:].contiguous())
+    return grouped_linear(hidden, down_proj, offsets, offsets_valid=True)
 
 
 def clamped_swiglu_expert_forward(x: torch.Tensor, experts: nn.Module, offsets: torch.Tensor) -> torch.Tensor:
@@ -103,7 +116,7 @@ def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
                                                                  self.down_proj, offsets))
 
 
-def _softmax_routing(layout: MoeLayout, router: nn.Module, x: torch.Tensor):
+def _softmax_routing(layout, router: nn.Module, x: torch.Tensor):
     bias = getattr(router, "bias", None)  # gpt-oss's router has one
     refuse_grad(x, router.weight, bias)
     logits = linear(x, router.weight, bias)
@@ -111,7 +124,7 @@ def _softmax_routing(layout: MoeLayout, router: nn.Module, x: torch.Tensor):
     return logits, weights.to(logits.dtype) if layout.weights_in_logits_dtype else weights, experts
 
 
-def _grouped_sigmoid_routing(layout: MoeLayout, router: nn.Module, x: torch.Tensor):
+def _grouped_sigmoid_routing(layout, router: nn.Module, x: torch.Tensor):
     """Glm4MoeTopkRouter / DeepseekV3TopkRouter: fp32 logits (inputs and weight upcast, as stock), then
     ``moe_group_routing``; the weights stay fp32, as stock's."""
     refuse_grad(x, router.weight)
@@ -125,7 +138,7 @@ def _grouped_sigmoid_routing(layout: MoeLayout, router: nn.Module, x: torch.Tens
 ROUTINGS = {"softmax": _softmax_routing, "grouped_sigmoid": _grouped_sigmoid_routing}
 
 
-def router_forward(layout: MoeLayout):
+def router_forward(layout):
     """The router forward of one family: (router logits, routing weights, expert indices), as stock."""
     routing = ROUTINGS[layout.routing]
 
@@ -160,14 +173,14 @@ def shared_experts_block_forward(self, hidden_states: torch.Tensor) -> torch.Ten
     return (routed + self.shared_experts(x)).reshape(batch, length, hidden)
 
 
-def sparse_block_forward(layout: MoeLayout):
+def sparse_block_forward(layout):
     """The block forward make_invariant installs for a layout, or None where stock's block forward stays."""
     if layout.shared_expert:
         return shared_expert_block_forward
     return shared_experts_block_forward if layout.ungated_shared_experts else None
 
 
-def _check_shared_expert(adapter: FamilyAdapter, block: nn.Module, where: str, quantized) -> None:
+def _check_shared_expert(adapter, block: nn.Module, where: str, quantized) -> None:
     shared, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
     if type(shared) is not adapter.mlp:
         raise UnsupportedModelError(f"{where}.shared_expert is {type(shared).__name__}, not {adapter.mlp.__name__}")
@@ -180,7 +193,7 @@ def _check_shared_expert(adapter: FamilyAdapter, block: nn.Module, where: str, q
         raise UnsupportedModelError(f"{where}.shared_expert_gate has {gate.out_features} outputs; expected 1")
 
 
-def _check_shared_experts(adapter: FamilyAdapter, block: nn.Module, where: str, quantized) -> None:
+def _check_shared_experts(adapter, block: nn.Module, where: str, quantized) -> None:
     shared = getattr(block, "shared_experts", None)
     if type(shared) is not adapter.mlp:
         raise UnsupportedModelError(f"{where}.shared_experts is {type(shared).__name__}, not {adapter.mlp.__name__}")
@@ -191,7 +204,7 @@ def _check_shared_experts(adapter: FamilyAdapter, block: nn.Module, where: str, 
                                         "torch.nn.Linear layers and quantized checkpoints' layers are supported")
 
 
-def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str, quantized_experts=(),
+def check_sparse_block(adapter, block: nn.Module, where: str, quantized_experts=(),
                        quantized_layers=()) -> None:
     """Refuse a sparse MoE block the invariant forwards do not compute exactly. Experts in
     ``quantized_experts`` (checked by ``model.quantized_experts``) and quantized shared-expert
@@ -216,7 +229,7 @@ def check_sparse_block(adapter: FamilyAdapter, block: nn.Module, where: str, qua
                                     f"expected ({experts.num_experts}, {hidden})")
 
 
-def _check_dense_experts(layout: MoeLayout, experts: nn.Module, where: str) -> None:
+def _check_dense_experts(layout, experts: nn.Module, where: str) -> None:
     if type(experts) is not layout.experts:
         raise UnsupportedModelError(f"{where}.experts is {type(experts).__name__}, not {layout.experts.__name__} "
                                     "(replaced experts are not supported; quantized ones are in transformers' fp8 format, "

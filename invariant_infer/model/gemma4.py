@@ -4,6 +4,8 @@
   gelu_tanh(gate(h)) * per_layer_input on the ``gelu_tanh_mul`` kernel (torch's CPU gelu splits
   vectorized bodies from scalar tails, which move with the batch's shape). Every other op is a
   patched module (linears, norms, attention, the MLP) or an exact elementwise add or multiply.
+  Where the layer has experts (``enable_moe_block``), their output (``model.gemma4_moe``) is
+  normed and added to the normed dense MLP's before ``post_feedforward_layernorm``, as transformers does.
 * The causal LM: the decoder, the lm_head (the invariant linear), then ``softcap_logits``. The
   decoder is called without ``logits_to_keep``: transformers (5.25) would otherwise cut the
   KV-shared layers' rows to the kept ones while the attention bounds (``attention.invariant_mask``:
@@ -20,6 +22,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4CausalLMOutputWithP
 
 from ..errors import NonInvariantInputError
 from ..kernels import gelu_tanh_mul, gelu_tanh_mul_autograd
+from .gemma4_moe import moe_forward
 from .logits import softcap_logits
 from .module_forwards import records_grad
 from .support import require
@@ -27,7 +30,7 @@ from .support import require
 
 def decoder_layer_forward(self, hidden_states: torch.Tensor, per_layer_input: torch.Tensor | None = None,
                           **kwargs) -> torch.Tensor:
-    """``Gemma4TextDecoderLayer.forward`` (dense: the MoE block is refused by the support table)."""
+    """``Gemma4TextDecoderLayer.forward``, with the MoE block (``model.gemma4_moe``) where the layer has one."""
     if records_grad(hidden_states, self.input_layernorm.weight):
         require("gemma4_text", "training", "gemma4_text")
     residual = hidden_states
@@ -37,6 +40,9 @@ def decoder_layer_forward(self, hidden_states: torch.Tensor, per_layer_input: to
 
     residual = hidden_states
     hidden_states = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+    if getattr(self, "enable_moe_block", False):  # the experts beside the dense MLP, as transformers adds them
+        routed = self.post_feedforward_layernorm_2(moe_forward(self, residual))
+        hidden_states = self.post_feedforward_layernorm_1(hidden_states) + routed
     hidden_states = residual + self.post_feedforward_layernorm(hidden_states)
 
     if self.hidden_size_per_layer_input:

@@ -70,7 +70,10 @@ def config_kinds(config) -> set[str]:
     if any(getattr(text, name, None) is not None for name in capped):
         kinds.add("logit_softcapping")
     if model_type in ("gemma4_text", "gemma4"):  # gemma4: the multimodal checkpoint, its text model runs
-        kinds.add("gemma4_moe" if getattr(text, "enable_moe_block", False) else "gemma4_text")
+        kinds.add("gemma4_text")
+        if getattr(text, "enable_moe_block", False):  # experts beside the dense MLP: the MoE rows apply
+            kinds.discard("dense")
+            kinds.add("moe")
     # "vision": only image tokens attend bidirectionally, and gemma4 runs no image (its text attends causally)
     if getattr(text, "use_bidirectional_attention", False) and not (
             model_type == "gemma4" and text.use_bidirectional_attention == "vision"):

@@ -75,7 +75,7 @@ KINDS = [
                "torch.no_grad() / torch.inference_mode()", ("training",))
          | _no("the absorbed attention's per-head products have no backward yet", ("trl",), UnsupportedTRLError)),
     _row("moe", "mixture-of-experts models",
-         title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3)",
+         title="mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3, Gemma 4 26B-A4B)",
          refused=_no("the experts' K trees are not split across ranks; run the model in one process (no tp_plan, "
                      "tensor parallel size 1)", ("tensor_parallel",))
          | _no("MoE training is not supported: the invariant router and experts have no backward (and the router "
@@ -184,10 +184,6 @@ FEATURES = [
          feature=True, refused=_no("they are not supported yet; load the checkpoint with use_sliding_window=False")),
     _row("logit_softcapping", "logit softcapping (attn_logit_softcapping, final_logit_softcapping)", feature=True,
          refused=_no("logit softcapping is not supported yet; the kernels never drop it silently")),
-    _row("gemma4_moe", "Gemma 4's mixture of experts (gemma4_text with enable_moe_block: 26B-A4B)", feature=True,
-         refused=_no("its router (an unweighted RMSNorm, a learned scale, per-expert scales on the renormalised "
-                     "top-k) and the dense MLP beside its experts are not on the invariant kernels yet; the dense "
-                     "Gemma 4 models run")),
     _row("gemma4_text_training", "Gemma 4 (gemma4_text)", kinds=("gemma4_text",), feature=True,
          refused=_no("its backward (per-layer inputs, KV-shared layers, softcapped logits) is not tested yet; run it "
                      "under torch.no_grad() / torch.inference_mode()", ("training", "trl"),

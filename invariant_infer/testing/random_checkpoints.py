@@ -48,6 +48,8 @@ def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = t
                 param.normal_(0.0, 1.0)
             elif "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm weights start at ones
                 param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith((".router.scale", ".router.per_expert_scale")):  # Gemma 4's router: ones
+                param.uniform_(0.5, 1.5)
             elif name.endswith("LayerNorm.weight"):  # an encoder's LayerNorms (their biases are drawn above)
                 param.add_(torch.randn_like(param) * 0.1)
         for name, buffer in model.named_buffers():

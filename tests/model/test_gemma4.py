@@ -5,8 +5,8 @@ Each row is bitwise itself alone in any padded batch and packed (ids and embeddi
 within tolerance of stock float64, which references with full rotary on the global layers, without
 the window, without KV sharing or without softcapping all miss; bf16 errs no more than stock bf16;
 ``generate`` past the window gives each row's bits alone and each step one forward's; the engine's
-requests equal alone with prefix hits. Negative control: an M-dependent linear. The MoE variant is
-refused by name."""
+requests equal alone with prefix hits. Negative control: an M-dependent linear. The MoE variant:
+tests/model/test_gemma4_moe.py."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,7 @@ import torch
 
 from helpers.controls import m_dependent_linear
 from helpers.models import BATCHINGS, batch_mismatches, load_model, make_samples
-from invariant_infer import UnsupportedModelError, make_invariant
+from invariant_infer import make_invariant
 from invariant_infer.model.logits import softcap_logits
 from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
 from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
@@ -168,13 +168,6 @@ def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
 def test_engine_requests_equal_alone_with_prefix_hits(checkpoint):
     assert_engine_requests_equal_alone_with_prefix_hits(make_invariant(load_model(checkpoint, torch.bfloat16)),
                                                         new_tokens=4, alone_prompt_logprobs=True)
-
-
-def test_the_moe_variant_is_refused_by_name():
-    model = random_model(random_config(FAMILY, "tiny", enable_moe_block=True, num_experts=4, top_k_experts=2,
-                                       moe_intermediate_size=32))
-    with pytest.raises(UnsupportedModelError, match="gemma4_text: .*mixture of experts.*enable_moe_block"):
-        make_invariant(model)
 
 
 @pytest.mark.heavy

@@ -13,8 +13,8 @@
   (a multiply), attention scaled by 1.0, and final logit softcapping: cap * tanh(logits / cap) on the
   invariant lm_head's logits, each element alone (the ``tanh`` kernel).
 
-Refused by name: the MoE variant (``enable_moe_block``: its router normalises, rescales and weights per
-expert unlike the project's routing) and bidirectional attention. The released checkpoints
+The MoE variant (``enable_moe_block``, 26B-A4B): experts beside each layer's dense MLP, their own
+router (``model.gemma4_moe``). Refused by name: bidirectional attention. The released checkpoints
 (``Gemma4ForConditionalGeneration``, model type ``gemma4``) run their text model through this adapter
 (``families.gemma4_multimodal``)."""
 from transformers import Gemma4TextConfig
@@ -26,7 +26,6 @@ from . import FamilyAdapter, register_family
 
 
 def _refuse(config) -> str | None:
-    # The MoE variant (enable_moe_block) is refused by the support table (its row "gemma4_moe").
     if getattr(config, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         return f"only the gelu_pytorch_tanh MLP is supported, config.hidden_activation={config.hidden_activation!r}"
     return None
@@ -68,5 +67,15 @@ ADAPTER = register_family(FamilyAdapter(
                      vocab_size_per_layer_input=512, hidden_size_per_layer_input=8, final_logit_softcapping=5.0,
                      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
                      hidden_activation="gelu_pytorch_tanh"),
+        # The tiny preset's features with the MoE block in every layer: 8 experts of width 32, top-2.
+        "tiny-moe": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                         num_hidden_layers=4, layer_types=["sliding_attention", "full_attention",
+                                                           "sliding_attention", "full_attention"],
+                         sliding_window=16, num_kv_shared_layers=2, use_double_wide_mlp=True, vocab_size=512,
+                         vocab_size_per_layer_input=512, hidden_size_per_layer_input=8,
+                         final_logit_softcapping=5.0, max_position_embeddings=512, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", enable_moe_block=True,
+                         num_experts=8, top_k_experts=2, moe_intermediate_size=32),
     },
 ))

@@ -1,0 +1,140 @@
+"""Gemma 4's MoE variant (``gemma4_text`` with ``enable_moe_block``), the tiny-moe preset: the dense
+tiny preset's features with 8 experts (top-2) beside each layer's dense MLP. Each row is bitwise
+itself alone in a padded batch and packed; fp32 logits are within tolerance of stock float64, which
+references without the per-expert scales or with the experts reading the dense MLP's norm miss;
+bf16 errs no more than stock bf16; ``generate`` and the engine with prefix hits give each row's bits
+alone. Negative control: an M-dependent grouped expert GEMM."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers.controls import m_dependent_grouped_linear
+from helpers.models import BATCHINGS, batch_mismatches, load_model, make_samples
+from invariant_infer import make_invariant
+from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
+from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
+                                 assert_generate_past_the_window_equals_prefill_and_alone)
+
+FAMILY = "gemma4_text"
+LENGTHS = (9, 1, 26, 5)  # past the 16-key window
+RELATIVE_TOLERANCE = 2e-4  # of the logits' scale (their largest magnitude), fp32 against stock float64
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_random_checkpoint(tmp_path_factory.mktemp("gemma4_moe"), random_config(FAMILY, "tiny-moe"), seed=1)
+
+
+def _packed_rows_equal_alone(model, samples) -> bool:
+    packed = model(input_ids=torch.cat(samples)[None],
+                   position_ids=torch.cat([torch.arange(len(s)) for s in samples])[None]).logits[0]
+    starts = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
+    return all(torch.equal(packed[a:b], model(input_ids=s[None]).logits[0])
+               for s, a, b in zip(samples, starts, starts[1:]))
+
+
+@pytest.mark.fast_cells(ids=["bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_rows_equal_alone_in_a_padded_batch_and_packed(checkpoint, dtype):
+    """A left-padded batch of ids, a right-padded one of embeddings, and packed rows."""
+    model = make_invariant(load_model(checkpoint, dtype))
+    samples = make_samples(model.config.vocab_size, LENGTHS)
+    with torch.no_grad():
+        assert batch_mismatches(model, samples, [BATCHINGS[0], BATCHINGS[3]]) == []
+        assert _packed_rows_equal_alone(model, samples)
+
+
+@pytest.mark.heavy
+def test_an_m_dependent_grouped_expert_gemm_is_caught(checkpoint, monkeypatch):
+    """The invariance check fails once the experts' grouped GEMM picks BLOCK_K by its largest expert's rows."""
+    import invariant_infer.model.experts as experts_module
+    model = make_invariant(load_model(checkpoint, torch.float32))
+    samples = make_samples(model.config.vocab_size, LENGTHS)
+    monkeypatch.setattr(experts_module, "grouped_linear", m_dependent_grouped_linear)
+    with torch.no_grad():
+        assert batch_mismatches(model, samples, [BATCHINGS[0], BATCHINGS[3]]) != []
+
+
+def _float64_reference(stock):
+    reference = copy.deepcopy(stock).double()
+    reference.set_experts_implementation("eager")  # grouped_mm takes no float64
+    return reference
+
+
+def _no_per_expert_scale(reference):
+    for layer in reference.model.layers:
+        layer.router.per_expert_scale.data.fill_(1.0)
+
+
+def _experts_read_the_dense_norm(reference):
+    for layer in reference.model.layers:
+        layer.pre_feedforward_layernorm_2 = layer.pre_feedforward_layernorm
+
+
+def test_accuracy_against_float64_and_what_its_tolerance_catches(checkpoint):
+    stock = load_model(checkpoint, torch.float32)
+    model = make_invariant(copy.deepcopy(stock))
+    ids = make_samples(model.config.vocab_size, (60,))[0][None]
+
+    def reference_logits(change=None):
+        reference = _float64_reference(stock)
+        if change is not None:
+            change(reference)
+        with torch.no_grad():
+            return reference(ids, use_cache=False).logits  # no cache: the KV-shared layers own none
+    exact = reference_logits()
+    with torch.no_grad():
+        ours = model(ids).logits.double()
+    tolerance = RELATIVE_TOLERANCE * exact.abs().max().item()
+    assert (ours - exact).abs().max().item() < tolerance
+    for change in (_no_per_expert_scale, _experts_read_the_dense_norm):
+        assert (ours - reference_logits(change)).abs().max().item() > 10 * tolerance, change.__name__
+
+
+@pytest.mark.heavy
+def test_bf16_errs_no_more_than_twice_stock_bf16(checkpoint):
+    stock = load_model(checkpoint, torch.bfloat16)
+    model = make_invariant(copy.deepcopy(stock))
+    ids = make_samples(model.config.vocab_size, (60,))[0][None]
+    with torch.no_grad():
+        exact = _float64_reference(load_model(checkpoint, torch.float32))(ids, use_cache=False).logits
+        ours = (model(ids).logits.double() - exact).abs().max().item()
+        theirs = (stock(ids).logits.double() - exact).abs().max().item()
+    assert ours <= 2 * theirs
+
+
+@pytest.mark.heavy
+def test_generate_past_the_window_equals_prefill_and_alone(checkpoint):
+    assert_generate_past_the_window_equals_prefill_and_alone(make_invariant(load_model(checkpoint, torch.bfloat16)),
+                                                             "dynamic", new_tokens=3)
+
+
+@pytest.mark.heavy
+def test_engine_requests_equal_alone_with_prefix_hits(checkpoint):
+    assert_engine_requests_equal_alone_with_prefix_hits(make_invariant(load_model(checkpoint, torch.bfloat16)),
+                                                        new_tokens=4, alone_prompt_logprobs=True)
+
+
+@pytest.mark.heavy
+def test_the_multimodal_checkpoints_moe_text_model_runs_as_gemma4_text():
+    """``gemma4`` (Gemma4ForConditionalGeneration) with a MoE text config, given text: each row of a
+    batch is its bits alone and the same weights' Gemma4ForCausalLM's."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+    from invariant_infer.model.families import FAMILIES
+    from invariant_infer.model.kinds import config_kinds
+    from invariant_infer.testing.random_checkpoints import random_model
+    config = random_config("gemma4", "tiny", text_config=FAMILIES[FAMILY].presets["tiny-moe"])
+    assert "moe" in config_kinds(config) and "dense" not in config_kinds(config)
+    wrapper = random_model(config, seed=1, dtype=torch.bfloat16)
+    text = Gemma4ForCausalLM(wrapper.config.text_config).eval().to(torch.bfloat16)
+    state = {f"model.{name}": value for name, value in wrapper.model.language_model.state_dict().items()}
+    text.load_state_dict({**state, "lm_head.weight": wrapper.lm_head.weight}, strict=True)
+    model, text = make_invariant(wrapper), make_invariant(text)
+    samples = make_samples(config.text_config.vocab_size, LENGTHS)
+    with torch.no_grad():
+        assert batch_mismatches(model, samples, [BATCHINGS[0]]) == []
+        for sample in samples:
+            assert torch.equal(model(input_ids=sample[None]).logits, text(input_ids=sample[None]).logits)
