@@ -15,6 +15,7 @@ from helpers.controls import m_dependent_grouped_linear
 from helpers.models import BATCHINGS, batch_mismatches, load_model, make_samples
 from invariant_infer import make_invariant
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
+from test_audit import assert_stock_reported_and_patched_clean
 from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
                                  assert_generate_past_the_window_equals_prefill_and_alone)
 
@@ -138,3 +139,8 @@ def test_the_multimodal_checkpoints_moe_text_model_runs_as_gemma4_text():
         assert batch_mismatches(model, samples, [BATCHINGS[0]]) == []
         for sample in samples:
             assert torch.equal(model(input_ids=sample[None]).logits, text(input_ids=sample[None]).logits)
+
+
+@pytest.mark.heavy
+def test_the_strict_audit_finds_the_stock_experts_and_none_once_patched(checkpoint):
+    assert_stock_reported_and_patched_clean(load_model(checkpoint, torch.bfloat16))
