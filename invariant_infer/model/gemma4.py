@@ -24,14 +24,17 @@ from ..errors import NonInvariantInputError
 from ..kernels import gelu_tanh_mul, gelu_tanh_mul_autograd
 from .gemma4_moe import moe_forward
 from .logits import softcap_logits
-from .module_forwards import records_grad
 from .support import require
+
+
+def _records_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def decoder_layer_forward(self, hidden_states: torch.Tensor, per_layer_input: torch.Tensor | None = None,
                           **kwargs) -> torch.Tensor:
     """``Gemma4TextDecoderLayer.forward``, with the MoE block (``model.gemma4_moe``) where the layer has one."""
-    if records_grad(hidden_states, self.input_layernorm.weight):
+    if _records_grad(hidden_states, self.input_layernorm.weight):
         require("gemma4_text", "training", "gemma4_text")
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
@@ -49,7 +52,7 @@ def decoder_layer_forward(self, hidden_states: torch.Tensor, per_layer_input: to
         residual = hidden_states
         gate = self.per_layer_input_gate(hidden_states)
         per_layer_input = per_layer_input.contiguous()
-        gated = gelu_tanh_mul_autograd(gate, per_layer_input) if records_grad(gate, per_layer_input) \
+        gated = gelu_tanh_mul_autograd(gate, per_layer_input) if _records_grad(gate, per_layer_input) \
             else gelu_tanh_mul(gate, per_layer_input)
         hidden_states = residual + self.post_per_layer_input_norm(self.per_layer_projection(gated))
     return hidden_states * self.layer_scalar
