@@ -34,6 +34,7 @@ def compressed_tensors(scheme: str) -> dict:
 
 
 TRANSFORMERS_FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128}
 
 
 def tiny(family: str, **overrides):
@@ -233,7 +234,7 @@ TRIGGERS = {
     ("latent_attention", "trl"): lambda tmp: trl_check(tiny("deepseek_v3")),
     ("stock_engine_latent_attention", "engine"): lambda tmp: engine(tiny("deepseek_v3"), kernels="stock"),
     ("latent_attention_quantized", "*"):
-        lambda tmp: make_invariant(with_quantization(tiny("deepseek_v3"), TRANSFORMERS_FP8)),
+        lambda tmp: make_invariant(with_quantization(tiny("deepseek_v3"), GPTQ)),
     ("moe", "tensor_parallel"): lambda tmp: tensor_parallel_before_start(random_config("qwen3_moe", "tiny"), tmp),
     ("moe", "training"): lambda tmp: moe_backward(),
     ("moe", "trl"): lambda tmp: trl_aux_loss(),

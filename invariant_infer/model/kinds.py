@@ -57,6 +57,8 @@ def config_kinds(config) -> set[str]:
             kinds.add("vision_language")
         if adapter.latent_attention is not None:
             kinds.add("latent_attention")
+            if "quantized" in kinds and "transformers_fp8" not in kinds:  # fp8: kv_b_proj read dequantized
+                kinds.add("latent_attention_quantized")
         if _windowed(adapter, config):
             kinds.add("windowed")
         if adapter.moe and quantization_method_of(config) == "compressed-tensors":

@@ -18,7 +18,11 @@ stock forward stores them, and the engine one latent page tensor (``cache_specs.
 
 The per-head products run on the grouped GEMM (``kernels.grouped_linear``) with heads as groups: rows
 sorted by head, each row bitwise what it gives alone, so no row's bits depend on how many tokens the
-call holds. The weights are strided views of ``kv_b_proj.weight``: nothing is copied or kept.
+call holds. The weights are strided views of ``kv_b_proj.weight``: nothing is copied or kept, except
+in transformers' fp8 format, where ``kv_b_proj`` is an ``FP8Linear`` that the absorbed forward never
+calls: ``make_invariant`` dequantizes its weight once to the activation dtype (``quantization.dequantize_fp8``)
+and keeps it in the projection's ``ModuleState`` (``dequantized_weight``, which ``restore`` removes), so
+the per-head products run in that dtype on the grouped GEMM, as for a bf16 checkpoint.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kernels import grouped_linear
+from .module_state import state_of
 from .support import require
 
 
@@ -39,10 +44,22 @@ def _per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def absorbed_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_uk^T [H, r, qk_nope], W_uv [H, v_head, r]): views of ``kv_b_proj.weight`` as linear weights."""
-    weight = module.kv_b_proj.weight.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim,
-                                          module.kv_lora_rank)
+    """(W_uk^T [H, r, qk_nope], W_uv [H, v_head, r]): views of ``kv_b_proj.weight`` (or of its weight
+    dequantized at ``make_invariant``) as linear weights."""
+    state = state_of(module.kv_b_proj)
+    weight = module.kv_b_proj.weight if state is None or state.dequantized_weight is None else state.dequantized_weight
+    weight = weight.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, module.kv_lora_rank)
     return weight[:, :module.qk_nope_head_dim].transpose(1, 2), weight[:, module.qk_nope_head_dim:]
+
+
+def absorbed_projections(model, adapter, quantized: dict) -> dict:
+    """{kv_b_proj: its plan} of each latent attention whose kv_b_proj is quantized: the absorbed forward
+    reads it as float weights and never runs it, so it leaves ``quantized`` (no quantized forward is
+    claimed for it) and runs on its weight dequantized once."""
+    if adapter.latent_attention is None:
+        return {}
+    return {m.kv_b_proj: quantized.pop(m.kv_b_proj) for m in model.modules()
+            if type(m) is adapter.latent_attention and m.kv_b_proj in quantized}
 
 
 def rotate(module, q_rot: torch.Tensor, k_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

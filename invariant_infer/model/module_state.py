@@ -16,6 +16,8 @@ class ModuleState:
     forward_patched: bool = False    # make_invariant set the module's forward (restore deletes it)
     tensor_parallel: Any = None      # the TPLayout of a module that runs sharded (tensor_parallel.py)
     quantized: Any = None            # the QuantizedLinearPlan / QuantizedExpertsPlan it runs (quantization.py)
+    # A quantized linear read as float weights (latent attention's kv_b_proj): its weight dequantized once.
+    dequantized_weight: Any = None
     peft_lora: bool = False          # a PEFT LoRA layer adding its adapters' delta unmerged (lora.py)
     refuses_merge: bool = False      # its ``merge`` is the refusal on a quantized base (lora.py)
     adapter_slots: Any = None        # the engine's multi-LoRA SlotWeights on this projection (lora.py)

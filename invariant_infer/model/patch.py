@@ -12,7 +12,8 @@ What changes (and nothing process-wide):
   * every MLP of the family -> same projections, with silu(gate) * up fused into the down projection;
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
   * attention -> the ``invariant`` attention and mask functions (see ``model.attention``); DeepSeek-V3's
-    latent attention -> its absorbed forward on them (``model.latent_attention``);
+    latent attention -> its absorbed forward on them (``model.latent_attention``; an fp8 ``kv_b_proj``
+    is dequantized once, the weight the absorbed products read);
   * in mixture-of-experts families, every router -> the invariant linear and routing, and the
     experts -> the ``invariant`` experts implementation (see ``model.experts``), and fp8 experts of
     transformers' fp8 format (``FP8Experts``) -> ``model.quantized_experts``; MoE forwards that
@@ -58,7 +59,7 @@ from .encoder import install_generate_refusal, patch_encoder, remove_generate_re
 from .families import attention_setting, encoder_family_of, text_config
 from .modernbert import patch_modernbert
 from .gated_attention import gated_attention_forward
-from .latent_attention import latent_attention_forward
+from .latent_attention import absorbed_projections, latent_attention_forward
 from .linear_attention import gated_delta_net_forward
 from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
 from .module_state import module_state, remove_state, state_of
@@ -69,7 +70,8 @@ from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import cache_length, is_sequence_bounds, resolve_positions
 from .input_checks import (bind_forward_arguments, check_inputs, checked_at_entry, generating, install_entry_checks,
                            max_positions_of)
-from .quantization import detach_decompression, freeze_compressed, quantized_forward, row_parallel_plan
+from .quantization import (dequantize_fp8, detach_decompression, freeze_compressed, quantized_forward,
+                           row_parallel_plan)
 from .quantized_experts import quantized_experts_forward
 from .sentence_transformers import (is_sentence_transformers_model, patch_sentence_transformers,
                                     restore_sentence_transformers, sentence_transformers_patched)
@@ -103,6 +105,12 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _records_grad(x, self.weight, self.bias):
         return linear_autograd(x, self.weight, self.bias)
     return linear(x, self.weight, self.bias)
+
+
+def _dequantized_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # A quantized projection read as float weights (latent attention's kv_b_proj, which the absorbed
+    # forward never calls): called directly, it runs on the same dequantized weight.
+    return linear(x, state_of(self).dequantized_weight, self.bias)
 
 
 def _row_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -328,6 +336,7 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
     check_peft(wrapper)
     layout = tp_layout(model)
     adapter, base, quantized, experts, adapters = check_model(model, sharded=layout is not None, strict=strict)
+    absorbed = absorbed_projections(model, adapter, quantized)  # read dequantized, out of ``quantized``
     row_parallel = {base_linear(proj) for layer in base.layers for name, proj in adapter.projections(layer).items()
                     if name in adapter.row_parallel}
     quantized = {module: row_parallel_plan(plan, module.in_features) if module in row_parallel else plan
@@ -348,6 +357,11 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
             module_state(module).quantized = quantized.get(module) or experts[module]
             freeze_compressed(module)
             _set_forward(module, quantized_forward if module in quantized else quantized_experts_forward)
+        elif module in absorbed:
+            module_state(module).dequantized_weight = dequantize_fp8(absorbed[module].weight,
+                                                                     model.get_input_embeddings().weight.dtype)
+            freeze_compressed(module)
+            _set_forward(module, _dequantized_linear_forward)
         elif module in adapters:
             module_state(module).peft_lora = True
             _set_forward(module, peft_lora_forward)

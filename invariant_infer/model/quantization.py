@@ -25,6 +25,7 @@ from ..errors import UnsupportedModelError
 from ..kernels import QuantizedWeight, quantize_activations, quantized_linear, quantized_linear_autograd
 from ..kernels.linear import combine_partials
 from ..kernels.quantized_linear import QuantizedLinearConfig, quantized_linear_partials, quantized_tree_leaves
+from ..kernels.quantized_weight import BLOCK
 from . import tensor_parallel
 from .module_state import state_of
 
@@ -286,6 +287,19 @@ def _fp8_layers(model: nn.Module, config: dict) -> dict[nn.Module, QuantizedLine
             raise _refuse(f"{name}: fp8 blocks {list(block)} with {shape[1]} input features (blocks [128, 128] "
                           "need a multiple of 128)")
     return plans
+
+
+def dequantize_fp8(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [N, K] weight of an fp8 one in ``dtype``: each value times its block's (or channel's)
+    inverse scale in fp32, then cast, as transformers dequantizes its fp8 format; a last block of fewer
+    than 128 rows or columns takes its own scale. Elementwise, once, outside any forward."""
+    if weight.format != "fp8":
+        raise _refuse(f"dequantizing {weight.format} weights")
+    n, k = weight.shape
+    scale = weight.scale.float()
+    if weight.block:
+        scale = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    return (weight.data.float() * scale).to(dtype)
 
 
 _COMPRESSED = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "input_scale",

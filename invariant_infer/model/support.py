@@ -143,10 +143,6 @@ FEATURES = [
          kinds=("latent_attention", "stock_kernels"), feature=True,
          refused=_no("the engine's pages hold the latent, which only the absorbed attention of kernels='invariant' "
                      "reads; use kernels='invariant'", ("engine",))),
-    _row("latent_attention_quantized", "quantized checkpoints with multi-head latent attention (DeepSeek-V3's fp8)",
-         kinds=("latent_attention", "quantized"), feature=True,
-         refused=_no("the absorbed attention reads kv_b_proj as float weights, which a quantized checkpoint does not "
-                     "hold yet; dequantize the checkpoint to bf16 first")),
     _row("hybrid_lora", "LoRA adapters on models with Gated DeltaNet (linear attention) layers",
          kinds=("hybrid", "lora"), feature=True,
          refused=_no("LoRA on the Gated DeltaNet projections is not supported yet; run the base model",
@@ -170,6 +166,12 @@ FEATURES = [
          refused=_no("transformers decompresses their experts to the float dtype at load. Quantized experts are "
                      "supported in transformers' fp8 format (weight_block_size [128, 128], as the official Qwen3 MoE "
                      "FP8 checkpoints)")),
+    _row("latent_attention_quantized",
+         "multi-head latent attention (MLA) in quantized checkpoints other than transformers' fp8",
+         feature=True,
+         refused=_no("the absorbed attention reads kv_b_proj as float weights, which it dequantizes once from "
+                     "transformers' fp8 format (DeepSeek-V3's release) only; load that format, or dequantize the "
+                     "checkpoint to bf16 first")),
     # raised by the fp8 kernels' launchers (kernels.fp8_support), with this label and reason
     _row("fp8_before_sm89", FP8_LABEL, feature=True, refused=_no(FP8_REASON, error=UnsupportedOperationError)),
     _row("videos", "videos", feature=True,

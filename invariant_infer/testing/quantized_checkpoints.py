@@ -105,14 +105,21 @@ def save_fp8_checkpoint(path: str | Path, config: PretrainedConfig, seed: int = 
 
 
 def _fp8_blocks(name: str, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 values [N, K] and inverse scales [ceil(N / 128), K / 128]. A last block of fewer than 128 rows
+    (DeepSeek-V3's kv_a_proj_with_mqa: 576 = 4 x 128 + 64) takes its scale from its real rows, as
+    transformers' ``FP8Linear`` and DeepSeek's checkpoints lay it out. K stays a multiple of 128: the fp8
+    GEMM quantizes activations in 128-wide groups along K."""
     n, k = tensor.shape
-    if n % 128 or k % 128:
-        raise InvalidArgumentError(f"{name}: fp8 block checkpoints need sizes that are multiples of 128, got {n}x{k}")
-    blocks = tensor.float().unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+    if k % 128:
+        raise InvalidArgumentError(f"{name}: fp8 block checkpoints need in_features that are multiples of 128, got "
+                                   f"{n}x{k}")
+    padded = torch.nn.functional.pad(tensor.float(), (0, 0, 0, -n % 128))  # zero rows: no block's max changes
+    blocks = padded.unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
     amax = blocks.abs().amax(dim=(1, 3))
     inverse = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).to(scale_dtype)
     full = inverse.float()[:, None, :, None]
-    return (blocks / full).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(2).flatten(0, 1), inverse
+    values = (blocks / full).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(2).flatten(0, 1)
+    return values[:n].contiguous(), inverse
 
 
 # A mixture-of-experts checkpoint's expert weights: "...experts.<e>.<gate_proj|w1|...>.weight".
