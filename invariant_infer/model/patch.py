@@ -34,8 +34,8 @@ Every patched op is differentiable: with grad enabled it runs as an autograd Fun
 forward kernel (the same bits as inference) with a batch-invariant, deterministic backward, so the
 model trains on the kernels it samples with. Parameters stay the model's own ``nn.Parameter``s.
 Each patched module keeps one ``ModuleState`` (``module_state.py``): the forward it had, and what
-its new forward reads (a TP layout, a quantized plan, rope tables, adapter slots). ``restore(model)``
-undoes all of it.
+its new forward reads (a TP layout, a quantized plan, a dequantized weight, rope tables, adapter
+slots). ``restore(model)`` undoes all of it.
 """
 from __future__ import annotations
 

@@ -95,13 +95,14 @@ def save_quantized_model(model: torch.nn.Module, path: str | Path, scheme_name: 
 
 
 def save_fp8_checkpoint(path: str | Path, config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                        scale_dtype: torch.dtype = torch.bfloat16, modules_to_not_convert: list[str] | None = None
-                        ) -> Path:
+                        scale_dtype: torch.dtype = torch.bfloat16, modules_to_not_convert: list[str] | None = None,
+                        per_tensor: bool = False) -> Path:
     """A random model of ``config`` in transformers' own ``fp8`` format, as the official Qwen3 FP8
     checkpoints store it: every Linear but lm_head, and every expert, as float8_e4m3fn ``weight`` with one inverse
     scale per 128x128 block in ``weight_scale_inv`` (``scale_dtype``), activations dynamic. Block
-    scales are max |w| / 448 per block, as transformers' own ``Fp8Quantize`` computes them."""
-    return save_fp8_model(random_model(config, seed, dtype), path, scale_dtype, modules_to_not_convert)
+    scales are max |w| / 448 per block, as transformers' own ``Fp8Quantize`` computes them;
+    ``per_tensor``: one scale per weight instead (``weight_block_size`` None)."""
+    return save_fp8_model(random_model(config, seed, dtype), path, scale_dtype, modules_to_not_convert, per_tensor)
 
 
 def _fp8_blocks(name: str, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +123,19 @@ def _fp8_blocks(name: str, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tu
     return values[:n].contiguous(), inverse
 
 
+def _fp8_tensor(name: str, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 values and one inverse scale, max |w| / 448 (a 0-dim tensor, as ``FP8Linear`` holds it)."""
+    amax = tensor.float().abs().amax()
+    inverse = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).to(scale_dtype)
+    return (tensor.float() / inverse.float()).clamp(-448, 448).to(torch.float8_e4m3fn), inverse
+
+
 # A mixture-of-experts checkpoint's expert weights: "...experts.<e>.<gate_proj|w1|...>.weight".
 _EXPERT_KEY = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
 
 
 def save_fp8_model(model: torch.nn.Module, path: str | Path, scale_dtype: torch.dtype = torch.bfloat16,
-                   modules_to_not_convert: list[str] | None = None) -> Path:
+                   modules_to_not_convert: list[str] | None = None, per_tensor: bool = False) -> Path:
     """``model`` (dense) saved in transformers' ``fp8`` format, as ``save_fp8_checkpoint`` describes:
     ``save_pretrained`` writes the checkpoint's own layout (an MoE model's experts one by one), then
     every weight transformers' fp8 loader converts (plain Linear layers but lm_head, and experts) is
@@ -146,9 +154,10 @@ def save_fp8_model(model: torch.nn.Module, path: str | Path, scale_dtype: torch.
     for name in list(state):
         if name in linears or _EXPERT_KEY.search(name):
             module = name.rsplit(".", 1)[0]
-            state[name], state[f"{module}.weight_scale_inv"] = _fp8_blocks(module, state[name], scale_dtype)
+            quantize = _fp8_tensor if per_tensor else _fp8_blocks
+            state[name], state[f"{module}.weight_scale_inv"] = quantize(module, state[name], scale_dtype)
     model.config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                        "weight_block_size": [128, 128],
+                                        "weight_block_size": None if per_tensor else [128, 128],
                                         **({"modules_to_not_convert": modules_to_not_convert}
                                            if modules_to_not_convert else {})}
     model.config.save_pretrained(path)

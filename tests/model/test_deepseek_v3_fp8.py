@@ -81,8 +81,30 @@ def test_layers_stay_fp8_and_kv_b_proj_is_read_dequantized(checkpoint):
     assert abs(scales[1] / scales[0] - 1) > 0.05  # a wrong block's scale would show
     assert ((got - want)[:, 128:].abs().max() / want[:, 128:].abs().max()) < 0.01
     assert ((got - want)[:, :128].abs().max() / want[:, :128].abs().max()) < 0.01
+    with torch.no_grad():  # called directly, kv_b_proj runs the invariant linear on its dequantized weight
+        assert torch.equal(kv_b(x)[2:3], kv_b(x[2:3]))
+        near = x.float() @ state_of(kv_b).dequantized_weight.float().T
+        assert (kv_b(x).float() - near).abs().max() / near.abs().max() < 0.01
     restore(model)
     assert state_of(kv_b) is None and "forward" not in vars(kv_b)
+
+
+def test_per_tensor_fp8_kv_b_proj_is_read_dequantized_and_rows_equal_alone(tmp_path):
+    """One inverse scale per weight (``weight_block_size`` None; both layers dense, since fp8 experts
+    need 128 x 128 blocks): kv_b_proj dequantized with its one scale, the other linears on the fp8 GEMM
+    with per-token activations."""
+    config = random_config("deepseek_v3", "tiny", first_k_dense_replace=2)
+    with quantized_loading():
+        model = AutoModelForCausalLM.from_pretrained(save_fp8_checkpoint(tmp_path / "fp8", config, seed=4,
+                                                                         per_tensor=True), dtype=torch.bfloat16)
+    kv_b = model.model.layers[0].self_attn.kv_b_proj
+    assert type(kv_b).__name__ == "FP8Linear" and kv_b.block_size is None and kv_b.weight_scale_inv.dim() == 0
+    make_invariant(model.eval(), strict=True)
+    assert state_of(kv_b).quantized is None
+    assert torch.equal(state_of(kv_b).dequantized_weight, (kv_b.weight.float() * kv_b.weight_scale_inv).bfloat16())
+    assert state_of(model.model.layers[0].self_attn.o_proj).quantized.activation_group is None
+    with torch.no_grad():
+        assert batch_mismatches(model, make_samples(model.config.vocab_size, LENGTHS), BATCHINGS[:2]) == []
 
 
 @pytest.mark.heavy
