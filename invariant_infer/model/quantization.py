@@ -371,9 +371,12 @@ def detach_decompression(model: nn.Module):
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters as held in memory (compressed tensors counted as stored)."""
+    """Bytes of the model's parameters as held in memory (compressed tensors counted as stored), with
+    the weights ``make_invariant`` dequantized beside them (an fp8 latent attention's kv_b_proj)."""
     seen, total = set(), 0
-    for tensor in list(model.parameters()) + list(model.buffers()):
+    kept = [state.dequantized_weight for state in map(state_of, model.modules())
+            if state is not None and state.dequantized_weight is not None]
+    for tensor in list(model.parameters()) + list(model.buffers()) + kept:
         if tensor.data_ptr() in seen:  # tied embeddings count once
             continue
         seen.add(tensor.data_ptr())

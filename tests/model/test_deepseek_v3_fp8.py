@@ -23,7 +23,7 @@ from invariant_infer import make_invariant, restore
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.kernels import quantize_activations
 from invariant_infer.model.module_state import state_of
-from invariant_infer.model.quantization import QuantizedLinearPlan
+from invariant_infer.model.quantization import QuantizedLinearPlan, weight_bytes
 from invariant_infer.testing.quantized_checkpoints import save_fp8_checkpoint
 from invariant_infer.testing.random_checkpoints import random_config
 from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
@@ -66,8 +66,11 @@ def test_layers_stay_fp8_and_kv_b_proj_is_read_dequantized(checkpoint):
     assert type(sparse.experts).__name__ == "FP8Experts" and sparse.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     compressed = attention.kv_a_proj_with_mqa
     assert compressed.weight.shape == (144, 128) and compressed.weight_scale_inv.shape == (2, 1)
+    stored = weight_bytes(model)
     make_invariant(model, strict=True)  # strict: the audit's probe forward finds no stray op
     kv_b = attention.kv_b_proj
+    layers = model.config.num_hidden_layers
+    assert weight_bytes(model) == stored + layers * kv_b.out_features * kv_b.in_features * 2  # bf16, beside fp8
     assert state_of(kv_b).quantized is None and kv_b.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(state_of(kv_b).dequantized_weight, _blockwise(kv_b.weight, kv_b.weight_scale_inv).bfloat16())
     assert state_of(attention.q_b_proj).quantized is not None and state_of(sparse.experts).quantized is not None
