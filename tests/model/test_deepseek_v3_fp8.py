@@ -6,7 +6,8 @@ so is kv_b_proj's (4 heads x 48 = 192 rows). kv_b_proj, which the absorbed atten
 weights and never runs, is dequantized once to bf16, equal to the blockwise reference, and ``restore``
 drops it. Each row is bitwise itself alone in any padded batch and packed; ``generate`` gives each row's
 bits alone and each step one forward's; the engine's requests equal alone; the logits stay near the
-dequantized model's in float64. Negative control: a per-tensor activation scale on the fp8 linears."""
+dequantized model's in float64. A per-tensor fp8 checkpoint reads kv_b_proj dequantized too. Negative
+control: a per-tensor activation scale on the fp8 linears."""
 from __future__ import annotations
 
 import types
