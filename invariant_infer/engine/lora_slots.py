@@ -29,6 +29,7 @@ import torch
 
 from ..model.executor import RankState, worker_command
 from ..model.families import family_of
+from ..model.latent_attention import KV_B_LORA_REASON, absorbed_kv_b_projections
 from ..model.lora import REFUSED_OPTIONS, attach_slots, is_peft_model
 from ..errors import InvalidArgumentError, LoraAdapterError, RequestError
 
@@ -121,6 +122,8 @@ class LoraSlots:
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in state.items():
             module, _, part = key.removeprefix("base_model.model.").rpartition(".lora_")
+            if module in self.slots.refused:
+                raise LoraAdapterError(f"adapter {name!r}: {module}: {self.slots.refused[module]}")
             if part not in ("A.weight", "B.weight") or module not in self.layers:
                 raise LoraAdapterError(f"adapter {name!r}: {key} is not a LoRA A/B weight of a projection of this "
                                        "model (targets: attention and MLP projections)")
@@ -211,8 +214,10 @@ class ModelSlots:
     def __init__(self, model, max_loras: int, max_lora_rank: int, dtype: torch.dtype):
         family = family_of(model.config)
         projections = {proj for layer in model.model.layers for proj in family.projections(layer).values()}
+        absorbed = absorbed_kv_b_projections(model, family)  # read as weights: no slot could act there
+        self.refused = {name: KV_B_LORA_REASON for name, module in model.named_modules() if module in absorbed}
         self.layers = {name: attach_slots(module, max_loras, max_lora_rank, dtype)
-                       for name, module in model.named_modules() if module in projections}
+                       for name, module in model.named_modules() if module in projections - absorbed}
 
     def load(self, slot: int, weights: dict) -> None:
         """Copy an adapter's weights (projection -> (A, B, scaling)) into ``slot``; projections it

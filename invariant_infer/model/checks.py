@@ -13,6 +13,7 @@ from ..errors import UnsupportedModelError
 from .cache_specs import linear_attention_layers
 from .families import family_of, text_config
 from .kinds import model_kinds
+from .latent_attention import absorbed_kv_b_projections
 from .lora import base_linear, lora_layers
 from .quantization import quantized_layers
 from .quantized_experts import quantized_experts
@@ -103,7 +104,7 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
         if type(param.data) is not torch.Tensor and not (sharded and isinstance(param.data, DTensor)):
             raise UnsupportedModelError(f"parameter {name} is a {type(param.data).__name__}; only dense tensors "
                                         "are supported")
-    adapters = lora_layers(model, head, quantized, sharded)
+    adapters = lora_layers(model, head, quantized, sharded, absorbed_kv_b_projections(model, adapter))
     if adapters:  # LoRA layers on a model that is not a PeftModel itself (its base, or a layer wrapped by hand)
         require(kinds | {"lora"}, "model", config.model_type)
     return adapter, base, quantized, experts, adapters

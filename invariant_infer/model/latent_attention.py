@@ -52,6 +52,19 @@ def absorbed_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
     return weight[:, :module.qk_nope_head_dim].transpose(1, 2), weight[:, module.qk_nope_head_dim:]
 
 
+# Why no LoRA may target kv_b_proj: its weight is read absorbed, so an unmerged delta would be dropped.
+KV_B_LORA_REASON = ("LoRA on kv_b_proj is not supported: multi-head latent attention reads its weight absorbed into "
+                    "the query and the output and never calls the layer, so an unmerged adapter there would be "
+                    "ignored; target q_a_proj, q_b_proj, kv_a_proj_with_mqa or o_proj, or merge the adapter")
+
+
+def absorbed_kv_b_projections(model, adapter) -> set:
+    """Every latent attention's kv_b_proj (read as weights, never called), empty for other families."""
+    if adapter is None or adapter.latent_attention is None:
+        return set()
+    return {m.kv_b_proj for m in model.modules() if type(m) is adapter.latent_attention}
+
+
 def absorbed_projections(model, adapter, quantized: dict) -> dict:
     """{kv_b_proj: its plan} of each latent attention whose kv_b_proj is quantized: the absorbed forward
     reads it as float weights and never runs it, so it leaves ``quantized`` (no quantized forward is

@@ -19,8 +19,8 @@ QLoRA: a base layer may be a compressed-tensors quantized layer or transformers'
 frozen weight (``kernels.quantized_linear_autograd``).
 
 Refused with the reason: other PEFT tuners, DoRA and the other LoRA variants, LoRA biases, LoRA on the
-lm_head or embeddings, a ``PeftModel`` on a tensor-parallel base (the engine's slots serve one), and
-``lora_dropout > 0`` in train mode (its random mask is drawn for the whole batch).
+lm_head or embeddings, LoRA on latent attention's kv_b_proj (read absorbed, never called), a
+``PeftModel`` on a tensor-parallel base (the engine's slots serve one), and ``lora_dropout > 0`` in train mode (its random mask is drawn for the whole batch).
 ``merge_and_unload()`` still works: it folds ``scaling * B @ A`` into each base weight (rounded to the
 weight's dtype), so the merged model's bits differ from the unmerged adapter's, as they do in PEFT.
 """
@@ -35,6 +35,7 @@ from torch import nn
 from ..errors import NonInvariantInputError, UnsupportedModelError
 from ..kernels import linear, linear_autograd
 from ..kernels.configs import linear_config
+from .latent_attention import KV_B_LORA_REASON
 from .module_state import module_state, state_of
 from .step_context import current_step
 from .support import require
@@ -104,8 +105,10 @@ def check_peft(model: nn.Module) -> None:
                 raise UnsupportedModelError(f"adapter {name!r}: {why}")
 
 
-def lora_layers(model: nn.Module, head: nn.Module | None, quantized, sharded: bool) -> list[nn.Module]:
-    """The PEFT LoRA layers of a (patched-to-be) Hugging Face model, checked."""
+def lora_layers(model: nn.Module, head: nn.Module | None, quantized, sharded: bool,
+                absorbed: set = frozenset()) -> list[nn.Module]:
+    """The PEFT LoRA layers of a (patched-to-be) Hugging Face model, checked; ``absorbed``: projections
+    read as weights and never called (latent attention's kv_b_proj), which no LoRA may wrap."""
     peft = _peft()
     if peft is None:
         return []
@@ -120,6 +123,8 @@ def lora_layers(model: nn.Module, head: nn.Module | None, quantized, sharded: bo
         if module is head or module.base_layer is head:
             raise UnsupportedModelError(f"{name}: LoRA on the lm_head is not supported (logits are computed from "
                                         "its weight in chunks); use modules_to_save=['lm_head'] or merge it")
+        if module in absorbed or module.base_layer in absorbed:
+            raise UnsupportedModelError(f"{name}: {KV_B_LORA_REASON}")
         if module.lora_variant:
             raise UnsupportedModelError(f"{name}: LoRA variants ({', '.join(module.lora_variant)}: "
                                         f"{type(next(iter(module.lora_variant.values()))).__name__}) are not supported")
