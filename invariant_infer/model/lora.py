@@ -20,7 +20,8 @@ frozen weight (``kernels.quantized_linear_autograd``).
 
 Refused with the reason: other PEFT tuners, DoRA and the other LoRA variants, LoRA biases, LoRA on the
 lm_head or embeddings, LoRA on latent attention's kv_b_proj (read absorbed, never called), a
-``PeftModel`` on a tensor-parallel base (the engine's slots serve one), and ``lora_dropout > 0`` in train mode (its random mask is drawn for the whole batch).
+``PeftModel`` on a tensor-parallel base (the engine's slots serve one), and ``lora_dropout > 0`` in
+train mode (its random mask is drawn for the whole batch).
 ``merge_and_unload()`` still works: it folds ``scaling * B @ A`` into each base weight (rounded to the
 weight's dtype), so the merged model's bits differ from the unmerged adapter's, as they do in PEFT.
 """
