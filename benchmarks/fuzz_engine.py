@@ -41,10 +41,9 @@ from invariant_infer.engine.kv_cache_layout import kv_cache_layout
 from invariant_infer.engine.model_runner import ModelRunner
 from invariant_infer.model.families import FAMILIES
 from invariant_infer.checkpoints.loading import DTYPES
-from invariant_infer.testing.random_checkpoints import random_config
 
 from .fuzz import csv_choices, device_name, quiet_libraries, versions, write_json
-from .fuzz_draws import Models, batch_variant_linear, fuzz_overrides
+from .fuzz_draws import PRESET_MODELS, Models, batch_variant_linear, fuzz_config, fuzz_overrides
 from .fuzz_parallel import exit_status, outcomes, run_or_stop
 from .report import git_commit
 
@@ -149,7 +148,7 @@ def draw_speculative(rng: random.Random, s: Schedule) -> Schedule:
 
 def draw_context(families, dtypes, device: str) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """What ``draw`` needs of the models: each family's vocabulary and each model's KV page size."""
-    configs = {f: random_config(f, "tiny", **fuzz_overrides(f)) for f in families}
+    configs = {f: fuzz_config(f) for f in families}
     pages = {(f, d): ModelRunner.page_size_for(configs[f], torch.device(device), DTYPES[d])
              for f in families for d in dtypes}
     return {f: c.vocab_size for f, c in configs.items()}, pages
@@ -358,9 +357,9 @@ def replay_command(args, index: int) -> str:
 
 
 # The families the engine runs (not yet the hybrid ones, with Gated DeltaNet layers; gemma4's text model
-# is gemma4_text's, drawn as that).
+# is gemma4_text's, drawn as that), then the other presets drawn as models of their own.
 ENGINE_FAMILIES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is None
-                         and adapter.vision is None and not adapter.unpatched_modules)
+                         and adapter.vision is None and not adapter.unpatched_modules) + PRESET_MODELS
 
 
 def parse(argv=None):
