@@ -2,8 +2,9 @@
 tiny preset's features with 8 experts (top-2) beside each layer's dense MLP. Each row is bitwise
 itself alone in a padded batch and packed; fp32 logits are within tolerance of stock float64, which
 references without the per-expert scales or with the experts reading the dense MLP's norm miss;
-bf16 errs no more than stock bf16; ``generate`` and the engine with prefix hits give each row's bits
-alone. Negative control: an M-dependent grouped expert GEMM."""
+bf16 errs no more than stock bf16; ``generate`` (dynamic and static caches) and the engine with prefix
+hits give each row's bits alone; ``score_sequences`` and ``token_logprobs`` each sequence's logprobs of its
+own forward in any batching. Negative control: an M-dependent grouped expert GEMM."""
 from __future__ import annotations
 
 import copy
@@ -108,9 +109,32 @@ def test_bf16_errs_no_more_than_twice_stock_bf16(checkpoint):
 
 
 @pytest.mark.heavy
-def test_generate_past_the_window_equals_prefill_and_alone(checkpoint):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
     assert_generate_past_the_window_equals_prefill_and_alone(make_invariant(load_model(checkpoint, torch.bfloat16)),
-                                                             "dynamic", new_tokens=3)
+                                                             cache, new_tokens=3)
+
+
+@pytest.mark.heavy
+def test_scoring_and_token_logprobs_are_batch_independent_and_equal_the_forward(checkpoint):
+    """``score_sequences`` (every sequence alone, then packed) and the trainer-side ``token_logprobs``
+    (left- and right-padded micro-batches) give each sequence's logprobs of its tokens, past the window,
+    as the kernel gives them on that sequence's own forward logits (softcapped)."""
+    from helpers.engine_runs import trainer_logprobs
+    from invariant_infer import score_sequences
+    from invariant_infer.kernels import token_logprobs
+    model = make_invariant(load_model(checkpoint, torch.bfloat16))
+    sequences = [s.tolist() for s in make_samples(model.config.vocab_size, (30, 3, 21, 9), seed=5)]
+    prompts = [1, 2, 5, 1]
+    with torch.no_grad():
+        forward = [token_logprobs(model(input_ids=torch.tensor([seq])).logits[0, :-1].contiguous(),
+                                  torch.tensor(seq[1:]))[0][p - 1:].tolist() for seq, p in zip(sequences, prompts)]
+    alone = score_sequences(model, sequences, prompt_lengths=prompts, max_batch_tokens=1)
+    packed = score_sequences(model, sequences, prompt_lengths=prompts, max_batch_tokens=1000, chunk_rows=3)
+    assert [r.token_logprobs.tolist() for r in alone] == [r.token_logprobs.tolist() for r in packed] == forward
+    with torch.no_grad():
+        for side in ("left", "right"):
+            assert trainer_logprobs(model, sequences, prompts, 3, side, 1.0) == forward, side
 
 
 @pytest.mark.heavy
