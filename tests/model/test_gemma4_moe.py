@@ -4,7 +4,8 @@ itself alone in a padded batch and packed; fp32 logits are within tolerance of s
 references without the per-expert scales or with the experts reading the dense MLP's norm miss;
 bf16 errs no more than stock bf16; ``generate`` (dynamic and static caches) and the engine with prefix
 hits give each row's bits alone; ``score_sequences`` and ``token_logprobs`` each sequence's logprobs of its
-own forward in any batching. Negative control: an M-dependent grouped expert GEMM."""
+own forward in any batching. Quantized or replaced experts are refused by name before anything is
+patched. Negative control: an M-dependent grouped expert GEMM."""
 from __future__ import annotations
 
 import copy
@@ -168,3 +169,49 @@ def test_the_multimodal_checkpoints_moe_text_model_runs_as_gemma4_text():
 @pytest.mark.heavy
 def test_the_strict_audit_finds_the_stock_experts_and_none_once_patched(checkpoint):
     assert_stock_reported_and_patched_clean(load_model(checkpoint, torch.bfloat16))
+
+
+def _fp8_experts(config):
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+    return FP8Experts(config=config, block_size=[128, 128], activation_scheme="dynamic")
+
+
+def _packed_experts(experts):
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach().flatten(0, 1))  # [E * 2I, H]
+    return experts
+
+
+def _renamed_experts(experts):
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+    experts.__class__ = type("ReplacedExperts", (Gemma4TextExperts,), {})
+    return experts
+
+
+@pytest.mark.parametrize("replace, match", [
+    (lambda layer, config: _fp8_experts(config), "Gemma4TextRouter and FP8Experts"),
+    (lambda layer, config: _renamed_experts(layer.experts), "Gemma4TextRouter and ReplacedExperts"),
+    (lambda layer, config: _packed_experts(layer.experts), r"experts.gate_up_proj is not a 3-D parameter")],
+    ids=["fp8", "replaced", "packed"])
+def test_quantized_or_replaced_experts_are_refused_before_patching(replace, match):
+    """make_invariant (and check_model) refuse the layer by name before patching anything, instead of the
+    forward refusing it when called; a compressed-tensors checkpoint (experts decompressed at load) by
+    the support table."""
+    from invariant_infer import UnsupportedModelError, is_invariant
+    from invariant_infer.model.checks import check_model
+    from invariant_infer.testing.random_checkpoints import random_model
+    model = random_model(random_config(FAMILY, "tiny-moe"))
+    check_model(model)  # the stock experts pass
+    model.model.layers[1].experts = replace(model.model.layers[1], model.config)
+    for check in (check_model, make_invariant):
+        with pytest.raises(UnsupportedModelError, match=rf"layers\.1: .*{match}"):
+            check(model)
+    assert not is_invariant(model) and "forward" not in vars(model.model.layers[0])
+
+
+def test_compressed_tensors_checkpoints_are_refused_by_the_support_table():
+    from invariant_infer import UnsupportedModelError
+    from invariant_infer.testing.random_checkpoints import random_model
+    model = random_model(random_config(FAMILY, "tiny-moe"))
+    model.config.quantization_config = {"quant_method": "compressed-tensors"}
+    with pytest.raises(UnsupportedModelError, match="compressed-tensors mixture-of-experts"):
+        make_invariant(model)

@@ -22,6 +22,7 @@ from transformers.models.gemma4.modeling_gemma4 import (Gemma4ForCausalLM, Gemma
                                                         Gemma4TextMLP)
 
 from ..gemma4 import causal_lm_forward, decoder_layer_forward
+from ..gemma4_moe import check_layer
 from . import FamilyAdapter, register_family
 
 
@@ -40,6 +41,7 @@ ADAPTER = register_family(FamilyAdapter(
     head_norms=("q_norm",), optional_projections=("k_proj", "v_proj"), norms_scaled_in_fp32=True,
     mlp_activation="gelu_tanh", refuse_config=_refuse, final_logit_softcapping=True,
     module_forwards={Gemma4TextDecoderLayer: decoder_layer_forward, Gemma4ForCausalLM: causal_lm_forward},
+    check_layer=check_layer,
     presets={
         # Gemma 4 31B (dense) text model. transformers ships no config for it (its defaults are
         # gemma-4-e2b's); these numbers are the published checkpoint's as a public model card of a port
