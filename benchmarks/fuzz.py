@@ -14,8 +14,8 @@ scaling, attention and MLP biases, tied; mistral no sliding window, untied; the 
 families a sparse block of 8 experts (qwen3_moe top-4 renormalised, head_dim 16; mixtral top-2,
 routing weights in fp32; qwen2_moe top-2 not renormalised, with its gated shared expert; glm4_moe
 top-2 of sigmoid scores picked with a selection bias from 1 of 2 groups, scaled by 2.5, with its ungated
-shared MLP, q/k head norms and RoPE on half of each head), so a batch crowds some experts and leaves
-others empty. A pool is one
+shared MLP, q/k head norms and RoPE on half of each head; gemma4_text@tiny-moe, Gemma 4's MoE variant,
+8 experts top-2 beside the dense MLP), so a batch crowds some experts and leaves others empty. A pool is one
 model per (family, dtype) and SAMPLES_PER_POOL samples per family, the same for every dtype
 (lengths 1, MAX_LEN, LONG_LEN, then uniform in 1..MAX_LEN); a sample's alone logits are
 computed on its first use and cached.
@@ -58,8 +58,8 @@ from invariant_infer.testing.drift import batch_drift
 from invariant_infer.model.families import FAMILIES
 from invariant_infer.checkpoints.loading import DTYPES
 
-from .fuzz_draws import (LONG_LEN, MAX_BATCH, MAX_EXTRA_PAD, MAX_LEN, SAMPLES_PER_POOL, Batching, Pools,
-                         batch_variant_linear, draw, fuzz_overrides, m_dependent_grouped_linear, m_dependent_linear,
+from .fuzz_draws import (LONG_LEN, MAX_BATCH, MAX_EXTRA_PAD, MAX_LEN, PRESET_MODELS, SAMPLES_PER_POOL, Batching,
+                         Pools, batch_variant_linear, draw, fuzz_overrides, m_dependent_grouped_linear, m_dependent_linear,
                          pool_lengths)
 from .fuzz_parallel import exit_status, outcomes, run_or_stop
 from .fuzz_quantized import FORMATS, QUANT_DTYPES, model_names
@@ -70,9 +70,9 @@ __all__ = ["Batching", "DTYPES", "draw", "m_dependent_grouped_linear", "m_depend
 
 
 # Text models: the draws are token sequences (vision-language models have their own tests; gemma4's text
-# model is gemma4_text's, drawn as that).
+# model is gemma4_text's, drawn as that), then the other presets drawn as models of their own.
 TEXT_FAMILIES = sorted(name for name, adapter in FAMILIES.items()
-                       if adapter.vision is None and not adapter.unpatched_modules)
+                       if adapter.vision is None and not adapter.unpatched_modules) + PRESET_MODELS
 
 def _new_cell() -> dict:
     return {"batchings": 0, "rows": 0, "rows_unequal": 0, "batchings_unequal": 0, "max_abs_diff": 0.0}

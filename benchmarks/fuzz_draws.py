@@ -21,7 +21,7 @@ from invariant_infer.kernels.configs import linear_config
 from invariant_infer.checkpoints.loading import DTYPES
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
-from .fuzz_quantized import batch_variant_quantized_layers, quant_overrides, split, write_and_load
+from .fuzz_quantized import batch_variant_quantized_layers, family_preset, quant_overrides, split, write_and_load
 
 # Speed: the interpreter pays per kernel launch and per program (attention runs B x heads programs),
 # so the fuzz models are each family's "tiny" preset with 1 layer (every kernel still runs and any
@@ -43,6 +43,10 @@ FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16), "qwen3_moe": dict(head_dim=16),
                                         layer_types=["sliding_attention", "full_attention", "full_attention"]),
                     "qwen3_5_text": dict(num_hidden_layers=2), "qwen3_5_moe_text": dict(num_hidden_layers=2),
                     "qwen3_next": dict(num_hidden_layers=2), "glm4_moe": dict(first_k_dense_replace=0)}
+# Other presets drawn as models of their own (``family@preset``, with the family's overrides): Gemma 4's
+# MoE variant, its experts (8, top-2) beside the dense MLP in every layer. After the families, so that
+# their draws keep their indices.
+PRESET_MODELS = ["gemma4_text@tiny-moe"]
 SAMPLES_PER_POOL = 24
 MAX_LEN = 40
 # One longer sample per pool: on CPU the attention's KV block is 64 keys and blocks start at a
@@ -149,9 +153,15 @@ def batch_variant_linear():
 
 
 def fuzz_overrides(model: str) -> dict:
-    """The config overrides of a fuzz model: a family, or ``family:FORMAT`` at the quantized widths."""
-    family, fmt = split(model)
+    """The config overrides of a fuzz model: a family (another preset of it: the family's overrides too),
+    or ``family:FORMAT`` at the quantized widths."""
+    (family, _), fmt = family_preset(model), split(model)[1]
     return {**FUZZ_OVERRIDES, **FAMILY_OVERRIDES.get(family, {}), **(quant_overrides(family) if fmt else {})}
+
+
+def fuzz_config(model: str):
+    """A fuzz model's config: its family's preset (``tiny`` unless named ``family@preset``) with its overrides."""
+    return random_config(*family_preset(model), **fuzz_overrides(model))
 
 
 class Models:
@@ -161,7 +171,7 @@ class Models:
 
     def __init__(self, families, seed: int, device: str, workdir: Path):
         self.seed, self.device, self.workdir = seed, device, workdir
-        self.configs = {f: random_config(split(f)[0], "tiny", **fuzz_overrides(f)) for f in families}
+        self.configs = {f: fuzz_config(f) for f in families}
         self.loaded: dict[tuple, torch.nn.Module] = {}
 
     def __call__(self, family: str, dtype: str):

@@ -8,12 +8,14 @@ of the schedules share a prefix longer than one KV page among some of their prom
 arrivals hit the prefix cache), its arrival step (requests are added between steps), max_tokens,
 greedy or seeded sampling (temperature, top-k, top-p, repetition penalty), logprobs and prompt
 logprobs, stop tokens, ignore_eos. Half of the schedules speculate (n-gram prompt lookup, or the model
-itself as its draft, 1..MAX_SPECULATIVE proposals a step; some requests opt out). The schedule runs
+itself as its draft, 1..MAX_SPECULATIVE proposals a step; some requests opt out), on the models that
+support it (not Gemma 4's). The schedule runs
 through one engine; then each request runs alone through a fresh engine that does not speculate,
 and its token ids, logprobs, top logprobs, prompt logprobs, seed and
 finish reason must be equal (``==`` on the Python floats the engine returns).
 
-Models: those of ``benchmarks.fuzz`` (each family's tiny preset, 1 layer, 128-token vocabulary).
+Models: those of ``benchmarks.fuzz`` (each family's tiny preset, 1 layer, 128-token vocabulary; Gemma 4's
+MoE variant, ``gemma4_text@tiny-moe``).
 Every draw is a pure function of (seed, index, families, dtypes, device), so ``--replay I`` runs
 schedule I again; ``--workers N`` splits the schedules by index over N processes; exit status 1
 on any mismatch; with ``--negative-control`` (the linear picks BLOCK_K by M) exit status 1 if NO
@@ -33,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import functools
+
 import torch
 from tqdm import tqdm
 
@@ -40,11 +44,12 @@ from invariant_infer.engine import Engine, SamplingParams
 from invariant_infer.engine.kv_cache_layout import kv_cache_layout
 from invariant_infer.engine.model_runner import ModelRunner
 from invariant_infer.model.families import FAMILIES
+from invariant_infer.model.kinds import config_kinds
+from invariant_infer.model.support import supports
 from invariant_infer.checkpoints.loading import DTYPES
-from invariant_infer.testing.random_checkpoints import random_config
 
 from .fuzz import csv_choices, device_name, quiet_libraries, versions, write_json
-from .fuzz_draws import Models, batch_variant_linear, fuzz_overrides
+from .fuzz_draws import PRESET_MODELS, Models, batch_variant_linear, fuzz_config, fuzz_overrides
 from .fuzz_parallel import exit_status, outcomes, run_or_stop
 from .report import git_commit
 
@@ -127,7 +132,13 @@ def draw(seed: int, index: int, families: list[str], dtypes: list[str], vocab: d
     schedule = Schedule(index=index, family=family, dtype=dtype, max_num_seqs=rng.randint(1, count),
                         max_num_batched_tokens=budget, extra_pages=rng.choice((0, 0, 1, MAX_EXTRA_PAGES)),
                         enable_prefix_caching=rng.random() < 0.75, shared_prefix=shared, requests=tuple(requests))
-    return draw_speculative(rng, schedule)  # drawn last: the draws above are those of runs before it
+    # drawn last: the draws above are those of runs before it; never for a model that refuses speculation (Gemma 4)
+    return draw_speculative(rng, schedule) if speculates(family) else schedule
+
+
+@functools.cache
+def speculates(model: str) -> bool:
+    return supports(config_kinds(fuzz_config(model)), "speculative")
 
 
 def draw_speculative(rng: random.Random, s: Schedule) -> Schedule:
@@ -149,7 +160,7 @@ def draw_speculative(rng: random.Random, s: Schedule) -> Schedule:
 
 def draw_context(families, dtypes, device: str) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """What ``draw`` needs of the models: each family's vocabulary and each model's KV page size."""
-    configs = {f: random_config(f, "tiny", **fuzz_overrides(f)) for f in families}
+    configs = {f: fuzz_config(f) for f in families}
     pages = {(f, d): ModelRunner.page_size_for(configs[f], torch.device(device), DTYPES[d])
              for f in families for d in dtypes}
     return {f: c.vocab_size for f, c in configs.items()}, pages
@@ -358,9 +369,9 @@ def replay_command(args, index: int) -> str:
 
 
 # The families the engine runs (not yet the hybrid ones, with Gated DeltaNet layers; gemma4's text model
-# is gemma4_text's, drawn as that).
+# is gemma4_text's, drawn as that), then the other presets drawn as models of their own.
 ENGINE_FAMILIES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is None
-                         and adapter.vision is None and not adapter.unpatched_modules)
+                         and adapter.vision is None and not adapter.unpatched_modules) + PRESET_MODELS
 
 
 def parse(argv=None):

@@ -43,13 +43,22 @@ def split(model: str) -> tuple[str, str | None]:
     return family, fmt or None
 
 
+def family_preset(model: str) -> tuple[str, str]:
+    """``"gemma4_text@tiny-moe"`` -> ``("gemma4_text", "tiny-moe")``; ``"qwen2:W8A8"`` -> ``("qwen2", "tiny")``."""
+    family, _, preset = split(model)[0].partition("@")
+    return family, preset or "tiny"
+
+
 def model_names(families, formats) -> list[str]:
     """The fuzz's models: each family in each format, in that order (``none``: the family itself).
     MoE families in ``none`` and ``fp8`` only: make_invariant refuses compressed-tensors MoE models;
-    hybrid families in ``none`` only: it refuses quantized hybrid models."""
-    def runs(family: str, fmt: str) -> bool:
+    hybrid families and other presets (``family@preset``: Gemma 4's MoE, whose quantized experts it
+    refuses) in ``none`` only: it refuses quantized hybrid models."""
+    def runs(model: str, fmt: str) -> bool:
+        family, preset = family_preset(model)
         adapter = FAMILIES[family]
-        return fmt == "none" or (adapter.linear_attention is None and (fmt == "fp8" or adapter.moe is None))
+        return fmt == "none" or (preset == "tiny" and adapter.linear_attention is None
+                                 and (fmt == "fp8" or adapter.moe is None))
     return [f if fmt == "none" else f"{f}:{fmt}" for f in families for fmt in formats if runs(f, fmt)]
 
 

@@ -24,7 +24,10 @@ one pool by a page-bytes rule: a spec's groups hold as many layers as make a pag
 every other group's (Gemma 4 31B: 5 sliding layers of 16 x 256 or 10 global ones of 4 x 512 per
 group), so any free page still serves any group. The pages are then one buffer ``[pages, page
 bytes]`` that each group views in its own shape (``allocate``); a layout whose specs all have one
-shape keeps its contiguous per-position tensors. Specs whose bytes admit no such sizes are refused.
+shape keeps its contiguous per-position tensors. Where no whole groups give equal pages (Gemma 4
+26B-A4B: 25 sliding layers of 8 x 256, 5 global ones of 2 x 512, half the bytes a token), a spec's
+last group is padded: its pages have room (``slots``) for more layers than it holds, the fewest
+padded bytes per token (26B-A4B: groups of 1 sliding layer, global groups of 2, 2 and 1 in room for 2).
 
 ``pages_held`` is a request's page need per spec, the engine's own accounting (admission refusal,
 benchmarks): full attention holds every page of its context; a window holds the pages its next
@@ -47,6 +50,11 @@ from ..model.cache_specs import AttentionSpec, SharedKVSpec, SlidingWindowSpec, 
 class KVCacheGroup:
     spec: AttentionSpec
     layers: tuple[int, ...]   # decoder layer indices; layers[j] uses K/V tensor j
+    slots: int                # layers a page has room for: len(layers), more in a padded group
+
+    def bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """Bytes of one token in one of the group's pages on one rank (its padding included)."""
+        return self.slots * self.spec.kv_bytes_per_token(dtype, tp_size)
 
 
 @dataclass(frozen=True)
@@ -75,8 +83,7 @@ class KVCacheLayout:
 
     def page_bytes(self, dtype: torch.dtype, page_size: int, tp_size: int = 1) -> int:
         """Bytes of one page on one rank (a rank holds 1 / tp_size of the KV heads): the same for every group."""
-        group = self.groups[0]
-        return len(group.layers) * page_size * group.spec.kv_bytes_per_token(dtype, tp_size)
+        return page_size * self.groups[0].bytes_per_token(dtype, tp_size)
 
     def allocate(self, num_pages: int, page_size: int, dtype: torch.dtype, device, num_layers: int, tp_size: int = 1):
         """(K caches, V caches) per decoder layer, ``[num_pages, page_size, Hkv, D]`` each (None for a
@@ -97,8 +104,8 @@ class KVCacheLayout:
             group_k, group_v = [], []
             for group in self.groups:
                 planes = 1 if group.spec.value_is_key else 2  # a latent: K and V are one tensor
-                view = pages.view(num_pages, len(group.layers), planes, page_size,
-                                  group.spec.num_kv_heads // tp_size, group.spec.head_dim)
+                shape = (len(group.layers), planes, page_size, group.spec.num_kv_heads // tp_size, group.spec.head_dim)
+                view = pages[:, :math.prod(shape)].view(num_pages, *shape)  # a padded group: its pages' first bytes
                 group_k.append([view[:, j, 0] for j in range(len(group.layers))])
                 group_v.append([view[:, j, planes - 1] for j in range(len(group.layers))])
         places = [self.place(layer) for layer in range(num_layers)]
@@ -135,15 +142,16 @@ def kv_cache_layout(config) -> KVCacheLayout:
     if not by_spec:
         raise UnsupportedModelError("the engine needs at least one attention layer")
     sizes = _group_sizes({spec: len(layers) for spec, layers in by_spec.items()})
-    groups = [KVCacheGroup(spec, tuple(layers[i:i + sizes[spec]]))
+    groups = [KVCacheGroup(spec, tuple(layers[i:i + sizes[spec]]), sizes[spec])
               for spec, layers in by_spec.items() for i in range(0, len(layers), sizes[spec])]
     return KVCacheLayout(tuple(groups), max(sizes.values()), tuple(shared))
 
 
 def _group_sizes(counts: dict[AttentionSpec, int]) -> dict[AttentionSpec, int]:
-    """Layers per group for each spec: whole groups (a size divides the spec's layer count) whose
-    pages have equal bytes (size x the spec's bytes per token, the same for every spec), as large as
-    they come. One spec: all its layers; specs of one shape: the gcd of their counts."""
+    """Layers a group's pages have room for, for each spec: whole groups (a size divides the spec's
+    layer count) whose pages have equal bytes (size x the spec's bytes per token, the same for every
+    spec), as large as they come. One spec: all its layers; specs of one shape: the gcd of their counts.
+    Where no whole groups exist, ``_padded_group_sizes``."""
     per_token = {spec: spec.kv_bytes_per_token(torch.float32) for spec in counts}
     if len(set(per_token.values())) == 1:
         size = reduce(math.gcd, counts.values())
@@ -154,7 +162,18 @@ def _group_sizes(counts: dict[AttentionSpec, int]) -> dict[AttentionSpec, int]:
         if counts[first] % size or any(page % b or counts[s] % (page // b) for s, b in per_token.items()):
             continue
         return {spec: page // per_token[spec] for spec in counts}
-    raise UnsupportedModelError(
-        "the engine's pages all hold the same bytes, and these attention layers' K/V shapes admit no groups of "
-        "whole layers with equal page bytes: " + ", ".join(
-            f"{n} layers of {s.num_kv_heads} x {s.head_dim}" for s, n in counts.items()))
+    return _padded_group_sizes(counts, per_token)
+
+
+def _padded_group_sizes(counts: dict[AttentionSpec, int], per_token: dict[AttentionSpec, int]) -> dict:
+    """Room per group for each spec where every page holds a multiple of the least common multiple of
+    the specs' bytes per token and a spec's last group may be padded: the fewest padded bytes per token
+    (empty slots x their spec's bytes), then the largest pages (the fewest groups)."""
+    unit = reduce(math.lcm, per_token.values())
+    most = max(-(-counts[s] * b // unit) for s, b in per_token.items())  # a page holding the largest spec whole
+
+    def padding(multiple: int) -> int:
+        room = {s: multiple * unit // b for s, b in per_token.items()}
+        return sum((-counts[s] % room[s]) * per_token[s] for s in counts)
+    multiple = min(range(1, most + 1), key=lambda m: (padding(m), -m))
+    return {spec: multiple * unit // b for spec, b in per_token.items()}

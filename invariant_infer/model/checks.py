@@ -62,6 +62,9 @@ def check_model(model: nn.Module, sharded: bool = False, strict: bool = False):
         if rope_type not in STATIC_ROPE_TYPES:
             raise UnsupportedModelError(f"rope_type {rope_type!r} rescales with sequence length, which depends on "
                                         f"the batch; supported: {STATIC_ROPE_TYPES}")
+    if adapter.check_layer is not None:  # first: the quantized experts' plans below judge by other families' rules
+        for index, layer in enumerate(base.layers):
+            adapter.check_layer(layer, f"layers.{index}")
     quantized = quantized_layers(model, strict)
     experts = quantized_experts(model)
     compressed = {f"{name}.{p}" for name, module in model.named_modules() if module in quantized or module in experts

@@ -26,21 +26,27 @@ def route_tokens(router: Gemma4TextRouter, x: torch.Tensor) -> tuple[torch.Tenso
     return weights * router.per_expert_scale[experts], experts
 
 
-def _check(layer) -> None:
-    router, experts = layer.router, layer.experts
+def check_layer(layer, name: str = "the layer") -> None:
+    """Refuses a decoder layer ``name`` whose MoE block (if it has one) the invariant forward would not
+    compute: a router or experts of another class (transformers' ``FP8Experts`` of an fp8 checkpoint,
+    or replaced by hand), or experts whose weights are not 3-D parameters (quantized or packed)."""
+    if not getattr(layer, "enable_moe_block", False):
+        return
+    router, experts = getattr(layer, "router", None), getattr(layer, "experts", None)
     if type(router) is not Gemma4TextRouter or type(experts) is not Gemma4TextExperts:
-        raise UnsupportedModelError(f"Gemma 4's MoE block has {type(router).__name__} and {type(experts).__name__}; "
-                                    "the invariant forward computes Gemma4TextRouter and Gemma4TextExperts")
-    for name in ("gate_up_proj", "down_proj"):
-        if type(getattr(experts, name, None)) is not torch.nn.Parameter or getattr(experts, name).dim() != 3:
-            raise UnsupportedModelError(f"Gemma 4's experts.{name} is not a 3-D parameter (quantized or packed "
-                                        "experts are not supported for Gemma 4)")
+        raise UnsupportedModelError(f"{name}: Gemma 4's MoE block has {type(router).__name__} and "
+                                    f"{type(experts).__name__}; the invariant forward computes Gemma4TextRouter and "
+                                    "Gemma4TextExperts (quantized experts are not supported for Gemma 4)")
+    for proj in ("gate_up_proj", "down_proj"):
+        if type(getattr(experts, proj, None)) is not torch.nn.Parameter or getattr(experts, proj).dim() != 3:
+            raise UnsupportedModelError(f"{name}: Gemma 4's experts.{proj} is not a 3-D parameter (quantized or "
+                                        "packed experts are not supported for Gemma 4)")
 
 
 def moe_forward(layer, residual: torch.Tensor) -> torch.Tensor:
     """The experts' output of a Gemma 4 decoder layer for its residual [..., H], before
     ``post_feedforward_layernorm_2``, in the residual's dtype."""
-    _check(layer)
+    check_layer(layer)
     experts = layer.experts
     flat = residual.reshape(-1, residual.shape[-1])
     weights, chosen = route_tokens(layer.router, flat)

@@ -76,6 +76,8 @@ def config_kinds(config) -> set[str]:
         if getattr(text, "enable_moe_block", False):  # experts beside the dense MLP: the MoE rows apply
             kinds.discard("dense")
             kinds.add("moe")
+            if quantization_method_of(config) == "compressed-tensors":  # experts decompressed at load, as above
+                kinds.add("compressed_tensors_moe")
     # "vision": only image tokens attend bidirectionally, and gemma4 runs no image (its text attends causally)
     if getattr(text, "use_bidirectional_attention", False) and not (
             model_type == "gemma4" and text.use_bidirectional_attention == "vision"):

@@ -83,6 +83,36 @@ def test_fuzz_covers_a_moe_family(tmp_path, monkeypatch):
     assert summary["rows_unequal"] > 0 and summary["max_abs_diff"] > 0
 
 
+GEMMA4_MOE = ["--batchings", "2", "--families", "gemma4_text@tiny-moe", "--dtypes", "fp32", *SMALL]
+
+
+@pytest.mark.heavy
+def test_fuzz_covers_gemma4s_moe_variant(tmp_path, monkeypatch):
+    """Gemma 4's MoE variant, a model of its own (the tiny-moe preset with gemma4_text's fuzz overrides: 8
+    experts, top-2, beside the dense MLP of each of its 3 layers): every row bitwise alone; with the
+    experts' grouped GEMM keyed by its most crowded expert, rows differ."""
+    out = tmp_path / "gemma4-moe.json"
+    assert fuzz.main([*GEMMA4_MOE, "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["rows"] == expected_rows(2, ["gemma4_text@tiny-moe"], ["fp32"]) > 2
+    assert summary["rows_unequal"] == 0 and list(summary["per_model"]) == ["gemma4_text@tiny-moe/fp32"]
+    overrides = summary["model_overrides"]["gemma4_text@tiny-moe"]
+    assert overrides["num_hidden_layers"] == 3 and overrides["num_kv_shared_layers"] == 1
+    monkeypatch.setattr(hf_experts, "grouped_linear", fuzz.m_dependent_grouped_linear)
+    assert fuzz.main([*GEMMA4_MOE, "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["rows_unequal"] > 0
+
+
+def test_gemma4s_moe_variant_is_drawn_unquantized_by_both_fuzzes():
+    from benchmarks.fuzz_draws import fuzz_config
+    config = fuzz_config("gemma4_text@tiny-moe")
+    assert config.enable_moe_block and (config.num_experts, config.top_k_experts) == (8, 2)
+    assert config.num_hidden_layers == 3 and not fuzz_config("gemma4_text").enable_moe_block
+    assert fuzz.TEXT_FAMILIES[-1] == fuzz_engine.ENGINE_FAMILIES[-1] == "gemma4_text@tiny-moe"
+    models = fuzz.parse(["--formats", "none,W4A16,fp8"]).models
+    assert "gemma4_text@tiny-moe" in models and not any(m.startswith("gemma4_text@tiny-moe:") for m in models)
+
+
 def test_negative_control_patches_the_moe_experts_too():
     with fuzz.batch_variant_linear():
         assert invariant_infer.model.patch.linear is fuzz.m_dependent_linear is hf_experts.linear  # router too

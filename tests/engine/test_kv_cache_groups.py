@@ -14,7 +14,7 @@ from invariant_infer.engine.kv_cache_manager import KVCacheManager
 from invariant_infer.engine.kv_cache_managers import NO_PAGE
 from invariant_infer.engine.sampling_params import SamplingParams
 from invariant_infer.engine.sequence import Sequence
-from invariant_infer.model.cache_specs import FullAttentionSpec, SlidingWindowSpec
+from invariant_infer.model.cache_specs import FullAttentionSpec, SlidingWindowSpec, cache_specs
 from invariant_infer.testing.random_checkpoints import random_config
 
 PAGE = 4
@@ -124,7 +124,7 @@ def test_layers_of_equal_spec_form_groups_of_equal_size(family, overrides, group
 
 
 def _page_bytes_of_each_group(layout, dtype=torch.bfloat16, page=16) -> set[int]:
-    return {len(g.layers) * page * g.spec.kv_bytes_per_token(dtype) for g in layout.groups}
+    return {page * g.bytes_per_token(dtype) for g in layout.groups}  # a group's room: its layers and any padding
 
 
 def test_specs_of_different_shapes_group_so_every_page_has_the_same_bytes():
@@ -164,10 +164,41 @@ def test_write_kv_into_a_groups_view_lands_in_its_pages():
     assert torch.equal(k_caches[1][4, 1], keys[2])
 
 
-def test_shapes_that_admit_no_equal_pages_are_refused_by_name():
-    """One sliding layer of 2 x 16 beside one global layer of 2 x 32: no whole groups give equal pages."""
-    from invariant_infer.errors import UnsupportedModelError
+def test_shapes_without_equal_whole_groups_pad_a_group_and_its_views_stay_apart():
+    """One sliding layer of 2 x 16 beside one global layer of 2 x 32: no whole groups give equal pages,
+    so the sliding group's pages have room for 2 layers and hold 1: its K and V are views of their own
+    bytes of the page's first half, the other half padding (any page serves either group, one at a time)."""
     config = random_config("gemma4_text", "tiny", num_global_key_value_heads=2, num_kv_shared_layers=0,
                            num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
-    with pytest.raises(UnsupportedModelError, match="equal page bytes: 1 layers of 2 x 16, 1 layers of 2 x 32"):
-        kv_cache_layout(config)
+    layout = kv_cache_layout(config)
+    assert [(g.layers, g.slots) for g in layout.groups] == [((0,), 2), ((1,), 1)]
+    assert _page_bytes_of_each_group(layout) == {layout.page_bytes(torch.bfloat16, 16)} == {16 * 2 * 32 * 2 * 2}
+    assert [16 * g.spec.kv_bytes_per_token(torch.bfloat16) for g in layout.groups] == [2048, 4096]  # half a page
+    k, v = layout.allocate(3, 4, torch.float32, "cpu", num_layers=2)
+    assert [tuple(t.shape) for t in k + v] == [(3, 4, 2, 16), (3, 4, 2, 32)] * 2
+    assert k[0].untyped_storage().data_ptr() == k[1].untyped_storage().data_ptr()  # one pool of pages
+    k[0].fill_(1.0)
+    v[0].fill_(2.0)
+    assert bool((k[0] == 1).all()) and bool((v[0] == 2).all())
+    pool = torch.empty(0).set_(k[0].untyped_storage()).view(3, -1)  # [pages, page elements]
+    assert pool.shape[1] == 2 * k[0][0].numel() * 2 and pool[:, :pool.shape[1] // 2].sum() == 3 * 3 * k[0][0].numel()
+    assert not pool[:, pool.shape[1] // 2:].any()  # the padding: no layer's bytes
+
+
+def test_gemma_4_26b_a4b_groups_and_its_bytes_per_token():
+    """Gemma 4 26B-A4B: 25 sliding layers of 8 KV heads x 256 and 5 global ones of 2 x 512 (half the
+    bytes a token) admit no whole groups of equal pages: groups of 1 sliding layer, and global groups
+    of 2, 2 and 1 in pages with room for 2. Its K and V are 225,280 bytes a token in bf16, K and V of the
+    global layers kept apart (K is k_norm'ed and rotated, V v_norm'ed: equal only before the norms), not
+    the 215,040 of the K = V count; the pages give 229,376 (the padded slot)."""
+    config = random_config("gemma4_text", "gemma-4-26b-a4b")
+    specs = cache_specs(config)
+    assert specs == ((SlidingWindowSpec(8, 256, window=1024),) * 5 + (FullAttentionSpec(2, 512),)) * 5
+    assert sum(spec.kv_bytes_per_token(torch.bfloat16) for spec in specs) == \
+        25 * 8 * 256 * 2 * 2 + 5 * 2 * 512 * 2 * 2 == 225280 == 215040 + 5 * 2 * 512 * 2
+    layout = kv_cache_layout(config)
+    full = [g for g in layout.groups if isinstance(g.spec, FullAttentionSpec)]
+    assert [(g.layers, g.slots) for g in full] == [((5, 11), 2), ((17, 23), 2), ((29,), 2)]
+    assert all(g.slots == len(g.layers) == 1 for g in layout.groups if g not in full) and len(layout.groups) == 28
+    assert _page_bytes_of_each_group(layout) == {layout.page_bytes(torch.bfloat16, 16)} == {16 * 8192}
+    assert sum(g.bytes_per_token(torch.bfloat16) for g in layout.groups) == 229376

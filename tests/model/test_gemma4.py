@@ -187,11 +187,27 @@ def test_embeddings_find_their_ids_where_sqrt_hidden_is_not_a_bf16_number():
 def test_engine_equals_generate_token_logprobs_and_scoring(checkpoint):
     """Greedy engine outputs (softcapped logits) equal ``model.generate``'s tokens and its logits' logprobs,
     the trainer-side ``token_logprobs`` and ``score_sequences``, prompts past the window."""
+    assert_engine_equals_generate_token_logprobs_and_scoring(make_invariant(load_model(checkpoint, torch.bfloat16)))
+
+
+@pytest.mark.heavy
+def test_engine_with_a_padded_kv_cache_group_equals_generate():
+    """Global layers of 2 KV heads x 32 beside sliding ones of 2 x 16 (twice their bytes a token): the
+    sliding group's pages have room for 2 layers and hold 1 (``engine.kv_cache_layout``), as Gemma 4
+    26B-A4B's global groups; the engine still gives ``generate``'s tokens and logprobs."""
+    from invariant_infer.engine import Engine
+    model = make_invariant(random_model(random_config(FAMILY, "tiny", num_global_key_value_heads=2), seed=1,
+                                        dtype=torch.bfloat16))
+    groups = Engine(model).core.runner.layout.groups
+    assert [(g.layers, g.slots) for g in groups] == [((0,), 2), ((1,), 1)]
+    assert_engine_equals_generate_token_logprobs_and_scoring(model)
+
+
+def assert_engine_equals_generate_token_logprobs_and_scoring(model) -> None:
     from helpers.engine_runs import trainer_logprobs
     from invariant_infer import score_sequences
     from invariant_infer.engine import Engine, SamplingParams
     from invariant_infer.kernels import token_logprobs
-    model = make_invariant(load_model(checkpoint, torch.bfloat16))
     prompts = [s.tolist() for s in make_samples(model.config.vocab_size, (30, 3, 21), seed=5)]
     outs = Engine(model, max_num_seqs=2, max_num_batched_tokens=16).generate(
         prompts, SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True))

@@ -2,8 +2,10 @@
 tiny preset's features with 8 experts (top-2) beside each layer's dense MLP. Each row is bitwise
 itself alone in a padded batch and packed; fp32 logits are within tolerance of stock float64, which
 references without the per-expert scales or with the experts reading the dense MLP's norm miss;
-bf16 errs no more than stock bf16; ``generate`` and the engine with prefix hits give each row's bits
-alone. Negative control: an M-dependent grouped expert GEMM."""
+bf16 errs no more than stock bf16; ``generate`` (dynamic and static caches) and the engine with prefix
+hits give each row's bits alone; ``score_sequences`` and ``token_logprobs`` each sequence's logprobs of its
+own forward in any batching. Quantized or replaced experts are refused by name before anything is
+patched. Negative control: an M-dependent grouped expert GEMM."""
 from __future__ import annotations
 
 import copy
@@ -108,9 +110,32 @@ def test_bf16_errs_no_more_than_twice_stock_bf16(checkpoint):
 
 
 @pytest.mark.heavy
-def test_generate_past_the_window_equals_prefill_and_alone(checkpoint):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
     assert_generate_past_the_window_equals_prefill_and_alone(make_invariant(load_model(checkpoint, torch.bfloat16)),
-                                                             "dynamic", new_tokens=3)
+                                                             cache, new_tokens=3)
+
+
+@pytest.mark.heavy
+def test_scoring_and_token_logprobs_are_batch_independent_and_equal_the_forward(checkpoint):
+    """``score_sequences`` (every sequence alone, then packed) and the trainer-side ``token_logprobs``
+    (left- and right-padded micro-batches) give each sequence's logprobs of its tokens, past the window,
+    as the kernel gives them on that sequence's own forward logits (softcapped)."""
+    from helpers.engine_runs import trainer_logprobs
+    from invariant_infer import score_sequences
+    from invariant_infer.kernels import token_logprobs
+    model = make_invariant(load_model(checkpoint, torch.bfloat16))
+    sequences = [s.tolist() for s in make_samples(model.config.vocab_size, (30, 3, 21, 9), seed=5)]
+    prompts = [1, 2, 5, 1]
+    with torch.no_grad():
+        forward = [token_logprobs(model(input_ids=torch.tensor([seq])).logits[0, :-1].contiguous(),
+                                  torch.tensor(seq[1:]))[0][p - 1:].tolist() for seq, p in zip(sequences, prompts)]
+    alone = score_sequences(model, sequences, prompt_lengths=prompts, max_batch_tokens=1)
+    packed = score_sequences(model, sequences, prompt_lengths=prompts, max_batch_tokens=1000, chunk_rows=3)
+    assert [r.token_logprobs.tolist() for r in alone] == [r.token_logprobs.tolist() for r in packed] == forward
+    with torch.no_grad():
+        for side in ("left", "right"):
+            assert trainer_logprobs(model, sequences, prompts, 3, side, 1.0) == forward, side
 
 
 @pytest.mark.heavy
@@ -144,3 +169,49 @@ def test_the_multimodal_checkpoints_moe_text_model_runs_as_gemma4_text():
 @pytest.mark.heavy
 def test_the_strict_audit_finds_the_stock_experts_and_none_once_patched(checkpoint):
     assert_stock_reported_and_patched_clean(load_model(checkpoint, torch.bfloat16))
+
+
+def _fp8_experts(config):
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+    return FP8Experts(config=config, block_size=[128, 128], activation_scheme="dynamic")
+
+
+def _packed_experts(experts):
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach().flatten(0, 1))  # [E * 2I, H]
+    return experts
+
+
+def _renamed_experts(experts):
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+    experts.__class__ = type("ReplacedExperts", (Gemma4TextExperts,), {})
+    return experts
+
+
+@pytest.mark.parametrize("replace, match", [
+    (lambda layer, config: _fp8_experts(config), "Gemma4TextRouter and FP8Experts"),
+    (lambda layer, config: _renamed_experts(layer.experts), "Gemma4TextRouter and ReplacedExperts"),
+    (lambda layer, config: _packed_experts(layer.experts), r"experts.gate_up_proj is not a 3-D parameter")],
+    ids=["fp8", "replaced", "packed"])
+def test_quantized_or_replaced_experts_are_refused_before_patching(replace, match):
+    """make_invariant (and check_model) refuse the layer by name before patching anything, instead of the
+    forward refusing it when called; a compressed-tensors checkpoint (experts decompressed at load) by
+    the support table."""
+    from invariant_infer import UnsupportedModelError, is_invariant
+    from invariant_infer.model.checks import check_model
+    from invariant_infer.testing.random_checkpoints import random_model
+    model = random_model(random_config(FAMILY, "tiny-moe"))
+    check_model(model)  # the stock experts pass
+    model.model.layers[1].experts = replace(model.model.layers[1], model.config)
+    for check in (check_model, make_invariant):
+        with pytest.raises(UnsupportedModelError, match=rf"layers\.1: .*{match}"):
+            check(model)
+    assert not is_invariant(model) and "forward" not in vars(model.model.layers[0])
+
+
+def test_compressed_tensors_checkpoints_are_refused_by_the_support_table():
+    from invariant_infer import UnsupportedModelError
+    from invariant_infer.testing.random_checkpoints import random_model
+    model = random_model(random_config(FAMILY, "tiny-moe"))
+    model.config.quantization_config = {"quant_method": "compressed-tensors"}
+    with pytest.raises(UnsupportedModelError, match="compressed-tensors mixture-of-experts"):
+        make_invariant(model)

@@ -116,6 +116,10 @@ class FamilyAdapter:
     # Submodules of the multimodal model (``model.model``) that never run and stay unpatched: Gemma 4's
     # vision and audio towers, whose inputs are refused by name.
     unpatched_modules: tuple[str, ...] = ()
+    # Raises UnsupportedModelError for a loaded decoder layer (and its name) that the family's own forwards
+    # would refuse when called (Gemma 4's MoE block with quantized or replaced experts), so that
+    # make_invariant refuses it first.
+    check_layer: Callable[[nn.Module, str], None] | None = None
 
     def is_sparse(self, layer: nn.Module) -> bool:
         return self.moe is not None and type(layer.mlp) is self.moe.block

@@ -14,7 +14,8 @@
   invariant lm_head's logits, each element alone (the ``tanh`` kernel).
 
 The MoE variant (``enable_moe_block``, 26B-A4B): experts beside each layer's dense MLP, their own
-router (``model.gemma4_moe``). Refused by name: bidirectional attention. The released checkpoints
+router (``model.gemma4_moe``); quantized or replaced experts are refused by layer name before anything
+is patched (``check_layer``). Refused by name: bidirectional attention. The released checkpoints
 (``Gemma4ForConditionalGeneration``, model type ``gemma4``) run their text model through this adapter
 (``families.gemma4_multimodal``)."""
 from transformers import Gemma4TextConfig
@@ -22,6 +23,7 @@ from transformers.models.gemma4.modeling_gemma4 import (Gemma4ForCausalLM, Gemma
                                                         Gemma4TextMLP)
 
 from ..gemma4 import causal_lm_forward, decoder_layer_forward
+from ..gemma4_moe import check_layer
 from . import FamilyAdapter, register_family
 
 
@@ -40,6 +42,7 @@ ADAPTER = register_family(FamilyAdapter(
     head_norms=("q_norm",), optional_projections=("k_proj", "v_proj"), norms_scaled_in_fp32=True,
     mlp_activation="gelu_tanh", refuse_config=_refuse, final_logit_softcapping=True,
     module_forwards={Gemma4TextDecoderLayer: decoder_layer_forward, Gemma4ForCausalLM: causal_lm_forward},
+    check_layer=check_layer,
     presets={
         # Gemma 4 31B (dense) text model. transformers ships no config for it (its defaults are
         # gemma-4-e2b's); these numbers are the published checkpoint's as a public model card of a port
@@ -55,6 +58,23 @@ ADAPTER = register_family(FamilyAdapter(
                             vocab_size=262144, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
                             final_logit_softcapping=30.0, max_position_embeddings=262144, rms_norm_eps=1e-6,
                             tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
+        # Gemma 4 26B-A4B (MoE) text model: the numbers of the published config of google/gemma-4-26B-A4B as
+        # public ports and config parsers reproduce it. 30 layers, five sliding (1024 keys) then one global;
+        # 16 query heads; sliding layers 8 KV heads of 256, global layers 2 KV heads of 512 with K = V; a
+        # dense MLP of 2112 beside 128 experts of 704, top-8; no per-layer inputs, no KV sharing; vocab
+        # 262144; final logits softcapped at 30; tied embeddings; RoPE as the 31B's. Built on the meta device:
+        # 25.2B parameters, 3.8B of them per token (8 of 128 experts), the name's 26B and A4B.
+        "gemma-4-26b-a4b": dict(hidden_size=2816, intermediate_size=2112, num_attention_heads=16,
+                                num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+                                attention_k_eq_v=True, num_hidden_layers=30, layer_types=_sliding_then_global(30),
+                                sliding_window=1024, enable_moe_block=True, num_experts=128, top_k_experts=8,
+                                moe_intermediate_size=704, use_double_wide_mlp=False, vocab_size=262144,
+                                hidden_size_per_layer_input=0, num_kv_shared_layers=0, final_logit_softcapping=30.0,
+                                max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                hidden_activation="gelu_pytorch_tanh",
+                                rope_parameters={"full_attention": {"rope_type": "proportional",
+                                                                    "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
         # 4 layers, every feature at once: sliding (16 keys), global, sliding, global; the last two reuse
         # the K/V of the first two (num_kv_shared_layers=2) and have the double-wide MLP; sliding layers
         # 2 KV heads of 16, global layers 1 KV head of 32 with K = V (so both kinds keep 64 values of K

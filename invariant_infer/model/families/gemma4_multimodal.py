@@ -32,6 +32,7 @@ ADAPTER = register_family(FamilyAdapter(
     module_forwards={**TEXT_ADAPTER.module_forwards, Gemma4Model: multimodal_model_forward,
                      Gemma4ForConditionalGeneration: conditional_generation_forward},
     unpatched_modules=("vision_tower", "audio_tower", "embed_vision", "embed_audio"),
+    check_layer=TEXT_ADAPTER.check_layer,
     presets={
         "tiny": dict(text_config=TEXT_ADAPTER.presets["tiny"], vision_config=_TINY_VISION, audio_config=_TINY_AUDIO),
     },
