@@ -51,10 +51,11 @@ def test_rows_equal_alone_in_a_padded_batch_and_packed(checkpoint, dtype):
 
 
 @pytest.mark.heavy
-def test_rows_equal_alone_in_any_batch_and_packed(checkpoint):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_rows_equal_alone_in_any_batch_and_packed(checkpoint, dtype):
     """Every batching of helpers.models (left and right padding, extra padding, ids and embeddings,
     positions passed or derived) and packed rows."""
-    assert_rows_equal_alone_in_any_batch_and_packed(make_invariant(load_model(checkpoint, torch.bfloat16)), LENGTHS)
+    assert_rows_equal_alone_in_any_batch_and_packed(make_invariant(load_model(checkpoint, dtype)), LENGTHS)
 
 
 @pytest.mark.heavy

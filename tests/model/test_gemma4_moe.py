@@ -38,7 +38,8 @@ def _packed_rows_equal_alone(model, samples) -> bool:
 
 
 @pytest.mark.fast_cells(ids=["bfloat16"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16],
+                         ids=["bfloat16", "float32", "float16"])
 def test_rows_equal_alone_in_a_padded_batch_and_packed(checkpoint, dtype):
     """A left-padded batch of ids, a right-padded one of embeddings, and packed rows."""
     model = make_invariant(load_model(checkpoint, dtype))
