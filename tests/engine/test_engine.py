@@ -11,11 +11,12 @@ import invariant_infer.engine.sampler as sampler_module
 import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
 from helpers.engine_runs import run_schedule
-from helpers.models import FAMILY_NAMES, GLM4_MOE_FAMILY_NAMES, MOE_FAMILY_NAMES, load_model
+from helpers.models import FAMILY_NAMES, MOE_FAMILY_NAMES, OWN_TEST_FAMILY_NAMES, load_model
 from helpers.tokenizer import train_tokenizer
 from invariant_infer import make_invariant, score_sequences
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.generation.generate import seeded_sampling
+from invariant_infer.model.families import text_config
 from invariant_infer.model.padding import left_pad
 
 pytestmark = pytest.mark.file_minutes(1.8)  # measured on 2 cores: start it early
@@ -55,10 +56,10 @@ def family_models(family_checkpoints):
 
 
 @pytest.mark.fast_cells(ids=["qwen3_moe"])
-@pytest.mark.parametrize("family", FAMILY_NAMES + MOE_FAMILY_NAMES + GLM4_MOE_FAMILY_NAMES)
+@pytest.mark.parametrize("family", FAMILY_NAMES + MOE_FAMILY_NAMES + OWN_TEST_FAMILY_NAMES)
 def test_any_schedule_equals_alone_generate_and_score(family_models, family):
     model = family_models(family)
-    prompts = prompts_for(model.config.vocab_size, (9, 3, 14), seed=1)
+    prompts = prompts_for(text_config(model.config).vocab_size, (9, 3, 14), seed=1)
     # Token budget 5 chunks every prefill and mixes chunks with decode tokens; the third request
     # arrives mid-decode; the latest sequence is preempted once and recomputed; decode-only steps are
     # padded to 4 rows (as CUDA-graph buckets would be).

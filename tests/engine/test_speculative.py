@@ -13,7 +13,8 @@ import torch
 
 import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
-from helpers.models import FAMILY_NAMES, LATENT_ATTENTION_FAMILY_NAMES, MOE_FAMILY_NAMES, load_model
+from helpers.models import (FAMILY_NAMES, GLM4_MOE_FAMILY_NAMES, LATENT_ATTENTION_FAMILY_NAMES, MOE_FAMILY_NAMES,
+                            load_model)
 from invariant_infer import make_invariant
 from invariant_infer.engine import Engine, RequestError, SamplingParams
 from invariant_infer.engine.proposers import prompt_lookup
@@ -126,7 +127,7 @@ def test_speculation_in_a_busy_engine_equals_plain_decoding(models, plain_busy, 
 # verifies through tiny Qwen2's forward; every family's multi-row decode forward is in test_engine's
 # schedules, whose chunks continue after cached pages as a verify chunk does.
 FAMILY_CELLS = [pytest.param(family, torch.bfloat16, id=f"{family}-bfloat16")
-                for family in FAMILY_NAMES + MOE_FAMILY_NAMES + LATENT_ATTENTION_FAMILY_NAMES]
+                for family in FAMILY_NAMES + MOE_FAMILY_NAMES + GLM4_MOE_FAMILY_NAMES + LATENT_ATTENTION_FAMILY_NAMES]
 FAMILY_CELLS.append(pytest.param("qwen2", torch.float32, id="qwen2-float32"))
 
 

@@ -1,7 +1,8 @@
 """The library built on make_invariant, for every family: generate (greedy and seeded, dynamic and
 static cache) batched == alone and decode == one forward pass; score_sequences independent of
 batching. The CLIs on top run on one family each besides the tiny Qwen2 of test_scoring_cli:
-``invariant-infer score`` digests independent of --max-batch-tokens, ``invariant-infer demo --model``."""
+``invariant-infer score`` digests independent of --max-batch-tokens and equal to ``score_sequences``'
+(also on the families with their own model tests), ``invariant-infer demo --model``."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import json
 import pytest
 import torch
 
-from helpers.models import load_model
+from helpers.models import OWN_TEST_FAMILY_NAMES, load_model
 from invariant_infer import left_pad, make_invariant
 from invariant_infer.cli import main as cli_main
 from invariant_infer.generation.generate import seeded_sampling
@@ -71,8 +72,12 @@ def test_score_sequences_independent_of_batching(family_checkpoint):
     assert all(torch.equal(a.token_logprobs, p.token_logprobs) for a, p in zip(alone, packed))
 
 
-def test_score_command_digests_independent_of_batch_budget(family_checkpoints, tmp_path):
-    family_checkpoint = family_checkpoints("llama")
+# The families with their own model tests run the CLI here too (heavy cells). The job's digests are
+# score_sequences' in this process.
+@pytest.mark.parametrize("family", ["llama", *(pytest.param(family, marks=pytest.mark.heavy)
+                                              for family in OWN_TEST_FAMILY_NAMES)])
+def test_score_command_digests_independent_of_batch_budget(family_checkpoints, family, tmp_path):
+    family_checkpoint = family_checkpoints(family)
     rows = [{"id": i, "input_ids": ids} for i, ids in enumerate(prompts_for(512, lengths=(7, 12, 3, 9), seed=3))]
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -85,6 +90,9 @@ def test_score_command_digests_independent_of_batch_budget(family_checkpoints, t
         assert len(results) == len(rows) and all("digest" in r for r in results)
         digests.append({r["id"]: r["digest"] for r in results})
     assert digests[0] == digests[1]
+    model = make_invariant(load_model(family_checkpoint, torch.bfloat16))
+    library = score_sequences(model, [r["input_ids"] for r in rows])
+    assert digests[0] == {r["id"]: result.digest for r, result in zip(rows, library)}
 
 
 def test_demo_with_model(family_checkpoints, capsys):

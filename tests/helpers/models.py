@@ -24,7 +24,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 GEMMA_FAMILY_NAMES = ["gemma3_text"]
 GEMMA4_FAMILY_NAMES = ["gemma4_text", "gemma4"]  # tests/model/test_gemma4.py, test_gemma4_multimodal.py (not TP)
 GPT_OSS_FAMILY_NAMES = ["gpt_oss"]
-GLM4_MOE_FAMILY_NAMES = ["glm4_moe"]  # its own tests (test_glm4_moe.py); the engine schedule test runs it too
+GLM4_MOE_FAMILY_NAMES = ["glm4_moe"]  # its own tests (test_glm4_moe.py)
 # own tests (test_deepseek_v3.py)
 LATENT_ATTENTION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.latent_attention)
 VISION_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.vision is not None)  # own tests
@@ -35,6 +35,10 @@ MOE_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items()
                           if adapter.moe is not None and adapter.linear_attention is None
                           and name not in GPT_OSS_FAMILY_NAMES + GLM4_MOE_FAMILY_NAMES + LATENT_ATTENTION_FAMILY_NAMES)
 HYBRID_FAMILY_NAMES = sorted(name for name, adapter in FAMILIES.items() if adapter.linear_attention is not None)
+# Families with their own model tests whose engine schedule, score CLI and server run in the generic
+# tests as heavy cells (tests/engine/test_engine.py, tests/generation/test_family_workflows.py,
+# tests/server/test_server_families.py).
+OWN_TEST_FAMILY_NAMES = sorted(GLM4_MOE_FAMILY_NAMES + LATENT_ATTENTION_FAMILY_NAMES + GEMMA4_FAMILY_NAMES)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

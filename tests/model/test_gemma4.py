@@ -43,11 +43,16 @@ def test_rows_equal_alone_in_a_padded_batch_and_packed(checkpoint, dtype):
     samples = make_samples(model.config.vocab_size, LENGTHS)
     with torch.no_grad():
         assert batch_mismatches(model, samples, [BATCHINGS[0], BATCHINGS[3]]) == []
-        packed = model(input_ids=torch.cat(samples)[None],
-                       position_ids=torch.cat([torch.arange(len(s)) for s in samples])[None]).logits[0]
-        starts = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
-        for sample, a, b in zip(samples, starts, starts[1:]):
-            assert torch.equal(packed[a:b], model(input_ids=sample[None]).logits[0])
+        assert packed_rows_equal_alone(model, samples)
+
+
+def packed_rows_equal_alone(model, samples) -> bool:
+    """The samples packed in one row (positions restarting) give each its logits alone."""
+    packed = model(input_ids=torch.cat(samples)[None],
+                   position_ids=torch.cat([torch.arange(len(s)) for s in samples])[None]).logits[0]
+    starts = torch.tensor([0, *map(len, samples)]).cumsum(0).tolist()
+    return all(torch.equal(packed[a:b], model(input_ids=s[None]).logits[0])
+               for s, a, b in zip(samples, starts, starts[1:]))
 
 
 @pytest.mark.heavy
@@ -72,14 +77,14 @@ def test_embedding_rows_equal_id_rows(checkpoint):
 
 @pytest.mark.heavy
 def test_fp32_rows_equal_alone_and_an_m_dependent_linear_is_caught(checkpoint, monkeypatch):
-    """fp32 rows alone in a left- and a right-padded batch; then the negative control: the same check
-    fails once the linear picks BLOCK_K by M (a row alone has at most 26 tokens, a batch of them more)."""
+    """fp32 rows alone in a left- and a right-padded batch and packed; then the negative control: the same
+    check fails once the linear picks BLOCK_K by M (a row alone has at most 26 tokens, a batch of them more)."""
     import invariant_infer.model.patch as patch_module
     model = make_invariant(load_model(checkpoint, torch.float32))
     samples = make_samples(model.config.vocab_size, LENGTHS)
     batchings = [BATCHINGS[0], BATCHINGS[3]]
     with torch.no_grad():
-        assert batch_mismatches(model, samples, batchings) == []
+        assert batch_mismatches(model, samples, batchings) == [] and packed_rows_equal_alone(model, samples)
         monkeypatch.setattr(patch_module, "linear", functools.partial(m_dependent_linear, small_m=30))
         assert batch_mismatches(model, samples, batchings) != []
 

@@ -18,6 +18,7 @@ from helpers.models import BATCHINGS, batch_mismatches, load_model, make_samples
 from invariant_infer import make_invariant
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 from test_audit import assert_stock_reported_and_patched_clean
+from test_gemma4 import packed_rows_equal_alone
 from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
                                  assert_generate_past_the_window_equals_prefill_and_alone)
 
@@ -31,23 +32,16 @@ def checkpoint(tmp_path_factory):
     return save_random_checkpoint(tmp_path_factory.mktemp("gemma4_moe"), random_config(FAMILY, "tiny-moe"), seed=1)
 
 
-def _packed_rows_equal_alone(model, samples) -> bool:
-    packed = model(input_ids=torch.cat(samples)[None],
-                   position_ids=torch.cat([torch.arange(len(s)) for s in samples])[None]).logits[0]
-    starts = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
-    return all(torch.equal(packed[a:b], model(input_ids=s[None]).logits[0])
-               for s, a, b in zip(samples, starts, starts[1:]))
-
-
 @pytest.mark.fast_cells(ids=["bfloat16"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16],
+                         ids=["bfloat16", "float32", "float16"])
 def test_rows_equal_alone_in_a_padded_batch_and_packed(checkpoint, dtype):
     """A left-padded batch of ids, a right-padded one of embeddings, and packed rows."""
     model = make_invariant(load_model(checkpoint, dtype))
     samples = make_samples(model.config.vocab_size, LENGTHS)
     with torch.no_grad():
         assert batch_mismatches(model, samples, [BATCHINGS[0], BATCHINGS[3]]) == []
-        assert _packed_rows_equal_alone(model, samples)
+        assert packed_rows_equal_alone(model, samples)
 
 
 @pytest.mark.heavy

@@ -1,8 +1,9 @@
 """Gemma 4's released checkpoints (model type ``gemma4``: ``Gemma4ForConditionalGeneration``, vision and
 audio towers beside the text model), text only. A tiny random checkpoint whose text_config is
 ``gemma4_text``'s tiny preset, saved and loaded back as users load one: each row is bitwise itself alone
-in a padded batch and equal to the same weights run as ``Gemma4ForCausalLM``; ``generate`` and the
-engine give each row its bits alone, scoring the text model's. Images and audio are refused by name
+in any padded batch and packed (bf16, fp16, fp32) and equal to the same weights run as
+``Gemma4ForCausalLM``; ``generate`` (dynamic and static caches) and the engine give each row its bits
+alone, scoring and ``token_logprobs`` the text model's. Images and audio are refused by name
 before any compute, and the towers stay unpatched (their attention too, also under the engine's stock
 baseline). Negative control: an M-dependent linear."""
 from __future__ import annotations
@@ -21,8 +22,10 @@ from invariant_infer.checkpoints.loading import auto_class_for
 from invariant_infer.model.families import is_vision_language
 from invariant_infer.model.kinds import model_kinds
 from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
+from test_gemma4 import packed_rows_equal_alone
 from test_sliding_window import (assert_engine_requests_equal_alone_with_prefix_hits,
-                                 assert_generate_past_the_window_equals_prefill_and_alone)
+                                 assert_generate_past_the_window_equals_prefill_and_alone,
+                                 assert_rows_equal_alone_in_any_batch_and_packed)
 
 FAMILY = "gemma4"
 LENGTHS = (9, 1, 26, 5)  # past the 16-key window
@@ -109,7 +112,7 @@ def test_the_text_model_is_patched_and_the_towers_are_not(checkpoint):
 def test_fp32_rows_equal_alone_and_the_text_model_and_an_m_dependent_linear_is_caught(checkpoint, text_checkpoint,
                                                                                      monkeypatch):
     """fp32, four batchings of helpers.models (padding both sides, extra padding, embeddings, positions
-    passed) and the embeddings' rows; then the negative control: the
+    passed), packed rows and the embeddings' rows; then the negative control: the
     same check fails once the linear picks BLOCK_K by M (a row alone has at most 26 tokens, a batch more)."""
     import invariant_infer.model.patch as patch_module
     stock = load_model(checkpoint, torch.float32)
@@ -119,7 +122,7 @@ def test_fp32_rows_equal_alone_and_the_text_model_and_an_m_dependent_linear_is_c
     samples = make_samples(model.config.text_config.vocab_size, LENGTHS)
     embed = model.get_input_embeddings()
     with torch.no_grad():
-        assert batch_mismatches(model, samples, BATCHINGS[1:5]) == []
+        assert batch_mismatches(model, samples, BATCHINGS[1:5]) == [] and packed_rows_equal_alone(model, samples)
         _assert_rows_equal_the_text_model(model, text, samples)
         for sample in samples:
             assert torch.equal(model(inputs_embeds=embed(sample[None])).logits, text(input_ids=sample[None]).logits)
@@ -127,10 +130,19 @@ def test_fp32_rows_equal_alone_and_the_text_model_and_an_m_dependent_linear_is_c
         assert batch_mismatches(model, samples, BATCHINGS[:2]) != []
 
 
-@pytest.mark.heavy  # the static cache: gemma4_text's test (the same decoder and cache)
-def test_generate_past_the_window_equals_prefill_and_alone(checkpoint):
+@pytest.mark.heavy
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_rows_equal_alone_in_any_batch_and_packed(checkpoint, dtype):
+    """Every batching of helpers.models (both paddings, ids and embeddings, positions passed or derived)
+    and packed rows, through the multimodal model's own forward (fp32: the negative control's test)."""
+    assert_rows_equal_alone_in_any_batch_and_packed(make_invariant(load_model(checkpoint, dtype)), LENGTHS)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_past_the_window_equals_prefill_and_alone(checkpoint, cache):
     assert_generate_past_the_window_equals_prefill_and_alone(make_invariant(load_model(checkpoint, torch.bfloat16)),
-                                                             "dynamic", new_tokens=3)
+                                                             cache, new_tokens=3)
 
 
 @pytest.mark.heavy
@@ -176,12 +188,17 @@ def test_vision_bidirectional_attention_leaves_text_causal_and_image_token_types
 
 
 @pytest.mark.heavy
-def test_scoring_equals_the_text_models(checkpoint, text_checkpoint):
-    """score_sequences of a batch of rows: each row's token logprobs are the text model's bits."""
+def test_scoring_and_token_logprobs_equal_the_text_models(checkpoint, text_checkpoint):
+    """score_sequences of a batch of rows: each row's token logprobs are the text model's bits, and so
+    are the trainer-side ``token_logprobs`` (no grad) in right-padded micro-batches."""
+    from helpers.engine_runs import trainer_logprobs
     from invariant_infer import score_sequences
     model = make_invariant(load_model(checkpoint, torch.bfloat16))
     text = make_invariant(load_model(text_checkpoint, torch.bfloat16))
     sequences = [s.tolist() for s in make_samples(model.config.text_config.vocab_size, (21, 4, 12), seed=3)]
-    ours = score_sequences(model, sequences, prompt_lengths=[5, 1, 3])
-    theirs = score_sequences(text, sequences, prompt_lengths=[5, 1, 3])
-    assert [r.token_logprobs.tolist() for r in ours] == [r.token_logprobs.tolist() for r in theirs]
+    prompt_lengths = [5, 1, 3]
+    ours = score_sequences(model, sequences, prompt_lengths=prompt_lengths)
+    theirs = [r.token_logprobs.tolist() for r in score_sequences(text, sequences, prompt_lengths=prompt_lengths)]
+    assert [r.token_logprobs.tolist() for r in ours] == theirs
+    with torch.no_grad():
+        assert trainer_logprobs(model, sequences, prompt_lengths, 2, "right", 1.0) == theirs

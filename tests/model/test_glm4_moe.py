@@ -63,8 +63,8 @@ def test_the_layers_are_patched_as_the_layout_says(checkpoint):
     assert "forward" not in vars(sparse) and "forward" not in vars(sparse.gate)
 
 
-# fp32 in the heavy tier (fp16: the kernels' own tests and the MoE families' matrix in test_moe.py).
-@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.heavy),
+                                   pytest.param(torch.float16, marks=pytest.mark.heavy)])
 def test_rows_equal_alone_in_any_batch_and_packed(checkpoint, dtype):
     assert_rows_equal_alone_in_any_batch_and_packed(make_invariant(load_model(checkpoint, dtype)), LENGTHS)
 

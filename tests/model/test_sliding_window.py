@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
+from helpers.engine_runs import run_schedule
 from helpers.models import batch_mismatches, load_model, make_samples
 from invariant_infer import NonInvariantInputError, make_invariant
 from invariant_infer.engine import Engine, SamplingParams
@@ -114,7 +115,8 @@ def test_engine_requests_equal_alone_with_prefix_hits(checkpoints):
 def assert_engine_requests_equal_alone_with_prefix_hits(model, new_tokens: int, extra_prompts=(),
                                                          alone_prompt_logprobs: bool = False) -> None:
     """Two prompts sharing a 130-token prefix (two pages of 64 on CPU) and a short one, in an engine
-    of 2 sequences and 13 tokens a step: prefix hits, and each request's outputs those alone
+    of 2 sequences and 13 tokens a step, the latest sequence preempted twice (recomputed from the
+    pages the cache still holds): prefix hits, and each request's outputs those alone
     (``alone_prompt_logprobs``: alone with prompt logprobs, which compute the whole prompt)."""
     shared = make_samples(text_config(model.config).vocab_size, (130,), seed=3)[0].tolist()
     prompts = [shared + [7, 8], [5, 6, 7], shared + [9], *extra_prompts]
@@ -123,8 +125,10 @@ def assert_engine_requests_equal_alone_with_prefix_hits(model, new_tokens: int, 
                                   prompt_logprobs=1 if alone_prompt_logprobs else None)
     alone = [Engine(model).generate([prompt], alone_params)[0] for prompt in prompts]
     engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=13)
-    mixed = engine.generate(prompts, params)
-    assert engine.core.blocks.prefix_hits > 0 and all(len(o.token_ids) == new_tokens for o in mixed)
+    outputs = run_schedule(engine, prompts, lambda i: params, arrivals=(0,) * len(prompts), preempt_at=(6, 14))
+    mixed = [outputs[i] for i in range(len(prompts))]
+    assert engine.core.blocks.prefix_hits > 0 and engine.core.scheduler.num_preemptions == 2
+    assert all(len(o.token_ids) == new_tokens for o in mixed)
     assert [(o.token_ids, o.logprobs) for o in mixed] == [(o.token_ids, o.logprobs) for o in alone]
 
 
