@@ -2,8 +2,9 @@
 (16 keys) and global layers, the global ones with their own head_dim and KV heads and K = V, two
 layers reading the first two's K/V, per-layer inputs, the per-layer scalar and softcapped logits.
 Each row is bitwise itself alone in any padded batch and packed (ids and embeddings); fp32 logits are
-within tolerance of stock float64, which references with full rotary on the global layers, without
-the window, without KV sharing or without softcapping all miss; bf16 errs no more than stock bf16;
+within tolerance of stock float64, which references with full rotary on the global layers, with the
+global layers' attention at the local head_dim, without the window, without KV sharing or without
+softcapping all miss; bf16 errs no more than stock bf16;
 ``generate`` past the window gives each row's bits alone and each step one forward's; the engine's
 requests equal alone with prefix hits. Negative control: an M-dependent linear. The MoE variant:
 tests/model/test_gemma4_moe.py."""
@@ -14,6 +15,9 @@ import functools
 
 import pytest
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.gemma4 import modeling_gemma4 as gemma4_modeling
 
 from helpers.controls import m_dependent_linear
 from helpers.models import BATCHINGS, batch_mismatches, load_model, make_samples
@@ -110,6 +114,33 @@ def _full_rotary_on_global_layers(reference):
     rotary.full_attention_inv_freq = inv.to(rotary.full_attention_inv_freq.dtype)
 
 
+def _split_heads(states: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[B, H, L, D] -> [B, H * D / head_dim, L, head_dim]: each head cut into consecutive heads."""
+    batch, heads, length, dim = states.shape
+    return states.unflatten(-1, (dim // head_dim, head_dim)).transpose(2, 3).reshape(batch, -1, length, head_dim)
+
+
+def _attention_at_the_local_head_dim(module, query, key, value, attention_mask, **kwargs):
+    head_dim = getattr(module, "split_head_dim", None)  # set on the global layers: the sliding layers' head_dim
+    if head_dim is not None:
+        query, key, value = (_split_heads(states, head_dim) for states in (query, key, value))
+    return gemma4_modeling.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("gemma4_local_head_dim", _attention_at_the_local_head_dim)
+AttentionMaskInterface.register("gemma4_local_head_dim", eager_mask)
+
+
+def _local_head_dim_on_global_layers(reference):
+    """The global layers' attention at the sliding layers' head_dim: every head of global_head_dim
+    cut into heads of head_dim (the same projections, norms and RoPE; each score over fewer dims)."""
+    local = next(layer.self_attn.head_dim for layer in reference.model.layers if layer.self_attn.sliding_window)
+    for layer in reference.model.layers:
+        if layer.self_attn.sliding_window is None:
+            layer.self_attn.split_head_dim = local
+    reference.set_attn_implementation("gemma4_local_head_dim")
+
+
 def _no_window(reference):
     reference.config.sliding_window = 4096
     for layer in reference.model.layers:
@@ -146,7 +177,8 @@ def test_accuracy_against_float64_and_what_its_tolerance_catches(checkpoint):
         ours = model(ids).logits.double()
     tolerance = RELATIVE_TOLERANCE * exact.abs().max().item()
     assert (ours - exact).abs().max().item() < tolerance
-    for change in (_full_rotary_on_global_layers, _no_window, _no_kv_sharing, _no_softcapping):
+    for change in (_full_rotary_on_global_layers, _local_head_dim_on_global_layers, _no_window, _no_kv_sharing,
+                   _no_softcapping):
         assert (ours - reference_logits(change)).abs().max().item() > 10 * tolerance, change.__name__
 
 
