@@ -66,6 +66,7 @@ def test_divergence_check_catches_an_m_dependent_linear(monkeypatch):
         return row["invariant_rows_unequal"], row["invariant_max_abs_diff"]
 
     assert divergence_row() == (0, 0.0)
-    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", functools.partial(m_dependent_linear, small_m=16))
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear",
+                        functools.partial(m_dependent_linear, small_m=16))
     unequal, diff = divergence_row()
     assert unequal > 0 and diff > 0

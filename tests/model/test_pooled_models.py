@@ -371,7 +371,8 @@ def test_negative_control_a_linear_blocked_by_the_batch_size_moves_encoder_outpu
                                                                                      monkeypatch):
     """BLOCK_K by M, up to 24 rows or more: each of the three items alone (at most 16 tokens) reduces its
     projections in other K blocks than any batch of them (30 rows or more)."""
-    monkeypatch.setattr("invariant_infer.model.layer_forwards.linear", functools.partial(m_dependent_linear, small_m=24))
+    monkeypatch.setattr("invariant_infer.model.layer_forwards.linear",
+                        functools.partial(m_dependent_linear, small_m=24))
     model = make_invariant(_load_encoder_kind(encoder_paths[name], name))
     items, run = _items_and_run(model)
     assert _mismatches(run, items[:CONTROL_ITEMS]) > 0

@@ -163,7 +163,8 @@ def test_rows_equal_alone_in_any_padded_batch(checkpoints, images, family, dtype
 def test_negative_control_an_m_dependent_gemm(checkpoints, images, family, monkeypatch):
     model = make_invariant(load(checkpoints[family], torch.float32))
     # BLOCK_K by M: a row alone has at most 34 tokens, a batch of them more.
-    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", functools.partial(m_dependent_linear, small_m=40))
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear",
+                        functools.partial(m_dependent_linear, small_m=40))
     assert rows_mismatching_alone(model, images[family], BATCHINGS[:1]) != []
 
 

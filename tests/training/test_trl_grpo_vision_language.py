@@ -97,7 +97,8 @@ def test_negative_control_m_dependent_rollouts(checkpoint, tmp_path, monkeypatch
 
     def m_dependent_rollouts(*args, **kwargs):
         with monkeypatch.context() as patched:
-            patched.setattr(invariant_infer.model.layer_forwards, "linear", functools.partial(m_dependent_linear, small_m=4))
+            patched.setattr(invariant_infer.model.layer_forwards, "linear",
+                            functools.partial(m_dependent_linear, small_m=4))
             return generate(*args, **kwargs)
     trainer._generate_single_turn = m_dependent_rollouts
     trainer.train()
