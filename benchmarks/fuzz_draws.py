@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-import invariant_infer.model.patch as patch
+import invariant_infer.model.layer_forwards as layer_forwards
 from invariant_infer import make_invariant
 from invariant_infer.model import experts as hf_experts
 from invariant_infer.testing.drift import logits_alone
@@ -142,14 +142,14 @@ def batch_variant_linear():
     """Every patched projection (the MoE routers too) goes through ``m_dependent_linear`` for the
     block, the MoE experts' gate/up projection through ``m_dependent_grouped_linear``, and the
     quantized layers through ``batch_variant_quantized_layers``."""
-    originals = patch.linear, hf_experts.linear, hf_experts.grouped_linear
-    patch.linear = hf_experts.linear = m_dependent_linear
+    originals = layer_forwards.linear, hf_experts.linear, hf_experts.grouped_linear
+    layer_forwards.linear = hf_experts.linear = m_dependent_linear
     hf_experts.grouped_linear = m_dependent_grouped_linear
     try:
         with batch_variant_quantized_layers():
             yield
     finally:
-        patch.linear, hf_experts.linear, hf_experts.grouped_linear = originals
+        layer_forwards.linear, hf_experts.linear, hf_experts.grouped_linear = originals
 
 
 def fuzz_overrides(model: str) -> dict:

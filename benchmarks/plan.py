@@ -144,7 +144,7 @@ def _ints(values) -> torch.Tensor:
 
 def layer_calls(family: Family, m: int) -> list[tuple[str, str, Cost, Callable[[], object]]]:
     """(kernel row, kind, cost, call) for each kernel of one layer (and lm_head) at M tokens, as the
-    patched model calls them (``invariant_infer.model.patch``: row-parallel K trees for o_proj and
+    patched model calls them (``invariant_infer.model.layer_forwards``: row-parallel K trees for o_proj and
     down_proj, silu * up fused into down_proj's prologue)."""
     from invariant_infer.kernels import (attention, chunk_gated_delta_rule, clamped_swiglu, gelu_tanh_mul,
                                          grouped_linear, linear, rms_norm)

@@ -59,6 +59,6 @@ def use_m_dependent_linear() -> None:
     """A ``rank_init`` for TensorParallelRanks: every rank's projections pick BLOCK_K by M (the
     GEMM control of ``helpers.controls``), both the single-process forwards and the column-parallel ones."""
     from helpers.controls import m_dependent_linear
-    from invariant_infer.model import patch
-    patch.linear = m_dependent_linear
+    from invariant_infer.model import layer_forwards
+    layer_forwards.linear = m_dependent_linear
     tensor_parallel.linear = m_dependent_linear

@@ -9,7 +9,8 @@ What changes (and nothing process-wide):
     TP-size-invariant forward of ``invariant_infer.model.tensor_parallel`` instead of transformers' hooks;
   * every RMSNorm of the family (layer norms, final norm, Qwen3's per-head q/k norms) -> one-row-per-program
     Triton RMSNorm;
-  * every MLP of the family -> same projections, with silu(gate) * up fused into the down projection;
+  * every MLP of the family -> same projections, with silu(gate) * up fused into the down projection
+    (these linear, RMSNorm and MLP forwards are ``invariant_infer.model.layer_forwards``'s);
   * the rotary embedding -> lookup in a cos/sin table computed once per model;
   * attention -> the ``invariant`` attention and mask functions (see ``model.attention``); DeepSeek-V3's
     latent attention -> its absorbed forward on them (``model.latent_attention``; an fp8 ``kv_b_proj``
@@ -51,20 +52,18 @@ from . import attention as attention_interface, experts as experts_interface
 from ..errors import NonInvariantInputError, NonInvariantOpError, UnsupportedModelError
 from .audit import audit
 from .checks import check_model, multimodal_model, unpatched_modules
-from ..kernels import (gelu_tanh_mul, gelu_tanh_mul_autograd, linear, linear_autograd, rms_norm, rms_norm_autograd,
-                       silu_mul, silu_mul_autograd, silu_mul_linear_autograd)
-from ..kernels.configs import row_parallel_config
-from ..kernels.fused_linear import silu_mul_linear
 from .encoder import install_generate_refusal, patch_encoder, remove_generate_refusal
 from .families import attention_setting, encoder_family_of, text_config
 from .modernbert import patch_modernbert
 from .gated_attention import gated_attention_forward
+from .layer_forwards import (dequantized_linear_forward, fp32_scaled_rms_norm_forward, gelu_tanh_mlp_forward,
+                             linear_forward, mlp_forward, quantized_mlp_forward, rms_norm_forward,
+                             row_linear_forward, zero_centred_rms_norm_forward)
 from .latent_attention import absorbed_projections, latent_attention_forward
 from .linear_attention import gated_delta_net_forward
 from .lora import base_linear, check_peft, has_unpatched_lora, peft_lora_forward, refuse_quantized_merge, unwrap_peft
 from .module_state import module_state, remove_state, state_of
 from .multimodal import multimodal_pre_hook
-from .recomputed_backward import recomputed_backward
 from .rope import mrope_axes, rotary_forward, set_rope_tables
 from .packing import FLASH_KWARGS, PACKED_KWARG, resolve_packed
 from .padding import cache_length, is_sequence_bounds, resolve_positions
@@ -90,89 +89,6 @@ class ModelPatch:
     extensions: list                  # the (install, remove) pairs that ran
     reattach_decompression: Any       # puts compressed-tensors' decompression hooks back (None: none taken)
     hub_kernels: bool                 # transformers' hub kernelization was on
-
-
-# ---- per-module forwards -------------------------------------------------------------------------
-# With autograd recording (grad enabled and an input or parameter that requires grad), each op runs
-# as its autograd Function: the same forward kernel, so the same bits as inference, plus a
-# batch-invariant, deterministic backward. Otherwise the plain kernel runs (no saved tensors).
-
-def _records_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if _records_grad(x, self.weight, self.bias):
-        return linear_autograd(x, self.weight, self.bias)
-    return linear(x, self.weight, self.bias)
-
-
-def _dequantized_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # A quantized projection read as float weights (latent attention's kv_b_proj, which the absorbed
-    # forward never calls): called directly, it runs on the same dequantized weight.
-    return linear(x, state_of(self).dequantized_weight, self.bias)
-
-
-def _row_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    config = row_parallel_config(x.device.type, x.dtype, *self.weight.shape)
-    if _records_grad(x, self.weight, self.bias):
-        return linear_autograd(x, self.weight, self.bias, config=config)
-    return linear(x, self.weight, self.bias, config=config)
-
-
-def _zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    eps = self.eps
-
-    def reference(x, weight):  # Qwen3.5's own formula
-        x = x.float()
-        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(hidden_states.dtype)
-    return recomputed_backward(rms_norm(hidden_states, self.weight, eps, zero_centred=True), reference,
-                               hidden_states, self.weight)
-
-
-def _fp32_scaled_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps  # Gemma 4 in transformers 5.17: eps
-    if not getattr(self, "with_scale", True):  # Gemma 4's v_norm: no weight, so x * rsqrt(ms) * 1.0
-        ones = torch.ones(hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
-        return rms_norm(hidden_states, ones, eps, scale_in_fp32=True)
-
-    def reference(x, weight):  # gpt-oss's own formula
-        x = x.float()
-        return (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))).to(hidden_states.dtype)
-    return recomputed_backward(rms_norm(hidden_states, self.weight, eps, scale_in_fp32=True), reference,
-                               hidden_states, self.weight)
-
-
-def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if _records_grad(hidden_states, self.weight):
-        return rms_norm_autograd(hidden_states, self.weight, self.variance_epsilon)
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    # silu(gate) * up is computed inside the down projection's prologue: bitwise what
-    # down_proj(silu_mul(gate, up)) gives, without writing the [tokens x intermediate] product.
-    down = self.down_proj
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    down_state = state_of(down)
-    if down_state is not None and down_state.adds_lora_delta:  # a LoRA delta needs the product itself
-        return down(silu_mul_autograd(gate, up) if _records_grad(gate, up) else silu_mul(gate, up))
-    config = row_parallel_config(gate.device.type, gate.dtype, *down.weight.shape)
-    if _records_grad(gate, up, down.weight, down.bias):
-        return silu_mul_linear_autograd(gate, up, down.weight, down.bias, config=config)
-    return silu_mul_linear(gate, up, down.weight, down.bias, config=config)
-
-
-def _gelu_tanh_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    # Gemma's gelu_tanh(gate) * up, written, then down (plain, quantized or with a LoRA delta).
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    return self.down_proj(gelu_tanh_mul_autograd(gate, up) if _records_grad(gate, up) else gelu_tanh_mul(gate, up))
-
-
-def _quantized_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    # Compressed projections cannot take the fused prologue: silu(gate) * up is written, then down runs.
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    return self.down_proj(silu_mul_autograd(gate, up) if _records_grad(gate, up) else silu_mul(gate, up))
 
 
 # ---- input handling ------------------------------------------------------------------------------
@@ -361,16 +277,16 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
             module_state(module).dequantized_weight = dequantize_fp8(absorbed[module].weight,
                                                                      model.get_input_embeddings().weight.dtype)
             freeze_compressed(module)
-            _set_forward(module, _dequantized_linear_forward)
+            _set_forward(module, dequantized_linear_forward)
         elif module in adapters:
             module_state(module).peft_lora = True
             _set_forward(module, peft_lora_forward)
             refuse_quantized_merge(module, quantized)
         elif type(module) is nn.Linear:
-            _set_forward(module, _row_linear_forward if module in row_parallel else _linear_forward)
+            _set_forward(module, row_linear_forward if module in row_parallel else linear_forward)
         elif type(module) is adapter.rms_norm:
-            _set_forward(module, _zero_centred_rms_norm_forward if adapter.zero_centred_norms else
-                         _fp32_scaled_rms_norm_forward if adapter.norms_scaled_in_fp32 else _rms_norm_forward)
+            _set_forward(module, zero_centred_rms_norm_forward if adapter.zero_centred_norms else
+                         fp32_scaled_rms_norm_forward if adapter.norms_scaled_in_fp32 else rms_norm_forward)
         elif adapter.linear_attention is not None and type(module) is adapter.linear_attention.module:
             _set_forward(module, gated_delta_net_forward)
         elif adapter.gated_attention is not None and type(module) is adapter.gated_attention:
@@ -378,8 +294,8 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
         elif adapter.latent_attention is not None and type(module) is adapter.latent_attention:
             _set_forward(module, latent_attention_forward)
         elif adapter.mlp is not None and type(module) is adapter.mlp:
-            _set_forward(module, _gelu_tanh_mlp_forward if adapter.mlp_activation == "gelu_tanh" else
-                         _quantized_mlp_forward if module.down_proj in quantized else _mlp_forward)
+            _set_forward(module, gelu_tanh_mlp_forward if adapter.mlp_activation == "gelu_tanh" else
+                         quantized_mlp_forward if module.down_proj in quantized else mlp_forward)
         elif adapter.moe is not None and type(module) is adapter.moe.router:
             _set_forward(module, router_forward)
         elif block_forward is not None and type(module) is adapter.moe.block:
@@ -416,13 +332,14 @@ def _patch(model: nn.Module, strict: bool) -> nn.Module:
 
 
 def _patch_encoder(wrapper: nn.Module, model: nn.Module, adapter) -> nn.Module:
-    """An encoder family's model (``invariant_infer.model.encoder``), its linears on ``_linear_forward``."""
+    """An encoder family's model (``invariant_infer.model.encoder``), its linears on
+    ``layer_forwards.linear_forward``."""
     if wrapper is not model:
         raise UnsupportedModelError(f"{adapter.model_type}: PEFT adapters on encoders are not supported yet; merge "
                                     "them into the weights (merge_and_unload()) first")
     hub_kernels = _turn_off_hub_kernels(model)
     patcher = patch_modernbert if adapter.layout == "modernbert" else patch_encoder
-    hooks, previous_attn = patcher(model, adapter, _linear_forward, _set_forward)
+    hooks, previous_attn = patcher(model, adapter, linear_forward, _set_forward)
     install_generate_refusal(model)
     setattr(model, _STATE_ATTR, ModelPatch(hooks, previous_attn, None, [(install_generate_refusal,
                                                                          remove_generate_refusal)], None, hub_kernels))

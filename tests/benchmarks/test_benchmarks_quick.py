@@ -227,7 +227,7 @@ def test_train_mismatch_catches_an_m_dependent_linear(monkeypatch):
     """The section's mismatch is 0 on the invariant kernels and nonzero when every projection picks BLOCK_K by M
     (``benchmarks.fuzz``'s negative control: sample 0 alone is 32 rows, BLOCK_K 16; the batch of 3 has more rows,
     the shape's own config), in the forward with grad (the batch) and without (alone)."""
-    import invariant_infer.model.patch
+    import invariant_infer.model.layer_forwards
     from benchmarks.fuzz import m_dependent_linear
     # The module, not the package's function of the same name (``import ... as`` would give the function).
     linear_autograd_mod = importlib.import_module("invariant_infer.kernels.linear_autograd")
@@ -240,7 +240,7 @@ def test_train_mismatch_catches_an_m_dependent_linear(monkeypatch):
         return [(r["invariant_logprob_max_abs_diff"], r["invariant_logprob_bitwise_equal"]) for r in rows]
 
     assert mismatch() == [(0.0, True)] * len(train.LAYOUTS)
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     monkeypatch.setattr(linear_autograd_mod, "linear",
                         lambda x, w, b=None, config=None: m_dependent_linear(x, w, b))
     for diff, equal in mismatch():  # padded and packed

@@ -55,7 +55,7 @@ def test_divergence_check_catches_an_m_dependent_linear(monkeypatch):
     above (the batch of 8); the invariant path's alone-vs-batch check must then see rows differ. In fp32: at
     the tiny widths (K 64 and 128) the two blockings' fp32 sums round to the same bf16 outputs, which would hide
     the control in bf16."""
-    import invariant_infer.model.patch
+    import invariant_infer.model.layer_forwards
 
     def divergence_row():
         ctx = Run(device=torch.device("cpu"), quick=True)
@@ -66,6 +66,7 @@ def test_divergence_check_catches_an_m_dependent_linear(monkeypatch):
         return row["invariant_rows_unequal"], row["invariant_max_abs_diff"]
 
     assert divergence_row() == (0, 0.0)
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", functools.partial(m_dependent_linear, small_m=16))
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear",
+                        functools.partial(m_dependent_linear, small_m=16))
     unequal, diff = divergence_row()
     assert unequal > 0 and diff > 0

@@ -40,10 +40,10 @@ def test_rl_example_invariant_trainer_equals_sampler(args):
 def test_rl_example_negative_control_m_dependent_linear(monkeypatch, capsys):
     """With every projection picking BLOCK_K by M (the engine's decode steps and the trainer's micro-batches
     have different row counts), the example's invariant mismatch is nonzero: the 0.0 above is measured."""
-    import invariant_infer.model.patch
+    import invariant_infer.model.layer_forwards
     from benchmarks.fuzz import m_dependent_linear
     linear_autograd_mod = importlib.import_module("invariant_infer.kernels.linear_autograd")
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     monkeypatch.setattr(linear_autograd_mod, "linear", lambda x, w, b=None, config=None: m_dependent_linear(x, w, b))
     spec = importlib.util.spec_from_file_location("rl_logprob_mismatch", RL_EXAMPLE)
     example = importlib.util.module_from_spec(spec)

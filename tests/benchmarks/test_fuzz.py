@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 import parallel_work
 from invariant_infer.model import experts as hf_experts
 from benchmarks import fuzz, fuzz_engine
@@ -60,7 +60,7 @@ def test_negative_control_is_caught(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["negative_control"] and summary["batchings"] == 4
     assert summary["rows_unequal"] > 0 and summary["max_abs_diff"] > 0
-    assert invariant_infer.model.patch.linear is not fuzz.m_dependent_linear  # restored afterwards
+    assert invariant_infer.model.layer_forwards.linear is not fuzz.m_dependent_linear  # restored afterwards
 
 
 MOE = ["--batchings", "2", "--families", "qwen3_moe", "--dtypes", "fp32", *SMALL]
@@ -115,16 +115,16 @@ def test_gemma4s_moe_variant_is_drawn_unquantized_by_both_fuzzes():
 
 def test_negative_control_patches_the_moe_experts_too():
     with fuzz.batch_variant_linear():
-        assert invariant_infer.model.patch.linear is fuzz.m_dependent_linear is hf_experts.linear  # router too
+        assert invariant_infer.model.layer_forwards.linear is fuzz.m_dependent_linear is hf_experts.linear  # router too
         assert hf_experts.grouped_linear is fuzz.m_dependent_grouped_linear
-    assert fuzz.m_dependent_linear not in (invariant_infer.model.patch.linear, hf_experts.linear)
+    assert fuzz.m_dependent_linear not in (invariant_infer.model.layer_forwards.linear, hf_experts.linear)
     assert hf_experts.grouped_linear is not fuzz.m_dependent_grouped_linear
 
 
 def test_mismatch_fails_with_a_replay_command(tmp_path, monkeypatch, capsys):
     """Without --negative-control, a batch-variant path makes the command fail and print how to
     replay the failing batching."""
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", fuzz.m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", fuzz.m_dependent_linear)
     out = tmp_path / "fail.json"
     assert fuzz.main([*NARROW, "--out", str(out)]) == 1
     failure = json.loads(out.read_text())["failures"][0]
@@ -242,7 +242,7 @@ def test_engine_fuzz_catches_a_batch_variant_linear(tmp_path):
     assert fuzz_engine.main([*narrow, "--negative-control", "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["requests_unequal"] > 0 and "--replay" in summary["failures"][0]["replay"]
-    assert invariant_infer.model.patch.linear is not fuzz.m_dependent_linear
+    assert invariant_infer.model.layer_forwards.linear is not fuzz.m_dependent_linear
 
 
 def test_engine_fuzz_records_an_engine_that_raises_and_goes_on(tmp_path, monkeypatch, capsys):

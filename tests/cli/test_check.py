@@ -12,7 +12,7 @@ import transformers
 import triton
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.servers import run_bounded
 from helpers.unsupported_checkpoints import save_encoder_checkpoint, save_sequence_classification_checkpoint
@@ -94,7 +94,7 @@ def test_which_auto_class_loads_each_architecture_and_which_are_refused():
 def test_negative_control_a_block_k_chosen_by_m_fails_the_probe(checkpoint, capsys, monkeypatch):
     """Rows of 1 and 3 tokens alone run BLOCK_K 16, in a batch 64: their logits change, and so do a
     decode step's (M = 1) against its prefill's. The kernel is still ours: the audit passes."""
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     code, out, _ = check(capsys, checkpoint)
     assert code == exit_codes.NOT_INVARIANT
     assert line_of(out, "audit:").startswith("PASS")
@@ -135,7 +135,7 @@ def test_a_refusal_at_the_first_forward_exits_refused_not_batch_variant(checkpoi
     with pytest.raises(UnsupportedOperationError):
         run_checks([("audit", "audit", refused)])
     assert run_checks([("audit", "audit", broken)]).failed == ["audit"]
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", lambda *args, **kwargs: refused())
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", lambda *args, **kwargs: refused())
     code, out, err = check(capsys, checkpoint)
     assert code == exit_codes.REFUSED and "compute capability 8.0: refused" in err
     assert "not batch-invariant" not in out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import invariant_infer.engine.sampler as sampler_module
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.engine_runs import run_schedule
 from helpers.models import FAMILY_NAMES, MOE_FAMILY_NAMES, OWN_TEST_FAMILY_NAMES, load_model
@@ -118,7 +118,7 @@ def test_decode_padding_rows_do_not_change_real_rows(family_models):
 def test_negative_control_padding_changes_an_m_dependent_linear(family_models, monkeypatch):
     """The same padding with projections that pick BLOCK_K by M (3 rows vs 8): the real rows change."""
     model = family_models("qwen2", torch.float32)
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     padded, plain = padded_and_plain(model, prompts_for(model.config.vocab_size, (9, 3, 14), seed=8), bucket=8)
     assert not torch.equal(padded, plain)
 
@@ -237,7 +237,7 @@ def test_negative_control_m_dependent_linear_changes_a_request_with_its_batch(fa
     """The same schedule with projections that pick BLOCK_K by M: a request's results change with its
     batch-mates (here the 3-token prompt, whose prefill alone has M <= 4). fp32, as above."""
     model = family_models("qwen2", torch.float32)
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     prompts = prompts_for(model.config.vocab_size, (9, 3, 14), seed=1)
     params = SamplingParams(max_tokens=2, prompt_logprobs=0, ignore_eos=True)
     batched = Engine(model).generate(prompts, params)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.models import load_model
 from invariant_infer import make_invariant
@@ -115,7 +115,7 @@ def test_negative_control_m_dependent_linear_changes_processed_logprobs(models, 
     """The same comparison with projections that pick BLOCK_K by M: some request's logprobs differ
     from the sequence alone (fp32, where a reordered sum shows)."""
     model = models(torch.float32)
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", engine_step_keyed_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", engine_step_keyed_linear)
     prompts = prompts_for(model.config.vocab_size, (9, 3, 14, 5, 11, 7), seed=1)
     assert mismatches(model, continuous_batching(model, prompts, MODES)) != []
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.models import (FAMILY_NAMES, GLM4_MOE_FAMILY_NAMES, LATENT_ATTENTION_FAMILY_NAMES, MOE_FAMILY_NAMES,
                             load_model)
@@ -214,7 +214,7 @@ def test_negative_control_a_row_count_dependent_verify_changes_the_output(monkey
         assert engine.core.speculative.stats.num_accepted_tokens > 0
         return any(a.logprobs != b.logprobs or a.top_logprobs != b.top_logprobs for a, b in zip(plain, spec))
     assert not differ()
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     assert differ()
 
 

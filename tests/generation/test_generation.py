@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.models import load_model
 from invariant_infer import NonInvariantInputError, left_pad, make_invariant, restore
@@ -104,7 +104,7 @@ def test_batched_generate_with_m_dependent_linear_is_caught(tiny_checkpoint, mon
     """Negative control: the batched-vs-alone comparison fails when the linear picks BLOCK_K by M
     (a 3-token prompt's prefill has M <= 4 alone, M > 4 in a batch)."""
     model = make_invariant(load_model(tiny_checkpoint, torch.float32))
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     short, other = make_prompts(model.config.vocab_size, lengths=(3, 11))
     in_batch = run_generate(model, [other, short])[1][1]
     assert not torch.equal(in_batch, run_generate(model, [short])[0][1])

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import per_tensor_scaled_quantized_forward
 from helpers.lm_eval_tasks import LM_EVAL_WORDS, write_local_tasks
 import lm_eval  # the test extra: lm-eval[hf]
@@ -180,7 +180,7 @@ def test_negative_control_batch_dependent_linear_is_caught(checkpoints, tasks, o
         alone = evaluate(model, tokenizer, task_manager, 1, (MC_TASK,))
     longest = max(len(tokenizer(doc["question"] + choice)["input_ids"]) for doc in mc_docs for choice in doc["choices"])
     assert longest <= 32, "batch size 1 must see the invariant linear"
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", batch_keyed_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", batch_keyed_linear)
     batched = evaluate(model, tokenizer, task_manager, 8, (MC_TASK,))
     differ = [doc for doc in range(DOCS) if batched[MC_TASK][doc] != alone[MC_TASK][doc]]
     assert differ, "a batch-dependent linear should change some loglikelihood at batch size 8"

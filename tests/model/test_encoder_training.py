@@ -17,7 +17,7 @@ from transformers import AutoModelForSequenceClassification
 from invariant_infer import make_invariant
 from invariant_infer.errors import NonInvariantInputError
 from invariant_infer.kernels import LinearConfig, linear_autograd, linear_config
-from invariant_infer.model import attention as attention_module, patch as patch_module
+from invariant_infer.model import attention as attention_module, layer_forwards
 from invariant_infer.model.support import BY_NAME, supports
 from invariant_infer.testing.random_checkpoints import random_config, save_random_checkpoint
 
@@ -100,7 +100,7 @@ def _batch_size_keyed_linear_autograd(x, weight, bias=None, config=None, grad_in
 
 def test_negative_control_a_batch_size_keyed_linear_breaks_it(checkpoints, monkeypatch):
     """The short examples (at most 4 tokens) alone reduce in other blocks than in the batch."""
-    monkeypatch.setattr(patch_module, "linear_autograd", _batch_size_keyed_linear_autograd)
+    monkeypatch.setattr(layer_forwards, "linear_autograd", _batch_size_keyed_linear_autograd)
     model = make_invariant(load(checkpoints, "bert"))
     rows = embeddings(model.config)
     short = [i for i, n in enumerate(LENGTHS) if n <= 4]

@@ -15,7 +15,7 @@ from transformers import AutoModel, AutoModelForSequenceClassification, BertForM
 from helpers.controls import m_dependent_linear
 from invariant_infer import audit, make_invariant, restore
 from invariant_infer.errors import NonInvariantInputError, NonInvariantOpError, UnsupportedModelError
-from invariant_infer.model import encoder as encoder_module, patch as patch_module
+from invariant_infer.model import encoder as encoder_module, layer_forwards, patch as patch_module
 from invariant_infer.model.support import BY_NAME
 from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
 
@@ -105,7 +105,7 @@ def test_rows_alone_equal_rows_in_any_batch(checkpoints, family, head, dtype):
 def test_negative_control_a_batch_size_keyed_linear_breaks_it(checkpoints, family, head, monkeypatch):
     """BLOCK_K picked by the number of rows: the short rows alone (at most 4 tokens, or one pooled row) reduce
     in other blocks than in the batch, and the comparison above sees it."""
-    monkeypatch.setattr(patch_module, "linear", m_dependent_linear)
+    monkeypatch.setattr(layer_forwards, "linear", m_dependent_linear)
     model = make_invariant(load(checkpoints, family, head))
     rows = samples(model.config)
     short = [i for i, n in enumerate(LENGTHS) if n <= 4]

@@ -83,13 +83,13 @@ def test_embedding_rows_equal_id_rows(checkpoint):
 def test_fp32_rows_equal_alone_and_an_m_dependent_linear_is_caught(checkpoint, monkeypatch):
     """fp32 rows alone in a left- and a right-padded batch and packed; then the negative control: the same
     check fails once the linear picks BLOCK_K by M (a row alone has at most 26 tokens, a batch of them more)."""
-    import invariant_infer.model.patch as patch_module
+    import invariant_infer.model.layer_forwards as layer_forwards
     model = make_invariant(load_model(checkpoint, torch.float32))
     samples = make_samples(model.config.vocab_size, LENGTHS)
     batchings = [BATCHINGS[0], BATCHINGS[3]]
     with torch.no_grad():
         assert batch_mismatches(model, samples, batchings) == [] and packed_rows_equal_alone(model, samples)
-        monkeypatch.setattr(patch_module, "linear", functools.partial(m_dependent_linear, small_m=30))
+        monkeypatch.setattr(layer_forwards, "linear", functools.partial(m_dependent_linear, small_m=30))
         assert batch_mismatches(model, samples, batchings) != []
 
 

@@ -114,7 +114,7 @@ def test_fp32_rows_equal_alone_and_the_text_model_and_an_m_dependent_linear_is_c
     """fp32, four batchings of helpers.models (padding both sides, extra padding, embeddings, positions
     passed), packed rows and the embeddings' rows; then the negative control: the
     same check fails once the linear picks BLOCK_K by M (a row alone has at most 26 tokens, a batch more)."""
-    import invariant_infer.model.patch as patch_module
+    import invariant_infer.model.layer_forwards as layer_forwards
     stock = load_model(checkpoint, torch.float32)
     text = make_invariant(load_model(text_checkpoint, stock.dtype))
     assert type(text).__name__ == "Gemma4ForCausalLM"
@@ -126,7 +126,7 @@ def test_fp32_rows_equal_alone_and_the_text_model_and_an_m_dependent_linear_is_c
         _assert_rows_equal_the_text_model(model, text, samples)
         for sample in samples:
             assert torch.equal(model(inputs_embeds=embed(sample[None])).logits, text(input_ids=sample[None]).logits)
-        monkeypatch.setattr(patch_module, "linear", functools.partial(m_dependent_linear, small_m=30))
+        monkeypatch.setattr(layer_forwards, "linear", functools.partial(m_dependent_linear, small_m=30))
         assert batch_mismatches(model, samples, BATCHINGS[:2]) != []
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from benchmarks import golden_digests as golden
 from helpers.controls import m_dependent_linear
 
@@ -65,7 +65,7 @@ def test_cuda_digests_equal_golden():
 def test_a_changed_reduction_order_moves_digests(monkeypatch):
     """Negative control: projections whose BLOCK_K follows M (BLOCK_K 16 for M <= 4, else the
     fixed 64) change the bits of the short samples run alone, and the check names them."""
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     current = golden.compute("cpu", families=["qwen2"], dtypes=["fp32"], engine=False)
     recorded = golden.load()["cpu-interpreter"]
     entry = {**recorded, "digests": {k: recorded["digests"][k] for k in current}}

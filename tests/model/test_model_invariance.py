@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.models import (BATCHINGS, DEVICES, DTYPES, FAMILY_NAMES, MOE_FAMILY_NAMES, Batching, batch_mismatches,
                             load_model)
 from helpers.models import family_dtype_cells, make_samples
@@ -95,7 +95,7 @@ def test_negative_control_m_dependent_config_at_real_widths_is_caught(real_width
     """The real-width comparison fails when the config depends on M: the 1-token sample alone
     runs at M = 1, in the batch at M > 4."""
     model = make_invariant(load_model(real_width_checkpoint, torch.float32))
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", halved_block_k_at_small_m)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", halved_block_k_at_small_m)
     one_token, other = make_samples(model.config.vocab_size, (1, 4))
     assert not torch.equal(logits_in_batch(model, [one_token, other])[0], logits_alone(model, one_token))
 
@@ -126,6 +126,6 @@ def test_invariant_at_real_widths(real_width_checkpoint, device):
 def test_negative_control_m_dependent_matmul_is_caught(family_checkpoint, monkeypatch):
     """The same test fails when the linear picks its tiles by M."""
     model = make_invariant(load_model(family_checkpoint, torch.float32))
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     samples = make_samples(model.config.vocab_size)
     assert batch_mismatches(model, samples, BATCHINGS[:2]) != []

@@ -19,7 +19,7 @@ from helpers.controls import m_dependent_linear
 from invariant_infer import audit, make_invariant, restore
 from invariant_infer.errors import NonInvariantInputError, UnsupportedModelError
 from invariant_infer.kernels.configs import AttentionConfig, attention_config
-from invariant_infer.model import modernbert as modernbert_module, patch as patch_module
+from invariant_infer.model import layer_forwards, modernbert as modernbert_module, patch as patch_module
 from invariant_infer.model.attention import attend_bidirectional
 from invariant_infer.testing.random_checkpoints import random_config, random_model, save_random_checkpoint
 
@@ -92,7 +92,7 @@ def test_rows_alone_equal_rows_in_any_batch(checkpoints, head, dtype):
 def test_negative_control_a_batch_size_keyed_linear_breaks_it(checkpoints, head, monkeypatch):
     """BLOCK_K picked by the number of rows: the short rows alone (at most 4 tokens, or one pooled row) reduce
     in other blocks than in the batch, and the comparison above sees it."""
-    monkeypatch.setattr(patch_module, "linear", m_dependent_linear)
+    monkeypatch.setattr(layer_forwards, "linear", m_dependent_linear)
     model = make_invariant(load(checkpoints, head))
     rows = samples(model.config)
     short = [i for i, n in enumerate(LENGTHS) if n <= 4]
@@ -281,7 +281,7 @@ def test_sentence_transformers_embedder_is_bitwise_alone_at_any_batch_size(check
 
     assert mismatches(make_invariant(model)) == 0
     restore(model)
-    monkeypatch.setattr(patch_module, "linear", m_dependent_linear)  # control: a batch-size-keyed linear
+    monkeypatch.setattr(layer_forwards, "linear", m_dependent_linear)  # control: a batch-size-keyed linear
     assert mismatches(make_invariant(model)) > 0
 
 

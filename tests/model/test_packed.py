@@ -5,7 +5,7 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 import invariant_infer.model.attention
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.models import DEVICES, FAMILY_NAMES, MOE_FAMILY_NAMES, family_dtype_cells, load_model
 from helpers.models import make_samples
@@ -134,7 +134,7 @@ def test_negative_control_m_dependent_matmul_is_caught(family_checkpoint, monkey
     """The comparison fails when the linear picks its tiles by M (a packed row has more tokens than
     its short sequences alone)."""
     model = make_invariant(load_model(family_checkpoint, torch.float32))
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     samples = make_samples(model.config.vocab_size, (1, 3, 9))
     assert unequal(packed_logits(model, samples, **collate(samples, False)), alone(model, samples)) != []
 

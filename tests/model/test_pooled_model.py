@@ -78,7 +78,7 @@ def test_each_row_alone_equals_the_row_in_a_shuffled_batch(pooled_paths, kind):
 
 
 def test_negative_control_a_batch_size_keyed_linear_moves_the_rows(pooled_paths, monkeypatch):
-    monkeypatch.setattr("invariant_infer.model.patch.linear", m_dependent_linear)
+    monkeypatch.setattr("invariant_infer.model.layer_forwards.linear", m_dependent_linear)
     pooled = load_pooled_model(pooled_paths["bert-embedder"], device="cpu")
     assert batch_mismatches(pooled, rows_of(pooled, 4)) > 0
 
@@ -108,7 +108,7 @@ def test_modernbert_embedder_rows_alone_equal_batched_and_sentence_transformers_
     model = make_invariant(st.SentenceTransformer(str(path), device="cpu"))
     want = model.encode(TEXTS, batch_size=len(TEXTS), convert_to_tensor=True)
     assert torch.equal(pooled.embeddings(pooled.forward_rows(rows)), want)
-    monkeypatch.setattr("invariant_infer.model.patch.linear", m_dependent_linear)
+    monkeypatch.setattr("invariant_infer.model.layer_forwards.linear", m_dependent_linear)
     assert batch_mismatches(load_pooled_model(path, task="embed", device="cpu"), rows_of(pooled, 4)) > 0
 
 

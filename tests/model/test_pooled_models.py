@@ -242,14 +242,14 @@ def test_reward_is_bitwise_alone_at_any_batch_size_order_and_padding_side(reward
 def test_negative_control_a_linear_blocked_by_the_batch_size_moves_the_llama_reward(reward_paths, monkeypatch):
     model = make_invariant(_load_reward(reward_paths["llama"]))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(reward_paths["llama"])
-    monkeypatch.setattr("invariant_infer.model.patch.linear", BATCH_BLOCKED_LINEAR)
+    monkeypatch.setattr("invariant_infer.model.layer_forwards.linear", BATCH_BLOCKED_LINEAR)
     assert _mismatches(_rewards(model, tokenizer, "left"), TEXTS[:CONTROL_ITEMS]) > 0
 
 
 def test_negative_control_a_linear_blocked_by_the_batch_size_moves_the_reward(reward_paths, monkeypatch):
     model = make_invariant(_load_reward(reward_paths["qwen3"]))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(reward_paths["qwen3"])
-    monkeypatch.setattr("invariant_infer.model.patch.linear", BATCH_BLOCKED_LINEAR)
+    monkeypatch.setattr("invariant_infer.model.layer_forwards.linear", BATCH_BLOCKED_LINEAR)
     assert _mismatches(_rewards(model, tokenizer, "right"), TEXTS[:CONTROL_ITEMS]) > 0
 
 
@@ -371,7 +371,8 @@ def test_negative_control_a_linear_blocked_by_the_batch_size_moves_encoder_outpu
                                                                                      monkeypatch):
     """BLOCK_K by M, up to 24 rows or more: each of the three items alone (at most 16 tokens) reduces its
     projections in other K blocks than any batch of them (30 rows or more)."""
-    monkeypatch.setattr("invariant_infer.model.patch.linear", functools.partial(m_dependent_linear, small_m=24))
+    monkeypatch.setattr("invariant_infer.model.layer_forwards.linear",
+                        functools.partial(m_dependent_linear, small_m=24))
     model = make_invariant(_load_encoder_kind(encoder_paths[name], name))
     items, run = _items_and_run(model)
     assert _mismatches(run, items[:CONTROL_ITEMS]) > 0

@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, Qwen2VLConfig
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from invariant_infer import NonInvariantInputError, UnsupportedModelError, make_invariant
 from invariant_infer.generation.generate import seeded_sampling
@@ -163,7 +163,8 @@ def test_rows_equal_alone_in_any_padded_batch(checkpoints, images, family, dtype
 def test_negative_control_an_m_dependent_gemm(checkpoints, images, family, monkeypatch):
     model = make_invariant(load(checkpoints[family], torch.float32))
     # BLOCK_K by M: a row alone has at most 34 tokens, a batch of them more.
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", functools.partial(m_dependent_linear, small_m=40))
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear",
+                        functools.partial(m_dependent_linear, small_m=40))
     assert rows_mismatching_alone(model, images[family], BATCHINGS[:1]) != []
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import invariant_infer.model.layer_forwards
 import invariant_infer.model.logits
-import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
 from helpers.models import load_model
 from invariant_infer import make_invariant
@@ -72,7 +72,7 @@ def test_negative_control_m_dependent_linear_is_caught(tiny_checkpoint, monkeypa
     3-token sequences alone run at M <= 4, packed at M > 4. (The tiny random model's logprobs sit
     near -log(512), where one fp32 step is 5e-7: a reordering shows in some sequences, not all.)"""
     model = make_invariant(load_model(tiny_checkpoint, torch.float32))
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     monkeypatch.setattr(invariant_infer.model.logits, "linear", m_dependent_linear)  # the lm_head
     sequences = [seq[:3] for seq in random_sequences(9)]
     alone = score_sequences(model, sequences, max_batch_tokens=1)

@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+import invariant_infer.model.layer_forwards
 import invariant_infer.model.logits
-import invariant_infer.model.patch
 from helpers.controls import m_dependent_linear
 from helpers.models import load_model
 from helpers.scoring_rows import read_rows, write_jsonl
@@ -100,7 +100,7 @@ def test_negative_control_an_m_dependent_gemm(checkpoint, monkeypatch):
     sequences, prompt_lengths = sequences_of(config, images)
     # BLOCK_K by M: a sequence alone has at most 31 tokens, the batch more.
     control = functools.partial(m_dependent_linear, small_m=31)
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", control)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", control)
     monkeypatch.setattr(invariant_infer.model.logits, "linear", control)
     together = score_sequences(model, sequences, prompt_lengths=prompt_lengths, processor=image_processor)
     alone = score_sequences(model, sequences, prompt_lengths=prompt_lengths, processor=image_processor,

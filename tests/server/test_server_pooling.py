@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.servers import KEY, MODEL, InProcessServer, ServerProcess, assert_error, get, post, run_concurrently
 from helpers.served_pooled_checkpoints import (BERT_MAX_LENGTH, CLASS_LABELS, MATRYOSHKA, save_bert_cross_encoder,
@@ -289,7 +289,7 @@ def test_pooling_routes_on_a_generation_server_name_the_task(server):
 
 
 def test_negative_control_a_batch_size_keyed_linear_breaks_together_equals_alone(paths, monkeypatch):
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     server = InProcessServer(options(paths["reward"]))
     try:
         together = values(ok(server, "/pooling", {"input": TEXTS[2:4]}), "data")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.tokenizer import train_tokenizer
 from helpers.unsupported_checkpoints import save_encoder_checkpoint, save_sequence_classification_checkpoint
@@ -56,7 +56,7 @@ def test_a_classification_checkpoint_is_checked_and_served_as_a_pooled_model(tmp
     alone == in padded batches); with a linear whose K block follows the batch size the check stops it."""
     monkeypatch.setattr(server_main, "create_pooling_app", lambda engine, options: engine.shutdown() or object())
     if control:
-        monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+        monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     path = save_sequence_classification_checkpoint(tmp_path / "cls")
     train_tokenizer(path)
     status = serve(path)
@@ -78,7 +78,7 @@ def test_the_check_runs_before_serving(checkpoint, capsys, started):
 
 
 def test_negative_control_a_failing_check_stops_the_start(checkpoint, capsys, started, monkeypatch):
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     assert serve(checkpoint) == exit_codes.NOT_INVARIANT and not started
     captured = capsys.readouterr()
     assert "check: FAIL  rows of" in captured.err and "not batch-invariant here (left padding" in captured.err
@@ -86,7 +86,7 @@ def test_negative_control_a_failing_check_stops_the_start(checkpoint, capsys, st
 
 
 def test_skip_check_serves_without_the_check(checkpoint, capsys, started, monkeypatch):
-    monkeypatch.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+    monkeypatch.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
     assert serve(checkpoint, "--skip-check") == exit_codes.OK and len(started) == 1
     captured = capsys.readouterr()
     assert "check:" not in captured.err and "listening on" in captured.out
@@ -97,10 +97,10 @@ def test_skip_check_serves_without_the_check(checkpoint, capsys, started, monkey
 CONTROLLED_SERVE = """
 import sys
 sys.path.insert(0, {tests!r})
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from invariant_infer.cli import main
-invariant_infer.model.patch.linear = m_dependent_linear
+invariant_infer.model.layer_forwards.linear = m_dependent_linear
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -4,7 +4,7 @@ temperature with ``logprobs_mode="processed_logprobs"``), whatever the micro-bat
 import pytest
 import torch
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.engine_runs import trainer_logprobs
 from helpers.models import FAMILY_NAMES, load_model
@@ -44,7 +44,7 @@ def test_negative_control_m_dependent_sampler_is_caught(tiny_checkpoint, monkeyp
     fp32, where a reordered sum shows."""
     model = make_invariant(load_model(tiny_checkpoint, torch.float32))
     with monkeypatch.context() as patched:
-        patched.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+        patched.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
         sequences, prompt_lengths, engine_logps = zip(*rollouts(model))
     got = trainer_logprobs(model.train(), list(sequences), prompt_lengths, 5, "left", T)
     assert got != list(engine_logps)

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from invariant_infer import NonInvariantInputError, make_invariant, pad_sequences
 from invariant_infer.engine import Engine, SamplingParams
@@ -101,7 +101,7 @@ def test_negative_control_an_m_dependent_gemm(checkpoint, monkeypatch):
     """The sampler's decode steps (3 rows) take another K tile than its prefill and the trainer's micro-batch;
     fp32, where a reordered sum shows."""
     with monkeypatch.context() as patched:
-        patched.setattr(invariant_infer.model.patch, "linear", m_dependent_linear)
+        patched.setattr(invariant_infer.model.layer_forwards, "linear", m_dependent_linear)
         model, rows, _ = make_rollouts(*checkpoint, torch.float32)
     assert trainer_logprobs(model, rows, "left")[0] != [r[3] for r in rows]
 

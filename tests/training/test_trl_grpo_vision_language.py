@@ -15,7 +15,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 from trl import GRPOConfig
 
-import invariant_infer.model.patch
+import invariant_infer.model.layer_forwards
 from helpers.controls import m_dependent_linear
 from helpers.vision import VISION_TOKENS, image_processor_only, random_images, save_vision_checkpoint
 from invariant_infer.training.integrations.trl import InvariantGRPOTrainer, UnsupportedTRLError
@@ -97,7 +97,8 @@ def test_negative_control_m_dependent_rollouts(checkpoint, tmp_path, monkeypatch
 
     def m_dependent_rollouts(*args, **kwargs):
         with monkeypatch.context() as patched:
-            patched.setattr(invariant_infer.model.patch, "linear", functools.partial(m_dependent_linear, small_m=4))
+            patched.setattr(invariant_infer.model.layer_forwards, "linear",
+                            functools.partial(m_dependent_linear, small_m=4))
             return generate(*args, **kwargs)
     trainer._generate_single_turn = m_dependent_rollouts
     trainer.train()
