@@ -103,3 +103,16 @@ def batch_mismatches(model, samples, batchings=BATCHINGS):
                             alone=[alone[i] for i in batching.members])
         mismatches += [(batching, batching.members[row], diff) for row, diff in drift.mismatches]
     return mismatches
+
+
+def logits_and_chosen_experts(model, ids, layer: int = 1):
+    """(float64 logits [L, V] of ``ids`` [1, L], each token's experts in sparse layer ``layer``, sorted [L, k]),
+    for the routers that return (logits, weights, experts) (GLM-4.5's and DeepSeek-V3's ``mlp.gate``)."""
+    chosen = []
+    hook = model.model.layers[layer].mlp.gate.register_forward_hook(
+        lambda module, args, out: chosen.append(out[2].sort(-1).values))
+    try:
+        logits = model(ids).logits[0].double()
+    finally:
+        hook.remove()
+    return logits, chosen[0]

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from helpers.controls import per_tensor_scaled_quantized_forward
-from helpers.models import BATCHINGS, batch_mismatches, make_samples
+from helpers.models import BATCHINGS, batch_mismatches, logits_and_chosen_experts, make_samples
 from invariant_infer import make_invariant, restore
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.kernels import quantize_activations
@@ -156,17 +156,6 @@ def _dequantized_reference(path, even_blocks: bool = False):
     return reference
 
 
-def _logits_and_experts(model, ids):
-    """(float64 logits [L, V], each token's experts in the sparse layer, sorted [L, k])."""
-    chosen = []
-    hook = model.model.layers[1].mlp.gate.register_forward_hook(
-        lambda module, args, out: chosen.append(out[2].sort(-1).values))
-    try:
-        logits = model(ids).logits[0].double()
-    finally:
-        hook.remove()
-    return logits, chosen[0]
-
 
 @pytest.mark.heavy
 def test_logits_near_the_dequantized_model_in_float64(checkpoint):
@@ -175,10 +164,10 @@ def test_logits_near_the_dequantized_model_in_float64(checkpoint):
     model = make_invariant(_load(checkpoint))
     ids = make_samples(model.config.vocab_size, (40,), seed=1)[0][None]
     with torch.no_grad():
-        got, got_experts = _logits_and_experts(model, ids)
+        got, got_experts = logits_and_chosen_experts(model, ids)
 
         def error(even_blocks=False):
-            want, want_experts = _logits_and_experts(_dequantized_reference(checkpoint, even_blocks), ids)
+            want, want_experts = logits_and_chosen_experts(_dequantized_reference(checkpoint, even_blocks), ids)
             # A token whose experts differ (a near tie the quantized activations tip) is left out; flips stay rare.
             same = (got_experts == want_experts).all(-1)
             assert same.float().mean() >= 0.75

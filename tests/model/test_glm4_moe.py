@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers.controls import m_dependent_grouped_linear
 from helpers.engine_runs import trainer_logprobs
-from helpers.models import BATCHINGS, batch_mismatches, load_model, make_samples
+from helpers.models import BATCHINGS, batch_mismatches, load_model, logits_and_chosen_experts, make_samples
 from invariant_infer import UnsupportedModelError, make_invariant, restore
 from invariant_infer.checkpoints.quantized import quantized_loading
 from invariant_infer.engine import Engine, SamplingParams
@@ -188,20 +188,10 @@ def test_fp8_checkpoint_keeps_fp8_experts_and_rows_equal_alone(tmp_path):
     with torch.no_grad():
         assert batch_mismatches(model, samples, BATCHINGS[:2]) == []
         ids = samples[2][None]
-        (got, got_experts), (want, want_experts) = _logits_and_experts(model, ids), _logits_and_experts(reference, ids)
+        got, got_experts = logits_and_chosen_experts(model, ids)
+        want, want_experts = logits_and_chosen_experts(reference, ids)
     # A token whose experts differ (a near tie the quantized activations tip) is left out; flips stay rare.
     same = (got_experts == want_experts).all(-1)
     assert same.float().mean() >= 0.75
     assert (got - want)[same].abs().max() / want.abs().max() < 0.08  # as the other MoE families' fp8 bound
 
-
-def _logits_and_experts(model, ids):
-    """(float64 logits [L, V], each token's experts in the sparse layer, sorted [L, k])."""
-    chosen = []
-    hook = model.model.layers[1].mlp.gate.register_forward_hook(
-        lambda module, args, out: chosen.append(out[2].sort(-1).values))
-    try:
-        logits = model(ids).logits[0].double()
-    finally:
-        hook.remove()
-    return logits, chosen[0]
