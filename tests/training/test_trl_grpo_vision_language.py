@@ -80,7 +80,7 @@ def test_sampler_and_trainer_logprobs_are_bitwise_equal_with_images(checkpoint, 
 @pytest.mark.parametrize("checkpoint", ["qwen2_5_vl"], indirect=True)
 def test_negative_control_sampled_placeholders(checkpoint, tmp_path):
     """With nothing suppressed the rollouts sample the favoured image placeholder, and TRL's training step
-    fails on it as the issue reports."""
+    fails on it (transformers counts more image tokens than image features)."""
     trainer = trainer_for(*checkpoint, tmp_path, max_steps=1)
     trainer.engine.core.suppressed_token_ids = ()
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
