@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import os
 import random
 import shlex
@@ -34,8 +35,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-
-import functools
 
 import torch
 from tqdm import tqdm
