@@ -71,10 +71,12 @@ def file_minutes(item) -> float:
 
 
 def run_longest_files_first(items) -> None:
-    """Files marked ``file_minutes(N)`` go first, longest first; the rest keep their order. With
-    ``--dist loadfile --no-loadscope-reorder`` each worker then starts on one of the longest files
-    and the short ones fill in around them (longest-processing-time-first scheduling)."""
-    items.sort(key=lambda item: -file_minutes(item))  # a stable sort: same-length files keep their order
+    """Files marked ``fresh_worker`` go first (a fork of a worker that has grown through other files can
+    fail for memory: ENOMEM, with no swap); then files marked ``file_minutes(N)``, longest first; the
+    rest keep their order. With ``--dist loadfile --no-loadscope-reorder`` each worker then starts on
+    one of those files and the short ones fill in around them (longest-processing-time-first scheduling)."""
+    # a stable sort: same-length files keep their order
+    items.sort(key=lambda item: (item.get_closest_marker("fresh_worker") is None, -file_minutes(item)))
 
 
 @pytest.fixture(autouse=True)

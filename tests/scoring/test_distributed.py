@@ -30,7 +30,8 @@ from invariant_infer.testing.random_checkpoints import qwen2_config, save_random
 from invariant_infer.scoring.core import score_sequences
 from ray_faults import FAULTS_DIR_ENV, KILL_PREFIX, RAISE_PREFIX
 
-pytestmark = [pytest.mark.heavy, pytest.mark.file_minutes(2.2)]  # measured on 2 cores: start it early
+# fresh_worker: ray.init forks this process to start Ray's head, which needs its memory committed again
+pytestmark = [pytest.mark.heavy, pytest.mark.file_minutes(2.2), pytest.mark.fresh_worker]
 
 FIELDS = ("token_logprobs", "digest", "greedy", "logprob", "num_tokens")
 

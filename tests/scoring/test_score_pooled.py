@@ -18,6 +18,9 @@ from invariant_infer.checkpoints.pooled_loading import load_pooled_model
 from invariant_infer.cli import exit_codes, score as scoring_cli
 from invariant_infer.scoring.core import logprob_digest
 
+# fresh_worker: its --ray test's ray.init forks this process to start Ray's head (memory committed again)
+pytestmark = pytest.mark.fresh_worker
+
 SMALL_BUDGET = 24  # tokens per batch: rows of 3 to 12 tokens run in batches of 1 to 8
 
 
